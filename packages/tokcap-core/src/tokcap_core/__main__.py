@@ -1,0 +1,8 @@
+"""``python -m tokcap_core``: the ``tokcap-core`` command line."""
+
+import sys
+
+from ._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

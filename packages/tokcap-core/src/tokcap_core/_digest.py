@@ -1,0 +1,121 @@
+"""Canonical bytes and domain-separated, versioned SHA-256 digests.
+
+Canonical encoding: lengths and non-negative integers as little-endian u64;
+strings as u64 byte length + UTF-8; optional values as one presence byte
+(0/1) then the value; token ids as little-endian u32 and logprobs as
+little-endian f32, hashed straight from their buffers (no per-token loop);
+scalar floats (rewards) as little-endian f64. Every digest starts with its
+domain string, so a digest of one kind can never be replayed as another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from typing import Final
+
+__all__ = [
+    "CALL_DOMAIN",
+    "CHAIN_DOMAIN",
+    "GENESIS_DOMAIN",
+    "LEDGER_DOMAIN",
+    "ZERO_HASH",
+    "Canon",
+    "chain_hash",
+    "genesis_hash",
+]
+
+CALL_DOMAIN: Final = b"tokcap/call/v1"
+CHAIN_DOMAIN: Final = b"tokcap/chain/v1"
+LEDGER_DOMAIN: Final = b"tokcap/ledger/v1"
+GENESIS_DOMAIN: Final = b"tokcap/genesis/v1"
+ZERO_HASH: Final = "0" * 64
+"""The chain hash a root call links to (32 zero bytes, hex)."""
+
+_LITTLE: Final = sys.byteorder == "little"
+_U64: Final = struct.Struct("<Q")
+_F64: Final = struct.Struct("<d")
+
+
+class Canon:
+    """An incremental SHA-256 over canonical fields, started with a domain string."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, domain: bytes) -> None:
+        self._h = hashlib.sha256()
+        self._h.update(_U64.pack(len(domain)))
+        self._h.update(domain)
+
+    def u64(self, value: int) -> Canon:
+        """Append a non-negative integer (also bools, as 0/1)."""
+        self._h.update(_U64.pack(value))
+        return self
+
+    def f64(self, value: float) -> Canon:
+        """Append a scalar float as little-endian f64."""
+        self._h.update(_F64.pack(value))
+        return self
+
+    def text(self, value: str) -> Canon:
+        """Append a string: u64 length, then UTF-8 bytes."""
+        data = value.encode("utf-8")
+        self._h.update(_U64.pack(len(data)))
+        self._h.update(data)
+        return self
+
+    def opt_text(self, value: str | None) -> Canon:
+        """Append an optional string: presence byte, then the string."""
+        if value is None:
+            self._h.update(b"\x00")
+        else:
+            self._h.update(b"\x01")
+            self.text(value)
+        return self
+
+    def opt_f64(self, value: float | None) -> Canon:
+        """Append an optional scalar float: presence byte, then f64."""
+        if value is None:
+            self._h.update(b"\x00")
+        else:
+            self._h.update(b"\x01")
+            self.f64(value)
+        return self
+
+    def raw_hash(self, hex_digest: str) -> Canon:
+        """Append a 32-byte hash given as 64 hex characters."""
+        self._h.update(bytes.fromhex(hex_digest))
+        return self
+
+    def buffer(self, values: array[int] | array[float]) -> Canon:
+        """Append a typed buffer (u32 tokens, f32 logprobs, small-int routes) little-endian.
+
+        The element count goes first, so adjacent buffers cannot trade elements.
+        """
+        self._h.update(_U64.pack(len(values)))
+        if _LITTLE:
+            self._h.update(memoryview(values))
+        else:
+            swapped = array(values.typecode, values)
+            swapped.byteswap()
+            self._h.update(memoryview(swapped))
+        return self
+
+    def hexdigest(self) -> str:
+        """The SHA-256 digest so far, as 64 lowercase hex characters."""
+        return self._h.hexdigest()
+
+
+def chain_hash(parent_chain_hash: str | None, call_digest: str) -> str:
+    """``H(chain domain ‖ parent chain hash or 32 zero bytes ‖ call digest)``.
+
+    A terminal call's chain hash therefore commits to its whole root→terminal path.
+    """
+    return Canon(CHAIN_DOMAIN).raw_hash(parent_chain_hash or ZERO_HASH).raw_hash(call_digest).hexdigest()
+
+
+def genesis_hash(rollout_id: str) -> str:
+    """The ``prev_hash`` of a rollout's first ledger entry, bound to its rollout id."""
+    return Canon(GENESIS_DOMAIN).text(rollout_id).hexdigest()

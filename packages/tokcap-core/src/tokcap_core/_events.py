@@ -1,0 +1,226 @@
+"""Ledger events: token-free facts the gate records about a rollout's calls.
+
+Events are frozen, slotted and keyword-only, and validate their own fields;
+whether an event is legal *now* is the ledger's business (`_ledger`). Each
+event has a ``KIND`` (its tag in canonical bytes and in manifests) and writes
+its fields, in declaration order, into a `Canon` hash.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Final, Literal, TypeAlias
+
+from ._digest import Canon
+from ._errors import LedgerProtocolError
+from ._ids import validate_call_id
+from ._staged import FINISH_REASONS
+
+__all__ = [
+    "BREAK_CAUSES",
+    "Admitted",
+    "Closed",
+    "Event",
+    "Failed",
+    "Poisoned",
+    "Staged",
+    "TerminalDeclared",
+    "Witnesses",
+]
+
+BREAK_CAUSES: Final[tuple[str, ...]] = (
+    "no_parent_match",
+    "history_rewritten",
+    "reasoning_stripped",
+    "template_mismatch",
+    "tokenization_drift",
+)
+"""Why a later call of a rollout started a new root instead of extending a parent."""
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _bad(code: str, message: str) -> LedgerProtocolError:
+    return LedgerProtocolError(code, message)
+
+
+def _check_hash(name: str, value: object) -> None:
+    if not isinstance(value, str) or len(value) != 64 or not _HEX.issuperset(value):
+        raise _bad("bad_event_field", f"{name} must be 64 lowercase hex characters")
+
+
+def _check_label(name: str, value: object, *, optional: bool = False) -> None:
+    """A short printable ASCII label (fingerprint, response id, reason): 1..256 chars."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not 1 <= len(value) <= 256 or not value.isascii() or not value.isprintable():
+        raise _bad("bad_event_field", f"{name} must be 1..256 printable ASCII characters")
+
+
+def _check_count(name: str, value: object, *, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**63:
+        raise _bad("bad_event_field", f"{name} must be an int >= {minimum}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admitted:
+    """The gate admitted a call: its parent (or none: a root) and where its delta starts."""
+
+    KIND: ClassVar[str] = "admitted"
+    call_id: str
+    parent_id: str | None
+    prefix_len: int
+    admitted_at: int
+    """Unix time in nanoseconds, supplied by the caller (the core has no clock)."""
+    request_fingerprint: str
+    break_cause: str | None = None
+    """For a root that is not the rollout's first call: why no parent matched."""
+
+    def __post_init__(self) -> None:
+        validate_call_id(self.call_id)
+        if self.parent_id is not None:
+            validate_call_id(self.parent_id)
+        _check_count("prefix_len", self.prefix_len)
+        _check_count("admitted_at", self.admitted_at)
+        _check_label("request_fingerprint", self.request_fingerprint)
+        if (self.parent_id is None) != (self.prefix_len == 0):
+            raise _bad("bad_event_field", "parent_id is None exactly when prefix_len == 0")
+        if self.break_cause is not None:
+            if self.parent_id is not None:
+                raise _bad("bad_event_field", "only a root call carries a break_cause")
+            if self.break_cause not in BREAK_CAUSES:
+                raise _bad("bad_event_field", f"break_cause must be one of {BREAK_CAUSES}")
+
+    def write(self, canon: Canon) -> None:
+        """Write this event's canonical fields."""
+        canon.text(self.call_id).opt_text(self.parent_id).u64(self.prefix_len).u64(self.admitted_at)
+        canon.text(self.request_fingerprint).opt_text(self.break_cause)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Staged:
+    """The sink acknowledged the call's tokens; the call is committed under these coordinates."""
+
+    KIND: ClassVar[str] = "staged"
+    call_id: str
+    carry_len: int
+    gen_len: int
+    weight_version: int
+    finish_reason: str
+    call_digest: str
+    chain_hash: str
+    response_id: str | None = None
+    output_fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_call_id(self.call_id)
+        _check_count("carry_len", self.carry_len)
+        _check_count("gen_len", self.gen_len, minimum=1)
+        _check_count("weight_version", self.weight_version)
+        if self.finish_reason not in FINISH_REASONS:
+            raise _bad("bad_event_field", f"finish_reason must be one of {FINISH_REASONS}")
+        _check_hash("call_digest", self.call_digest)
+        _check_hash("chain_hash", self.chain_hash)
+        _check_label("response_id", self.response_id, optional=True)
+        _check_label("output_fingerprint", self.output_fingerprint, optional=True)
+
+    def write(self, canon: Canon) -> None:
+        """Write this event's canonical fields."""
+        canon.text(self.call_id).u64(self.carry_len).u64(self.gen_len).u64(self.weight_version)
+        canon.text(self.finish_reason).raw_hash(self.call_digest).raw_hash(self.chain_hash)
+        canon.opt_text(self.response_id).opt_text(self.output_fingerprint)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed:
+    """The call failed. ``served=False``: no completion ever reached the harness (off-chain)."""
+
+    KIND: ClassVar[str] = "failed"
+    call_id: str
+    reason: str
+    served: bool
+
+    def __post_init__(self) -> None:
+        validate_call_id(self.call_id)
+        _check_label("reason", self.reason)
+        if not isinstance(self.served, bool):
+            raise _bad("bad_event_field", "served must be a bool")
+
+    def write(self, canon: Canon) -> None:
+        """Write this event's canonical fields."""
+        canon.text(self.call_id).text(self.reason).u64(self.served)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TerminalDeclared:
+    """The harness named the rollout's terminal call, by call id or by response id."""
+
+    KIND: ClassVar[str] = "terminal_declared"
+    by: Literal["call_id", "response_id"]
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.by not in ("call_id", "response_id"):
+            raise _bad("bad_event_field", "by must be 'call_id' or 'response_id'")
+        _check_label("value", self.value)
+
+    def write(self, canon: Canon) -> None:
+        """Write this event's canonical fields."""
+        canon.text(self.by).text(self.value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Witnesses:
+    """What the scorer saw: the scored response id and/or a fingerprint of the scored content."""
+
+    response_id: str | None = None
+    content_fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_label("response_id", self.response_id, optional=True)
+        _check_label("content_fingerprint", self.content_fingerprint, optional=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Closed:
+    """The rollout ended, with its reward (if scored) and the scorer's witnesses."""
+
+    KIND: ClassVar[str] = "closed"
+    reward: float | None
+    witnesses: Witnesses = Witnesses()
+
+    def __post_init__(self) -> None:
+        if self.reward is not None:
+            if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)):
+                raise _bad("bad_event_field", "reward must be a float or None")
+            if not math.isfinite(self.reward):
+                raise _bad("bad_event_field", "reward must be finite")
+            object.__setattr__(self, "reward", float(self.reward))
+        if not isinstance(self.witnesses, Witnesses):
+            raise _bad("bad_event_field", "witnesses must be a Witnesses")
+
+    def write(self, canon: Canon) -> None:
+        """Write this event's canonical fields."""
+        canon.opt_f64(self.reward).opt_text(self.witnesses.response_id).opt_text(self.witnesses.content_fingerprint)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Poisoned:
+    """The gate gave up on the whole rollout (e.g. it was open when the gate crashed)."""
+
+    KIND: ClassVar[str] = "poisoned"
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_label("reason", self.reason)
+
+    def write(self, canon: Canon) -> None:
+        """Write this event's canonical fields."""
+        canon.text(self.reason)
+
+
+Event: TypeAlias = Admitted | Staged | Failed | TerminalDeclared | Closed | Poisoned
+"""Any ledger event."""
+
+EVENT_TYPES: Final[tuple[type[Event], ...]] = (Admitted, Staged, Failed, TerminalDeclared, Closed, Poisoned)

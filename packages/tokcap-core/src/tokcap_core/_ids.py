@@ -1,0 +1,59 @@
+"""Rollout ids, call ids and staging keys.
+
+A rollout id is chosen by the harness (``^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$``); a
+call id is minted by the gate, deterministic per rollout (``c000001``, ...); a
+staging key names one staged call in a sink: ``"{rollout_id}/{call_id}"``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ._errors import InvalidId
+
+__all__ = ["call_id_for", "parse_staging_key", "staging_key", "validate_call_id", "validate_rollout_id"]
+
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_CALL_ID = re.compile(r"c[0-9]{6,12}")
+
+
+def validate_rollout_id(rollout_id: object) -> str:
+    """Return ``rollout_id`` unchanged, or raise `InvalidId` (code ``bad_rollout_id``)."""
+    if not isinstance(rollout_id, str) or _ROLLOUT_ID.fullmatch(rollout_id) is None:
+        raise InvalidId("bad_rollout_id", f"not a rollout id: {_show(rollout_id)}")
+    return rollout_id
+
+
+def validate_call_id(call_id: object) -> str:
+    """Return ``call_id`` unchanged, or raise `InvalidId` (code ``bad_call_id``)."""
+    if not isinstance(call_id, str) or _CALL_ID.fullmatch(call_id) is None:
+        raise InvalidId("bad_call_id", f"not a call id: {_show(call_id)}")
+    return call_id
+
+
+def call_id_for(seq: int) -> str:
+    """The call id the gate mints for the ``seq``-th call of a rollout (1-based)."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq < 10**12:
+        raise InvalidId("bad_call_seq", f"call sequence number out of range: {_show(seq)}")
+    return f"c{seq:06d}"
+
+
+def staging_key(rollout_id: str, call_id: str) -> str:
+    """The sink key of one staged call: ``"{rollout_id}/{call_id}"``, both ids validated."""
+    return f"{validate_rollout_id(rollout_id)}/{validate_call_id(call_id)}"
+
+
+def parse_staging_key(key: object) -> tuple[str, str]:
+    """Split a staging key into ``(rollout_id, call_id)``; `InvalidId` (``bad_staging_key``) if malformed."""
+    if not isinstance(key, str) or key.count("/") != 1:
+        raise InvalidId("bad_staging_key", f"not a staging key: {_show(key)}")
+    rollout_id, call_id = key.split("/")
+    try:
+        return validate_rollout_id(rollout_id), validate_call_id(call_id)
+    except InvalidId as e:
+        raise InvalidId("bad_staging_key", f"not a staging key: {_show(key)}") from e
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

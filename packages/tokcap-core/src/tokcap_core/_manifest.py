@@ -1,0 +1,261 @@
+"""Manifests: what a gate's control plane serves for a rollout (token-free), as strict JSON.
+
+A manifest is the rollout id, its ledger entries and the head ``(seq, hash)``.
+Decoding is strict: unknown or missing fields, wrong types (a bool is not an
+int), duplicate keys, non-finite numbers and oversize inputs raise
+`ManifestError` with a code. ``decode_manifest(encode_manifest(m)) == m`` and
+``encode_manifest(decode_manifest(b)) == b`` for every ``b`` this module wrote.
+Verifying a manifest is replaying it (`verify_manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Final
+
+from ._errors import ManifestError, TokcapError, VerificationError
+from ._events import Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared, Witnesses
+from ._ledger import Entry, Ledger, RolloutState, replay
+from ._ids import validate_rollout_id
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MAX_MANIFEST_BYTES",
+    "Manifest",
+    "decode_manifest",
+    "encode_manifest",
+    "manifest_of",
+    "verify_manifest",
+]
+
+MANIFEST_FORMAT: Final = "tokcap/manifest/v1"
+MAX_MANIFEST_BYTES: Final = 16 * 1024 * 1024
+"""Default bound on an encoded manifest; larger inputs are rejected before parsing."""
+
+_EVENTS: Final[dict[str, type[Event]]] = {
+    cls.KIND: cls for cls in (Admitted, Staged, Failed, TerminalDeclared, Closed, Poisoned)
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """A rollout's token-free custody record: its entries and their head."""
+
+    rollout_id: str
+    entries: tuple[Entry, ...]
+    head_seq: int
+    head_hash: str
+
+    @property
+    def head(self) -> tuple[int, str]:
+        """``(seq, hash)`` of the last entry."""
+        return self.head_seq, self.head_hash
+
+
+def manifest_of(ledger: Ledger) -> Manifest:
+    """The manifest of a ledger as it stands."""
+    seq, head = ledger.head
+    return Manifest(rollout_id=ledger.rollout_id, entries=ledger.entries, head_seq=seq, head_hash=head)
+
+
+def verify_manifest(manifest: Manifest, *, expected_head: tuple[int, str] | None = None) -> RolloutState:
+    """Replay a manifest and check its head (and the head the trainer kept at close, if given).
+
+    Raises `VerificationError`: replay codes, ``head_mismatch`` (the manifest's own head
+    is not its last entry) or ``unexpected_head`` (a shortened or rewritten history).
+    """
+    state = replay(manifest.rollout_id, manifest.entries)
+    if state.head != manifest.head:
+        raise VerificationError("head_mismatch", "the manifest head is not its last entry")
+    if expected_head is not None and tuple(expected_head) != state.head:
+        raise VerificationError("unexpected_head", "the manifest does not end at the head kept at close")
+    return state
+
+
+# ---- encoding ---------------------------------------------------------------------------
+
+
+def _event_to_json(event: Event) -> dict[str, Any]:
+    body: dict[str, Any] = {"type": event.KIND}
+    for f in fields(event):
+        value = getattr(event, f.name)
+        if isinstance(value, Witnesses):
+            value = {"response_id": value.response_id, "content_fingerprint": value.content_fingerprint}
+        body[f.name] = value
+    return body
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Canonical JSON bytes (compact, ASCII, fields in a fixed order)."""
+    doc = {
+        "format": MANIFEST_FORMAT,
+        "rollout_id": manifest.rollout_id,
+        "head": {"seq": manifest.head_seq, "hash": manifest.head_hash},
+        "entries": [
+            {"seq": e.seq, "prev_hash": e.prev_hash, "hash": e.hash, "event": _event_to_json(e.event)}
+            for e in manifest.entries
+        ],
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+# ---- strict decoding ---------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> float:
+    raise ManifestError("non_finite", f"non-finite number {name} is not allowed")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ManifestError("duplicate_key", f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _obj(value: object, where: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ManifestError("wrong_type", f"{where} must be an object")
+    unknown = set(value) - set(keys)
+    if unknown:
+        raise ManifestError("unknown_field", f"{where}: unknown field(s) {sorted(unknown)}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise ManifestError("missing_field", f"{where}: missing field(s) {missing}")
+    return value
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError("wrong_type", f"{where} must be an integer")
+    return value
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ManifestError("wrong_type", f"{where} must be a string")
+    return value
+
+
+def _opt_str(value: object, where: str) -> str | None:
+    return None if value is None else _str(value, where)
+
+
+def _opt_float(value: object, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ManifestError("wrong_type", f"{where} must be a number or null")
+    if not math.isfinite(value):
+        raise ManifestError("non_finite", f"{where} must be finite")
+    return float(value)
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ManifestError("wrong_type", f"{where} must be a boolean")
+    return value
+
+
+_FIELD_READERS: Final[dict[str, Callable[[object, str], object]]] = {
+    "call_id": _str,
+    "parent_id": _opt_str,
+    "prefix_len": _int,
+    "admitted_at": _int,
+    "request_fingerprint": _str,
+    "break_cause": _opt_str,
+    "carry_len": _int,
+    "gen_len": _int,
+    "weight_version": _int,
+    "finish_reason": _str,
+    "call_digest": _str,
+    "chain_hash": _str,
+    "response_id": _opt_str,
+    "output_fingerprint": _opt_str,
+    "reason": _str,
+    "served": _bool,
+    "by": _str,
+    "value": _str,
+    "reward": _opt_float,
+}
+
+
+def _decode_event(value: object, where: str) -> Event:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ManifestError("wrong_type", f"{where} must be an object with a string 'type'")
+    cls = _EVENTS.get(value["type"])
+    if cls is None:
+        raise ManifestError("unknown_event", f"{where}: unknown event type {value['type']!r}")
+    names = tuple(f.name for f in fields(cls))
+    body = _obj(value, where, ("type", *names))
+    kwargs: dict[str, Any] = {}
+    for name in names:
+        if name == "witnesses":
+            w = _obj(body[name], f"{where}.witnesses", ("response_id", "content_fingerprint"))
+            kwargs[name] = Witnesses(
+                response_id=_opt_str(w["response_id"], f"{where}.witnesses.response_id"),
+                content_fingerprint=_opt_str(w["content_fingerprint"], f"{where}.witnesses.content_fingerprint"),
+            )
+        else:
+            kwargs[name] = _FIELD_READERS[name](body[name], f"{where}.{name}")
+    try:
+        return cls(**kwargs)
+    except TokcapError as e:
+        raise ManifestError("bad_event", f"{where}: {e.message}") from e
+
+
+def decode_manifest(data: bytes | str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
+    """Strictly decode manifest JSON; `ManifestError` with a code on any deviation.
+
+    Inputs over ``max_bytes`` are rejected (``too_large``) before parsing.
+    """
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise ManifestError("too_large", f"manifest is {len(raw)} bytes, bound is {max_bytes}")
+    try:
+        doc = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except ManifestError:
+        raise
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ManifestError("bad_json", f"not JSON: {e}") from None
+    top = _obj(doc, "manifest", ("format", "rollout_id", "head", "entries"))
+    if top["format"] != MANIFEST_FORMAT:
+        raise ManifestError("bad_format", f"format must be {MANIFEST_FORMAT!r}")
+    rollout_id = _str(top["rollout_id"], "rollout_id")
+    try:
+        validate_rollout_id(rollout_id)
+    except TokcapError as e:
+        raise ManifestError("bad_rollout_id", e.message) from e
+    head = _obj(top["head"], "head", ("seq", "hash"))
+    if not isinstance(top["entries"], list):
+        raise ManifestError("wrong_type", "entries must be a list")
+    entries = []
+    for i, item in enumerate(top["entries"]):
+        where = f"entries[{i}]"
+        body = _obj(item, where, ("seq", "prev_hash", "hash", "event"))
+        entries.append(
+            Entry(
+                seq=_int(body["seq"], f"{where}.seq"),
+                prev_hash=_hash(body["prev_hash"], f"{where}.prev_hash"),
+                hash=_hash(body["hash"], f"{where}.hash"),
+                event=_decode_event(body["event"], f"{where}.event"),
+            )
+        )
+    return Manifest(
+        rollout_id=rollout_id,
+        entries=tuple(entries),
+        head_seq=_int(head["seq"], "head.seq"),
+        head_hash=_hash(head["hash"], "head.hash"),
+    )
+
+
+def _hash(value: object, where: str) -> str:
+    text = _str(value, where)
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ManifestError("bad_hash", f"{where} must be 64 lowercase hex characters")
+    return text

@@ -1,0 +1,263 @@
+"""The staged call: one model call's exact token delta, as stored in a sink.
+
+Invariants (checked in the constructor): ``parent_id is None`` exactly when
+``prefix_len == 0``; ``gen_len >= 1``; ``len(tokens) == carry_len + gen_len``;
+``len(logprobs) == gen_len`` with no NaN or +inf; routes, when present, have
+one row per carried and generated token, plus a leading row when the call has
+a parent: the engine's prefill route for the parent's last generated token,
+which the parent's own pass never computed (reassembly uses it to backfill).
+
+``digest`` and ``chain_hash`` are *claims*: the constructor does not recompute
+them (that is verification's job, against a receipt); `from_engine_output`
+computes them from raw engine data.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from ._digest import CALL_DOMAIN, Canon, chain_hash
+from ._errors import InvalidStagedCall, RoutesError
+from ._ids import staging_key, validate_call_id, validate_rollout_id
+from ._routes import Routes, align_routes
+
+__all__ = ["FINISH_REASONS", "StagedCall", "compute_call_digest", "token_array", "logprob_array"]
+
+FINISH_REASONS: Final[tuple[str, ...]] = ("stop", "length")
+"""Finish reasons a staged (served, completed) call may carry."""
+
+_HEX = frozenset("0123456789abcdef")
+
+if array("I").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - exotic platforms
+    raise ImportError("tokcap_core needs array('I') and array('f') to be 4 bytes wide")
+
+
+def token_array(values: Iterable[int]) -> array[int]:
+    """Token ids as a compact u32 buffer; an ``array('I')`` is returned as is (zero-copy)."""
+    if isinstance(values, array) and values.typecode == "I":
+        return values
+    try:
+        return array("I", values)
+    except (OverflowError, TypeError) as e:
+        raise InvalidStagedCall("bad_tokens", f"token ids must be integers in [0, 2**32): {e}") from e
+
+
+def logprob_array(values: Iterable[float]) -> array[float]:
+    """Logprobs as a compact f32 buffer; an ``array('f')`` is returned as is (zero-copy)."""
+    if isinstance(values, array) and values.typecode == "f":
+        return values
+    try:
+        return array("f", values)
+    except (OverflowError, TypeError) as e:
+        raise InvalidStagedCall("bad_logprobs", f"logprobs must be floats: {e}") from e
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=True)
+class StagedCall:
+    """One call's token delta: carried prompt tokens + generated tokens, with their metadata."""
+
+    rollout_id: str
+    call_id: str
+    parent_id: str | None
+    prefix_len: int
+    carry_len: int
+    gen_len: int
+    weight_version: int
+    finish_reason: str
+    tokens: array[int]
+    logprobs: array[float]
+    routes: Routes | None
+    digest: str
+    chain_hash: str
+
+    def __post_init__(self) -> None:
+        validate_rollout_id(self.rollout_id)
+        validate_call_id(self.call_id)
+        if self.parent_id is not None:
+            validate_call_id(self.parent_id)
+        for name in ("prefix_len", "carry_len", "gen_len", "weight_version"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidStagedCall("bad_length", f"{name} must be a non-negative int, got {value!r}")
+        if (self.parent_id is None) != (self.prefix_len == 0):
+            raise InvalidStagedCall("parent_prefix_mismatch", "parent_id is None exactly when prefix_len == 0")
+        if self.gen_len < 1:
+            raise InvalidStagedCall("empty_generation", "gen_len must be at least 1")
+        if self.finish_reason not in FINISH_REASONS:
+            raise InvalidStagedCall("bad_finish_reason", f"finish_reason must be one of {FINISH_REASONS}")
+        if not (isinstance(self.tokens, array) and self.tokens.typecode == "I"):
+            raise InvalidStagedCall("bad_tokens", "tokens must be array('I'); use token_array()")
+        if not (isinstance(self.logprobs, array) and self.logprobs.typecode == "f"):
+            raise InvalidStagedCall("bad_logprobs", "logprobs must be array('f'); use logprob_array()")
+        if len(self.tokens) != self.carry_len + self.gen_len:
+            raise InvalidStagedCall("token_count_mismatch", "len(tokens) must equal carry_len + gen_len")
+        if len(self.logprobs) != self.gen_len:
+            raise InvalidStagedCall("logprob_count_mismatch", "len(logprobs) must equal gen_len")
+        total = sum(self.logprobs)  # NaN or +inf anywhere makes the sum NaN or +inf
+        if math.isnan(total) or total == math.inf:
+            raise InvalidStagedCall("bad_logprobs", "logprobs must not be NaN or +inf")
+        if self.routes is not None:
+            if not isinstance(self.routes, Routes):
+                raise InvalidStagedCall("bad_routes", "routes must be a Routes or None")
+            if self.routes.shape[0] != self.route_rows:
+                raise InvalidStagedCall(
+                    "route_count_mismatch",
+                    f"routes must have {self.route_rows} rows, got {self.routes.shape[0]}",
+                )
+        for name in ("digest", "chain_hash"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) != 64 or not _HEX.issuperset(value):
+                raise InvalidStagedCall("bad_hash", f"{name} must be 64 lowercase hex characters")
+
+    @property
+    def cum_len(self) -> int:
+        """Cumulative length of the conversation after this call: prefix + carry + generated."""
+        return self.prefix_len + self.carry_len + self.gen_len
+
+    @property
+    def key(self) -> str:
+        """This call's staging key, ``"{rollout_id}/{call_id}"``."""
+        return staging_key(self.rollout_id, self.call_id)
+
+    @property
+    def route_rows(self) -> int:
+        """How many route rows this call carries when it has routes (see module docstring)."""
+        return self.carry_len + self.gen_len + (0 if self.parent_id is None else 1)
+
+    @property
+    def generated(self) -> memoryview:
+        """The generated token ids, a zero-copy view."""
+        return memoryview(self.tokens)[self.carry_len :]
+
+    def compute_digest(self) -> str:
+        """Recompute this call's digest from its fields (ignores the claimed ``digest``)."""
+        return compute_call_digest(
+            rollout_id=self.rollout_id,
+            call_id=self.call_id,
+            parent_id=self.parent_id,
+            prefix_len=self.prefix_len,
+            carry_len=self.carry_len,
+            gen_len=self.gen_len,
+            weight_version=self.weight_version,
+            finish_reason=self.finish_reason,
+            tokens=self.tokens,
+            logprobs=self.logprobs,
+            routes=self.routes,
+        )
+
+    @classmethod
+    def from_engine_output(
+        cls,
+        *,
+        rollout_id: str,
+        call_id: str,
+        parent_id: str | None,
+        parent_cum_len: int,
+        parent_chain_hash: str | None,
+        prompt_ids: Iterable[int],
+        output_ids: Iterable[int],
+        logprobs: Iterable[float],
+        finish_reason: str,
+        weight_version: int,
+        routes: Routes | None = None,
+    ) -> StagedCall:
+        """Build a staged call from raw engine data and compute its digest and chain hash.
+
+        ``prompt_ids`` is the full prompt the engine saw (its first ``parent_cum_len``
+        tokens are the parent's cumulative tokens); ``routes``, if any, cover the
+        prompt and output as the engine returns them (``[tokens-1]`` or ``[tokens]`` rows).
+        """
+        prompt = token_array(prompt_ids)
+        output = token_array(output_ids)
+        if parent_id is None and parent_cum_len != 0:
+            raise InvalidStagedCall("parent_prefix_mismatch", "a root call has parent_cum_len == 0")
+        if not 0 <= parent_cum_len <= len(prompt):
+            raise InvalidStagedCall("bad_length", "parent_cum_len must lie within the prompt")
+        tokens = prompt[parent_cum_len:]
+        carry_len = len(tokens)
+        tokens.extend(output)
+        lp = logprob_array(logprobs)
+        if routes is not None:
+            try:
+                aligned, _ = align_routes(routes, tokens=len(prompt) + len(output))
+            except RoutesError as e:
+                raise InvalidStagedCall("route_count_mismatch", str(e)) from e
+            first = parent_cum_len - 1 if parent_id is not None else 0
+            routes = _route_rows(aligned, first)
+        digest = compute_call_digest(
+            rollout_id=rollout_id,
+            call_id=call_id,
+            parent_id=parent_id,
+            prefix_len=parent_cum_len,
+            carry_len=carry_len,
+            gen_len=len(output),
+            weight_version=weight_version,
+            finish_reason=finish_reason,
+            tokens=tokens,
+            logprobs=lp,
+            routes=routes,
+        )
+        return cls(
+            rollout_id=rollout_id,
+            call_id=call_id,
+            parent_id=parent_id,
+            prefix_len=parent_cum_len,
+            carry_len=carry_len,
+            gen_len=len(output),
+            weight_version=weight_version,
+            finish_reason=finish_reason,
+            tokens=tokens,
+            logprobs=lp,
+            routes=routes,
+            digest=digest,
+            chain_hash=chain_hash(parent_chain_hash, digest),
+        )
+
+
+def compute_call_digest(
+    *,
+    rollout_id: str,
+    call_id: str,
+    parent_id: str | None,
+    prefix_len: int,
+    carry_len: int,
+    gen_len: int,
+    weight_version: int,
+    finish_reason: str,
+    tokens: array[int],
+    logprobs: array[float],
+    routes: Routes | None,
+) -> str:
+    """The call digest: commits to every field of a staged call (domain ``tokcap/call/v1``)."""
+    canon = (
+        Canon(CALL_DOMAIN)
+        .text(rollout_id)
+        .text(call_id)
+        .opt_text(parent_id)
+        .u64(prefix_len)
+        .u64(carry_len)
+        .u64(gen_len)
+        .u64(weight_version)
+        .text(finish_reason)
+        .buffer(tokens)
+        .buffer(logprobs)
+    )
+    if routes is None:
+        canon.u64(0)
+    else:
+        canon.u64(1).text(routes.dtype)
+        for dim in routes.shape:
+            canon.u64(dim)
+        canon.buffer(routes.data)
+    return canon.hexdigest()
+
+
+def _route_rows(routes: Routes, first: int) -> Routes:
+    _, layers, topk = routes.shape
+    width = layers * topk
+    data = routes.data[first * width :]
+    return Routes(dtype=routes.dtype, shape=(len(data) // width, layers, topk), data=data)

