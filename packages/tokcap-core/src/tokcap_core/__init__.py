@@ -8,6 +8,7 @@ advantages, replay slots and the RPC contract. Adapters (``tokcap_tq``,
 
 from ._advantages import AdvantageInputError, dr_grpo, grpo, masked_mean, reinforce_pp, rloo
 from ._cli import main as cli_main
+from ._config import CaptureConfig
 from ._digest import ZERO_HASH, chain_hash, genesis_hash
 from ._errors import (
     ConfigError,
@@ -24,8 +25,19 @@ from ._errors import (
     TokcapError,
     VerificationError,
 )
-from ._events import BREAK_CAUSES, Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared, Witnesses
+from ._events import (
+    BREAK_CAUSES,
+    Admitted,
+    Closed,
+    Event,
+    Failed,
+    Poisoned,
+    Staged,
+    TerminalDeclared,
+    Witnesses,
+)
 from ._golden import assert_golden_vectors
+from ._group import GroupResult, on_chain_keys, reassemble_group
 from ._ids import call_id_for, parse_staging_key, staging_key, validate_call_id, validate_rollout_id
 from ._ledger import (
     ADMITTED,
@@ -44,7 +56,29 @@ from ._ledger import (
     initial_state,
     replay,
 )
-from ._manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest, encode_manifest, manifest_of, verify_manifest
+from ._manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+    manifest_of,
+    verify_manifest,
+)
+from ._metrics import (
+    break_cause_counts,
+    calls_per_rollout,
+    failure_counts,
+    terminal_selection_breakdown,
+)
+from ._policy import (
+    TOO_FEW_VALID,
+    UNKNOWN_OUTCOME,
+    Accept,
+    Drop,
+    GroupDecision,
+    Replace,
+    decide_group,
+)
 from ._reasons import (
     AMBIGUOUS_TERMINAL,
     DECLARED_TERMINAL_MISSING,
@@ -64,6 +98,7 @@ from ._reasons import (
     make_reason,
     reason_bucket,
 )
+from ._reassembly import reassemble
 from ._receipt import SEGMENT_MODES, TERMINAL_SELECTIONS, Receipt, ReceiptCall, assemble_receipt
 from ._replay import READY, RESERVED, ClearPlan, ReplaySlots, Slot, SlotState
 from ._routes import (
@@ -81,7 +116,17 @@ from ._routes import (
     unknown_rows,
     widen,
 )
+from ._rows import CallSpan, TrainingRow, placeholder_row, training_key
+from ._rpc import (
+    FORBIDDEN_KEYS,
+    MAX_METADATA_DEPTH,
+    FinalizedGroup,
+    InvalidRequest,
+    ReassemblyRequest,
+    assert_metadata_only,
+)
 from ._simulate import SimulatedRollout, simulate_rollout
+from ._sink import ManifestSource, MemorySink, TokenSink
 from ._staged import FINISH_REASONS, StagedCall, compute_call_digest, logprob_array, token_array
 from ._staged_json import decode_staged_calls, encode_staged_calls, staged_from_json, staged_to_json
 from ._verify import verify_staged
@@ -97,8 +142,10 @@ __all__ = [
     "FAILED",
     "FAILURE_BUCKETS",
     "FINISH_REASONS",
+    "FORBIDDEN_KEYS",
     "GATE_RESTARTED",
     "MAX_MANIFEST_BYTES",
+    "MAX_METADATA_DEPTH",
     "MISSING_ROWS",
     "NOT_CLOSED",
     "NO_TERMINAL",
@@ -111,34 +158,48 @@ __all__ = [
     "STAGED",
     "STAGE_FAILED",
     "TERMINAL_SELECTIONS",
+    "TOO_FEW_VALID",
     "UNCOMMITTED_CALL",
     "UNKNOWN_EXPERT",
+    "UNKNOWN_OUTCOME",
     "UNKNOWN_REASON",
     "WITNESS_DISAGREEMENT",
     "WITNESS_UNMATCHED",
     "ZERO_HASH",
+    "Accept",
     "Admitted",
     "AdvantageInputError",
     "CallRecord",
+    "CallSpan",
     "CallState",
+    "CaptureConfig",
     "ClearPlan",
     "Closed",
     "ConfigError",
+    "Drop",
     "Entry",
     "Event",
     "Failed",
+    "FinalizedGroup",
+    "GroupDecision",
+    "GroupResult",
     "InvalidId",
+    "InvalidRequest",
     "InvalidStagedCall",
     "Ledger",
     "LedgerProtocolError",
     "Manifest",
     "ManifestError",
+    "ManifestSource",
+    "MemorySink",
     "MetadataViolation",
     "MissingRows",
     "Poisoned",
     "ReassemblyError",
+    "ReassemblyRequest",
     "Receipt",
     "ReceiptCall",
+    "Replace",
     "ReplaySlotError",
     "ReplaySlots",
     "RolloutState",
@@ -153,18 +214,24 @@ __all__ = [
     "StagedCall",
     "TerminalDeclared",
     "TokcapError",
+    "TokenSink",
+    "TrainingRow",
     "VerificationError",
     "Witnesses",
     "align_routes",
     "apply",
     "assemble_receipt",
     "assert_golden_vectors",
+    "assert_metadata_only",
     "backfill_missing_rows",
+    "break_cause_counts",
     "call_id_for",
+    "calls_per_rollout",
     "chain_hash",
     "cli_main",
     "compute_call_digest",
     "concat_routes",
+    "decide_group",
     "decode_manifest",
     "decode_routes",
     "decode_staged_calls",
@@ -174,6 +241,7 @@ __all__ = [
     "encode_routes",
     "encode_staged_calls",
     "entry_hash",
+    "failure_counts",
     "genesis_hash",
     "grpo",
     "initial_state",
@@ -181,8 +249,12 @@ __all__ = [
     "make_reason",
     "manifest_of",
     "masked_mean",
+    "on_chain_keys",
     "parse_staging_key",
+    "placeholder_row",
     "reason_bucket",
+    "reassemble",
+    "reassemble_group",
     "reinforce_pp",
     "replay",
     "rloo",
@@ -191,7 +263,9 @@ __all__ = [
     "staged_from_json",
     "staged_to_json",
     "staging_key",
+    "terminal_selection_breakdown",
     "token_array",
+    "training_key",
     "unknown_routes",
     "unknown_rows",
     "validate_call_id",

@@ -21,7 +21,14 @@ from ._receipt import SEGMENT_MODES, assemble_receipt
 from ._staged_json import decode_staged_calls
 from ._verify import verify_staged
 
-__all__ = ["EXIT_IO_ERROR", "EXIT_OK", "EXIT_POISONED", "EXIT_USAGE", "EXIT_VERIFICATION_FAILED", "main"]
+__all__ = [
+    "EXIT_IO_ERROR",
+    "EXIT_OK",
+    "EXIT_POISONED",
+    "EXIT_USAGE",
+    "EXIT_VERIFICATION_FAILED",
+    "main",
+]
 
 EXIT_OK: Final = 0
 EXIT_POISONED: Final = 1
@@ -33,11 +40,17 @@ EXIT_IO_ERROR: Final = 4
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokcap-core", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser("verify", help="replay a manifest, print its receipt, check staged rows")
+    verify = sub.add_parser(
+        "verify", help="replay a manifest, print its receipt, check staged rows"
+    )
     verify.add_argument("manifest", type=Path, help="manifest JSON, as the control plane serves it")
-    verify.add_argument("--staged", type=Path, help="staged-calls JSON to verify against the receipt")
+    verify.add_argument(
+        "--staged", type=Path, help="staged-calls JSON to verify against the receipt"
+    )
     verify.add_argument("--segments", choices=SEGMENT_MODES, default="terminal")
-    verify.add_argument("--expected-head", metavar="SEQ:HASH", help="the head kept when the rollout closed")
+    verify.add_argument(
+        "--expected-head", metavar="SEQ:HASH", help="the head kept when the rollout closed"
+    )
     sub.add_parser("golden", help="recompute the shipped golden vectors")
     return parser
 

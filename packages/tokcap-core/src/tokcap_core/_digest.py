@@ -40,53 +40,59 @@ _F64: Final = struct.Struct("<d")
 
 
 class Canon:
-    """An incremental SHA-256 over canonical fields, started with a domain string."""
+    """An incremental SHA-256 over canonical fields, started with a domain string.
 
-    __slots__ = ("_h",)
+    Small fields collect in a list and reach the hash in one update; large buffers are
+    hashed straight from their memory (no copy, no per-element loop).
+    """
+
+    __slots__ = ("_h", "_parts")
 
     def __init__(self, domain: bytes) -> None:
-        self._h = hashlib.sha256()
-        self._h.update(_U64.pack(len(domain)))
-        self._h.update(domain)
+        prepared = _PREPARED.get(domain)
+        if prepared is None:
+            prepared = _PREPARED[domain] = hashlib.sha256(_U64.pack(len(domain)) + domain)
+        self._h = prepared.copy()
+        self._parts: list[bytes] = []
 
     def u64(self, value: int) -> Canon:
         """Append a non-negative integer (also bools, as 0/1)."""
-        self._h.update(_U64.pack(value))
+        self._parts.append(_U64.pack(value))
         return self
 
     def f64(self, value: float) -> Canon:
         """Append a scalar float as little-endian f64."""
-        self._h.update(_F64.pack(value))
+        self._parts.append(_F64.pack(value))
         return self
 
     def text(self, value: str) -> Canon:
         """Append a string: u64 length, then UTF-8 bytes."""
         data = value.encode("utf-8")
-        self._h.update(_U64.pack(len(data)))
-        self._h.update(data)
+        self._parts.append(_U64.pack(len(data)))
+        self._parts.append(data)
         return self
 
     def opt_text(self, value: str | None) -> Canon:
         """Append an optional string: presence byte, then the string."""
         if value is None:
-            self._h.update(b"\x00")
+            self._parts.append(b"\x00")
         else:
-            self._h.update(b"\x01")
+            self._parts.append(b"\x01")
             self.text(value)
         return self
 
     def opt_f64(self, value: float | None) -> Canon:
         """Append an optional scalar float: presence byte, then f64."""
         if value is None:
-            self._h.update(b"\x00")
+            self._parts.append(b"\x00")
         else:
-            self._h.update(b"\x01")
-            self.f64(value)
+            self._parts.append(b"\x01")
+            self._parts.append(_F64.pack(value))
         return self
 
     def raw_hash(self, hex_digest: str) -> Canon:
         """Append a 32-byte hash given as 64 hex characters."""
-        self._h.update(bytes.fromhex(hex_digest))
+        self._parts.append(bytes.fromhex(hex_digest))
         return self
 
     def buffer(self, values: array[int] | array[float]) -> Canon:
@@ -94,7 +100,8 @@ class Canon:
 
         The element count goes first, so adjacent buffers cannot trade elements.
         """
-        self._h.update(_U64.pack(len(values)))
+        self._parts.append(_U64.pack(len(values)))
+        self._flush()
         if _LITTLE:
             self._h.update(memoryview(values))
         else:
@@ -103,9 +110,18 @@ class Canon:
             self._h.update(memoryview(swapped))
         return self
 
+    def _flush(self) -> None:
+        if self._parts:
+            self._h.update(b"".join(self._parts))
+            self._parts.clear()
+
     def hexdigest(self) -> str:
         """The SHA-256 digest so far, as 64 lowercase hex characters."""
+        self._flush()
         return self._h.hexdigest()
+
+
+_PREPARED: dict[bytes, hashlib._Hash] = {}
 
 
 def chain_hash(parent_chain_hash: str | None, call_digest: str) -> str:
@@ -113,7 +129,12 @@ def chain_hash(parent_chain_hash: str | None, call_digest: str) -> str:
 
     A terminal call's chain hash therefore commits to its whole root→terminal path.
     """
-    return Canon(CHAIN_DOMAIN).raw_hash(parent_chain_hash or ZERO_HASH).raw_hash(call_digest).hexdigest()
+    return (
+        Canon(CHAIN_DOMAIN)
+        .raw_hash(parent_chain_hash or ZERO_HASH)
+        .raw_hash(call_digest)
+        .hexdigest()
+    )
 
 
 def genesis_hash(rollout_id: str) -> str:

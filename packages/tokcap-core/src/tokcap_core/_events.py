@@ -54,7 +54,12 @@ def _check_label(name: str, value: object, *, optional: bool = False) -> None:
     """A short printable ASCII label (fingerprint, response id, reason): 1..256 chars."""
     if value is None and optional:
         return
-    if not isinstance(value, str) or not 1 <= len(value) <= 256 or not value.isascii() or not value.isprintable():
+    if (
+        not isinstance(value, str)
+        or not 1 <= len(value) <= 256
+        or not value.isascii()
+        or not value.isprintable()
+    ):
         raise _bad("bad_event_field", f"{name} must be 1..256 printable ASCII characters")
 
 
@@ -202,7 +207,9 @@ class Closed:
 
     def write(self, canon: Canon) -> None:
         """Write this event's canonical fields."""
-        canon.opt_f64(self.reward).opt_text(self.witnesses.response_id).opt_text(self.witnesses.content_fingerprint)
+        canon.opt_f64(self.reward).opt_text(self.witnesses.response_id).opt_text(
+            self.witnesses.content_fingerprint
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -223,4 +230,11 @@ class Poisoned:
 Event: TypeAlias = Admitted | Staged | Failed | TerminalDeclared | Closed | Poisoned
 """Any ledger event."""
 
-EVENT_TYPES: Final[tuple[type[Event], ...]] = (Admitted, Staged, Failed, TerminalDeclared, Closed, Poisoned)
+EVENT_TYPES: Final[tuple[type[Event], ...]] = (
+    Admitted,
+    Staged,
+    Failed,
+    TerminalDeclared,
+    Closed,
+    Poisoned,
+)

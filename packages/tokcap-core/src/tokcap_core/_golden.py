@@ -31,10 +31,12 @@ GOLDEN_FORMAT: Final = "tokcap/golden/v1"
 def build_golden_vectors() -> dict[str, Any]:
     """Compute the golden document from fixed synthetic inputs."""
     cases: list[tuple[str, SegmentMode, Any]] = [
-        ("chain-declared-routes", "terminal", simulate_rollout("golden-a", seed=1, turns=3, routes=True)),
+        ("chain-declared-routes", "terminal",
+            simulate_rollout("golden-a", seed=1, turns=3, routes=True)),
         ("forest-heuristic-all", "all", simulate_rollout(
             "golden-b", seed=2, turns=2, roots=2, offchain_failures=1, terminal="heuristic")),
-        ("witness-content", "terminal", simulate_rollout("golden-c", seed=3, turns=2, terminal="content")),
+        ("witness-content", "terminal",
+            simulate_rollout("golden-c", seed=3, turns=2, terminal="content")),
     ]  # fmt: skip
     missing = simulate_rollout("golden-d", seed=4, turns=1, terminal="heuristic", reward=None)
     # rebuild golden-d with a declared terminal that names no call: the receipt must be poisoned
@@ -43,7 +45,13 @@ def build_golden_vectors() -> dict[str, Any]:
         ledger.append(entry.event)
     ledger.append(TerminalDeclared(by="call_id", value="c000099"))
     ledger.append(Closed(reward=0.5))
-    cases.append(("declared-missing", "terminal", type(missing)(ledger=ledger, manifest=manifest_of(ledger), staged=missing.staged)))
+    cases.append(
+        (
+            "declared-missing",
+            "terminal",
+            type(missing)(ledger=ledger, manifest=manifest_of(ledger), staged=missing.staged),
+        )
+    )
     rollouts = []
     for name, mode, sim in cases:
         receipt = assemble_receipt(verify_manifest(sim.manifest), segments=mode)
@@ -56,10 +64,20 @@ def build_golden_vectors() -> dict[str, Any]:
         })  # fmt: skip
     return {
         "format": GOLDEN_FORMAT,
-        "genesis": [{"rollout_id": r, "hash": genesis_hash(r)} for r in ("a", "golden-a", "R.1_x-2")],
+        "genesis": [
+            {"rollout_id": r, "hash": genesis_hash(r)} for r in ("a", "golden-a", "R.1_x-2")
+        ],
         "chain": [
-            {"parent_chain_hash": None, "call_digest": "11" * 32, "chain_hash": chain_hash(None, "11" * 32)},
-            {"parent_chain_hash": "22" * 32, "call_digest": "33" * 32, "chain_hash": chain_hash("22" * 32, "33" * 32)},
+            {
+                "parent_chain_hash": None,
+                "call_digest": "11" * 32,
+                "chain_hash": chain_hash(None, "11" * 32),
+            },
+            {
+                "parent_chain_hash": "22" * 32,
+                "call_digest": "33" * 32,
+                "chain_hash": chain_hash("22" * 32, "33" * 32),
+            },
         ],
         "rollouts": rollouts,
     }
@@ -75,7 +93,9 @@ def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
     Raises `VerificationError` (``golden_mismatch``) naming the first value that differs.
     """
     if doc is None:
-        doc = json.loads(resources.files("tokcap_core").joinpath("golden/vectors.json").read_text("utf-8"))
+        doc = json.loads(
+            resources.files("tokcap_core").joinpath("golden/vectors.json").read_text("utf-8")
+        )
     if doc.get("format") != GOLDEN_FORMAT:
         raise _mismatch("format")
     checked = 0
@@ -94,7 +114,9 @@ def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
             if entry_hash(entry.prev_hash, entry.event) != entry.hash:
                 raise _mismatch(f"{name}: entry {entry.seq} hash")
             checked += 1
-        staged = decode_staged_calls(json.dumps({"format": "tokcap/staged/v1", "calls": r["staged"]}))
+        staged = decode_staged_calls(
+            json.dumps({"format": "tokcap/staged/v1", "calls": r["staged"]})
+        )
         chains = {c.call_id: c.chain_hash for c in staged}
         for call in staged:
             if call.compute_digest() != call.digest:
@@ -116,7 +138,9 @@ def _write() -> None:  # pragma: no cover - maintenance entry point
     here = Path(__file__).parent
     doc = build_golden_vectors()
     (here / "golden" / "vectors.json").write_text(json.dumps(doc, indent=1) + "\n", "utf-8")
-    example = simulate_rollout("example-rollout", seed=7, turns=4, roots=2, offchain_failures=1, routes=True)
+    example = simulate_rollout(
+        "example-rollout", seed=7, turns=4, roots=2, offchain_failures=1, routes=True
+    )
     (here / "examples" / "manifest.json").write_bytes(encode_manifest(example.manifest) + b"\n")
     (here / "examples" / "staged.json").write_bytes(encode_staged_calls(example.calls) + b"\n")
     print(f"wrote golden vectors ({assert_golden_vectors(doc)} values) and the example")

@@ -11,7 +11,13 @@ import re
 
 from ._errors import InvalidId
 
-__all__ = ["call_id_for", "parse_staging_key", "staging_key", "validate_call_id", "validate_rollout_id"]
+__all__ = [
+    "call_id_for",
+    "parse_staging_key",
+    "staging_key",
+    "validate_call_id",
+    "validate_rollout_id",
+]
 
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _CALL_ID = re.compile(r"c[0-9]{6,12}")
@@ -44,7 +50,7 @@ def staging_key(rollout_id: str, call_id: str) -> str:
 
 
 def parse_staging_key(key: object) -> tuple[str, str]:
-    """Split a staging key into ``(rollout_id, call_id)``; `InvalidId` (``bad_staging_key``) if malformed."""
+    """``(rollout_id, call_id)`` of a staging key; `InvalidId` ``bad_staging_key`` if malformed."""
     if not isinstance(key, str) or key.count("/") != 1:
         raise InvalidId("bad_staging_key", f"not a staging key: {_show(key)}")
     rollout_id, call_id = key.split("/")

@@ -13,7 +13,7 @@ An illegal event raises `LedgerProtocolError` and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
@@ -76,7 +76,14 @@ _CALL_TABLE: Final[Mapping[CallState, Mapping[type, CallState]]] = {
     FAILED: {},
 }
 _ROLLOUT_TABLE: Final[Mapping[RolloutStatus, Mapping[type, RolloutStatus]]] = {
-    OPEN: {Admitted: OPEN, Staged: OPEN, Failed: OPEN, TerminalDeclared: OPEN, Closed: CLOSED, Poisoned: CLOSED},
+    OPEN: {
+        Admitted: OPEN,
+        Staged: OPEN,
+        Failed: OPEN,
+        TerminalDeclared: OPEN,
+        Closed: CLOSED,
+        Poisoned: CLOSED,
+    },
     CLOSED: {},
 }
 
@@ -100,7 +107,9 @@ class CallRecord:
     def cum_len(self) -> int:
         """Cumulative token length after this call; only defined once STAGED."""
         if self.staged is None:
-            raise LedgerProtocolError("call_not_staged", f"{self.call_id} has no cumulative length yet")
+            raise LedgerProtocolError(
+                "call_not_staged", f"{self.call_id} has no cumulative length yet"
+            )
         return self.admitted.prefix_len + self.staged.carry_len + self.staged.gen_len
 
 
@@ -158,7 +167,17 @@ def initial_state(rollout_id: str) -> RolloutState:
 class _Draft:
     """A mutable working copy: validate an event completely, then mutate."""
 
-    __slots__ = ("calls", "closed", "head_hash", "head_seq", "poisoned", "response_ids", "rollout_id", "status", "terminal")
+    __slots__ = (
+        "calls",
+        "closed",
+        "head_hash",
+        "head_seq",
+        "poisoned",
+        "response_ids",
+        "rollout_id",
+        "status",
+        "terminal",
+    )
 
     def __init__(self, state: RolloutState) -> None:
         self.rollout_id = state.rollout_id
@@ -170,17 +189,28 @@ class _Draft:
         self.head_seq = state.head_seq
         self.head_hash = state.head_hash
         self.response_ids = {
-            rec.staged.response_id: cid for cid, rec in self.calls.items() if rec.staged and rec.staged.response_id
+            rec.staged.response_id: cid
+            for cid, rec in self.calls.items()
+            if rec.staged and rec.staged.response_id
         }
 
     def step(self, event: Event) -> Entry:
         next_status = _ROLLOUT_TABLE[self.status].get(type(event))
         if next_status is None:
             if type(event) not in _ROLLOUT_TABLE[OPEN]:
-                raise LedgerProtocolError("unknown_event", f"not a ledger event: {type(event).__name__}")
-            raise LedgerProtocolError("rollout_closed", f"{self.rollout_id} is closed; {event.KIND} refused")
+                raise LedgerProtocolError(
+                    "unknown_event", f"not a ledger event: {type(event).__name__}"
+                )
+            raise LedgerProtocolError(
+                "rollout_closed", f"{self.rollout_id} is closed; {event.KIND} refused"
+            )
         record = self._check(event)
-        entry = Entry(seq=self.head_seq + 1, event=event, prev_hash=self.head_hash, hash=entry_hash(self.head_hash, event))
+        entry = Entry(
+            seq=self.head_seq + 1,
+            event=event,
+            prev_hash=self.head_hash,
+            hash=entry_hash(self.head_hash, event),
+        )
         # nothing below may raise: the event is legal
         if record is not None:
             self.calls[record.call_id] = record
@@ -200,7 +230,9 @@ class _Draft:
         """Raise if ``event`` is illegal now; return the call record it would write, if any."""
         if isinstance(event, TerminalDeclared):
             if self.terminal is not None:
-                raise LedgerProtocolError("terminal_already_declared", "a terminal was already declared")
+                raise LedgerProtocolError(
+                    "terminal_already_declared", "a terminal was already declared"
+                )
             return None
         if not isinstance(event, (Admitted, Staged, Failed)):
             return None
@@ -208,30 +240,43 @@ class _Draft:
         state = _ABSENT if current is None else current.state
         next_state = _CALL_TABLE[state].get(type(event))
         if next_state is None:
-            code = "duplicate_call" if isinstance(event, Admitted) else (
-                "unknown_call" if current is None else "call_already_final"
+            code = (
+                "duplicate_call"
+                if isinstance(event, Admitted)
+                else ("unknown_call" if current is None else "call_already_final")
             )
-            raise LedgerProtocolError(code, f"{event.KIND} refused for {event.call_id} in state {state!r}")
+            raise LedgerProtocolError(
+                code, f"{event.KIND} refused for {event.call_id} in state {state!r}"
+            )
         if isinstance(event, Admitted):
             return self._check_admitted(event)
         assert current is not None
         if isinstance(event, Failed):
-            return replace(current, state=FAILED, failed=event)
+            return CallRecord(
+                call_id=current.call_id, state=FAILED, admitted=current.admitted, failed=event
+            )
         return self._check_staged(current, event)
 
     def _check_admitted(self, event: Admitted) -> CallRecord:
         expected = call_id_for(len(self.calls) + 1)
         if event.call_id != expected:
-            raise LedgerProtocolError("call_id_out_of_order", f"expected {expected}, got {event.call_id}")
+            raise LedgerProtocolError(
+                "call_id_out_of_order", f"expected {expected}, got {event.call_id}"
+            )
         if event.parent_id is not None:
             parent = self.calls.get(event.parent_id)
             if parent is None:
-                raise LedgerProtocolError("unknown_parent", f"parent {event.parent_id} was never admitted")
+                raise LedgerProtocolError(
+                    "unknown_parent", f"parent {event.parent_id} was never admitted"
+                )
             if parent.state is not STAGED:
-                raise LedgerProtocolError("parent_not_staged", f"parent {event.parent_id} is {parent.state!r}")
+                raise LedgerProtocolError(
+                    "parent_not_staged", f"parent {event.parent_id} is {parent.state!r}"
+                )
             if event.prefix_len != parent.cum_len:
                 raise LedgerProtocolError(
-                    "prefix_mismatch", f"prefix_len {event.prefix_len} != parent cum_len {parent.cum_len}"
+                    "prefix_mismatch",
+                    f"prefix_len {event.prefix_len} != parent cum_len {parent.cum_len}",
                 )
         return CallRecord(call_id=event.call_id, state=ADMITTED, admitted=event)
 
@@ -242,10 +287,16 @@ class _Draft:
             assert parent_staged is not None  # a child is only admitted under a STAGED parent
             parent_chain = parent_staged.chain_hash
         if event.chain_hash != chain_hash(parent_chain, event.call_digest):
-            raise LedgerProtocolError("chain_hash_mismatch", f"{event.call_id}: chain hash does not link to its parent")
+            raise LedgerProtocolError(
+                "chain_hash_mismatch", f"{event.call_id}: chain hash does not link to its parent"
+            )
         if event.response_id and event.response_id in self.response_ids:
-            raise LedgerProtocolError("duplicate_response_id", f"response id reused by {event.call_id}")
-        return replace(current, state=STAGED, staged=event)
+            raise LedgerProtocolError(
+                "duplicate_response_id", f"response id reused by {event.call_id}"
+            )
+        return CallRecord(
+            call_id=current.call_id, state=STAGED, admitted=current.admitted, staged=event
+        )
 
     def freeze(self, *, copy: bool) -> RolloutState:
         return RolloutState(
@@ -261,7 +312,7 @@ class _Draft:
 
 
 def apply(state: RolloutState, event: Event) -> RolloutState:
-    """The state after ``event``; raises `LedgerProtocolError` (and ``state`` is untouched) if illegal."""
+    """The state after ``event``; an illegal one raises `LedgerProtocolError`, changing nothing."""
     draft = _Draft(state)
     draft.step(event)
     return draft.freeze(copy=False)
@@ -276,20 +327,28 @@ def replay(rollout_id: str, entries: Iterable[Entry]) -> RolloutState:
     draft = _Draft(initial_state(rollout_id))
     for entry in entries:
         if entry.seq != draft.head_seq + 1:
-            raise VerificationError("bad_seq", f"entry seq {entry.seq} where {draft.head_seq + 1} was due")
+            raise VerificationError(
+                "bad_seq", f"entry seq {entry.seq} where {draft.head_seq + 1} was due"
+            )
         if entry.prev_hash != draft.head_hash:
-            raise VerificationError("broken_link", f"entry {entry.seq} does not link to its predecessor")
+            raise VerificationError(
+                "broken_link", f"entry {entry.seq} does not link to its predecessor"
+            )
         if entry.hash != entry_hash(entry.prev_hash, entry.event):
-            raise VerificationError("bad_entry_hash", f"entry {entry.seq} hash does not match its content")
+            raise VerificationError(
+                "bad_entry_hash", f"entry {entry.seq} hash does not match its content"
+            )
         try:
             draft.step(entry.event)
         except LedgerProtocolError as e:
-            raise VerificationError(f"illegal_event:{e.code}", f"entry {entry.seq}: {e.message}") from e
+            raise VerificationError(
+                f"illegal_event:{e.code}", f"entry {entry.seq}: {e.message}"
+            ) from e
     return draft.freeze(copy=False)
 
 
 class Ledger:
-    """A rollout's ledger for adapters: appends events, keeps entries, serves state and manifests."""
+    """A rollout's ledger for adapters: appends events, keeps entries, serves state, manifests."""
 
     __slots__ = ("_draft", "_entries", "_snapshot")
 

@@ -18,8 +18,8 @@ from typing import Any, Final
 
 from ._errors import ManifestError, TokcapError, VerificationError
 from ._events import Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared, Witnesses
-from ._ledger import Entry, Ledger, RolloutState, replay
 from ._ids import validate_rollout_id
+from ._ledger import Entry, Ledger, RolloutState, replay
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -58,10 +58,14 @@ class Manifest:
 def manifest_of(ledger: Ledger) -> Manifest:
     """The manifest of a ledger as it stands."""
     seq, head = ledger.head
-    return Manifest(rollout_id=ledger.rollout_id, entries=ledger.entries, head_seq=seq, head_hash=head)
+    return Manifest(
+        rollout_id=ledger.rollout_id, entries=ledger.entries, head_seq=seq, head_hash=head
+    )
 
 
-def verify_manifest(manifest: Manifest, *, expected_head: tuple[int, str] | None = None) -> RolloutState:
+def verify_manifest(
+    manifest: Manifest, *, expected_head: tuple[int, str] | None = None
+) -> RolloutState:
     """Replay a manifest and check its head (and the head the trainer kept at close, if given).
 
     Raises `VerificationError`: replay codes, ``head_mismatch`` (the manifest's own head
@@ -71,7 +75,9 @@ def verify_manifest(manifest: Manifest, *, expected_head: tuple[int, str] | None
     if state.head != manifest.head:
         raise VerificationError("head_mismatch", "the manifest head is not its last entry")
     if expected_head is not None and tuple(expected_head) != state.head:
-        raise VerificationError("unexpected_head", "the manifest does not end at the head kept at close")
+        raise VerificationError(
+            "unexpected_head", "the manifest does not end at the head kept at close"
+        )
     return state
 
 
@@ -83,7 +89,10 @@ def _event_to_json(event: Event) -> dict[str, Any]:
     for f in fields(event):
         value = getattr(event, f.name)
         if isinstance(value, Witnesses):
-            value = {"response_id": value.response_id, "content_fingerprint": value.content_fingerprint}
+            value = {
+                "response_id": value.response_id,
+                "content_fingerprint": value.content_fingerprint,
+            }
         body[f.name] = value
     return body
 
@@ -95,11 +104,18 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "rollout_id": manifest.rollout_id,
         "head": {"seq": manifest.head_seq, "hash": manifest.head_hash},
         "entries": [
-            {"seq": e.seq, "prev_hash": e.prev_hash, "hash": e.hash, "event": _event_to_json(e.event)}
+            {
+                "seq": e.seq,
+                "prev_hash": e.prev_hash,
+                "hash": e.hash,
+                "event": _event_to_json(e.event),
+            }
             for e in manifest.entries
         ],
     }
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode(
+        "ascii"
+    )
 
 
 # ---- strict decoding ---------------------------------------------------------------------
@@ -199,7 +215,9 @@ def _decode_event(value: object, where: str) -> Event:
             w = _obj(body[name], f"{where}.witnesses", ("response_id", "content_fingerprint"))
             kwargs[name] = Witnesses(
                 response_id=_opt_str(w["response_id"], f"{where}.witnesses.response_id"),
-                content_fingerprint=_opt_str(w["content_fingerprint"], f"{where}.witnesses.content_fingerprint"),
+                content_fingerprint=_opt_str(
+                    w["content_fingerprint"], f"{where}.witnesses.content_fingerprint"
+                ),
             )
         else:
             kwargs[name] = _FIELD_READERS[name](body[name], f"{where}.{name}")
@@ -221,7 +239,10 @@ def decode_manifest(data: bytes | str, *, max_bytes: int = MAX_MANIFEST_BYTES) -
         doc = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
     except ManifestError:
         raise
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ManifestError("bad_json", f"not JSON: {e}") from None
     top = _obj(doc, "manifest", ("format", "rollout_id", "head", "entries"))
     if top["format"] != MANIFEST_FORMAT:

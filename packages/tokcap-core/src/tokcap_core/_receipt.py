@@ -43,7 +43,12 @@ __all__ = [
 ]
 
 TerminalSelection: TypeAlias = Literal["declared", "response_id", "content", "heuristic"]
-TERMINAL_SELECTIONS: Final[tuple[TerminalSelection, ...]] = ("declared", "response_id", "content", "heuristic")
+TERMINAL_SELECTIONS: Final[tuple[TerminalSelection, ...]] = (
+    "declared",
+    "response_id",
+    "content",
+    "heuristic",
+)
 """Every way a terminal can be selected, in priority order."""
 SegmentMode: TypeAlias = Literal["terminal", "all"]
 SEGMENT_MODES: Final[tuple[SegmentMode, ...]] = ("terminal", "all")
@@ -139,12 +144,19 @@ def assemble_receipt(state: RolloutState, *, segments: SegmentMode = "terminal")
         "ledger_head": state.head,
         "reward": state.closed.reward if state.closed is not None else None,
         "sink_keys": tuple(staging_key(state.rollout_id, cid) for cid in state.calls),
-        "break_causes": tuple(r.admitted.break_cause for r in state.calls.values() if r.admitted.break_cause),
+        "break_causes": tuple(
+            r.admitted.break_cause for r in state.calls.values() if r.admitted.break_cause
+        ),
     }
 
     def poisoned(reason: str) -> Receipt:
         return Receipt(
-            status="poisoned", failure_reason=reason, terminal_call_id=None, terminal_selection=None, segments=(), **base
+            status="poisoned",
+            failure_reason=reason,
+            terminal_call_id=None,
+            terminal_selection=None,
+            segments=(),
+            **base,
         )
 
     if state.status is not CLOSED:
@@ -180,9 +192,13 @@ def assemble_receipt(state: RolloutState, *, segments: SegmentMode = "terminal")
     )
 
 
-def _select_terminal(state: RolloutState, staged: Mapping[str, CallRecord]) -> tuple[str, TerminalSelection] | str:
+def _select_terminal(
+    state: RolloutState, staged: Mapping[str, CallRecord]
+) -> tuple[str, TerminalSelection] | str:
     """``(call_id, selection)``, or a failure reason."""
-    by_response = {r.staged.response_id: cid for cid, r in staged.items() if r.staged and r.staged.response_id}
+    by_response = {
+        r.staged.response_id: cid for cid, r in staged.items() if r.staged and r.staged.response_id
+    }
     if state.terminal is not None:
         declared = state.terminal
         found = declared.value if declared.by == "call_id" else by_response.get(declared.value)
@@ -198,7 +214,9 @@ def _select_terminal(state: RolloutState, staged: Mapping[str, CallRecord]) -> t
         picks.append((found, "response_id"))
     if witnesses is not None and witnesses.content_fingerprint is not None:
         matches = [
-            cid for cid, r in staged.items() if r.staged and r.staged.output_fingerprint == witnesses.content_fingerprint
+            cid
+            for cid, r in staged.items()
+            if r.staged and r.staged.output_fingerprint == witnesses.content_fingerprint
         ]
         if not matches:
             return WITNESS_UNMATCHED

@@ -75,7 +75,9 @@ def simulate_rollout(
             clock += 1000
             call_id = ledger.next_call_id()
             ledger.append(_admit(call_id, parent, clock, rng, root))
-            carry = [rng.randrange(vocab) for _ in range(rng.randint(0 if parent else 1, max_delta))]
+            carry = [
+                rng.randrange(vocab) for _ in range(rng.randint(0 if parent else 1, max_delta))
+            ]
             output = [rng.randrange(vocab) for _ in range(rng.randint(1, max_delta))]
             prompt = history + carry
             call = StagedCall.from_engine_output(
@@ -123,7 +125,9 @@ def simulate_rollout(
     return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
 
 
-def _admit(call_id: str, parent: StagedCall | None, clock: int, rng: random.Random, root: int) -> Admitted:
+def _admit(
+    call_id: str, parent: StagedCall | None, clock: int, rng: random.Random, root: int
+) -> Admitted:
     return Admitted(
         call_id=call_id,
         parent_id=parent.call_id if parent else None,
@@ -136,5 +140,6 @@ def _admit(call_id: str, parent: StagedCall | None, clock: int, rng: random.Rand
 
 def _routes(rng: random.Random, rows: int) -> Routes:
     return routes_from_rows(
-        [[[rng.randrange(8) for _ in range(2)] for _ in range(2)] for _ in range(rows)], dtype="int16"
+        [[[rng.randrange(8) for _ in range(2)] for _ in range(2)] for _ in range(rows)],
+        dtype="int16",
     )

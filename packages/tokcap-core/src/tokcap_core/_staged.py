@@ -25,7 +25,7 @@ from ._errors import InvalidStagedCall, RoutesError
 from ._ids import staging_key, validate_call_id, validate_rollout_id
 from ._routes import Routes, align_routes
 
-__all__ = ["FINISH_REASONS", "StagedCall", "compute_call_digest", "token_array", "logprob_array"]
+__all__ = ["FINISH_REASONS", "StagedCall", "compute_call_digest", "logprob_array", "token_array"]
 
 FINISH_REASONS: Final[tuple[str, ...]] = ("stop", "length")
 """Finish reasons a staged (served, completed) call may carry."""
@@ -43,7 +43,9 @@ def token_array(values: Iterable[int]) -> array[int]:
     try:
         return array("I", values)
     except (OverflowError, TypeError) as e:
-        raise InvalidStagedCall("bad_tokens", f"token ids must be integers in [0, 2**32): {e}") from e
+        raise InvalidStagedCall(
+            "bad_tokens", f"token ids must be integers in [0, 2**32): {e}"
+        ) from e
 
 
 def logprob_array(values: Iterable[float]) -> array[float]:
@@ -82,19 +84,29 @@ class StagedCall:
         for name in ("prefix_len", "carry_len", "gen_len", "weight_version"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidStagedCall("bad_length", f"{name} must be a non-negative int, got {value!r}")
+                raise InvalidStagedCall(
+                    "bad_length", f"{name} must be a non-negative int, got {value!r}"
+                )
         if (self.parent_id is None) != (self.prefix_len == 0):
-            raise InvalidStagedCall("parent_prefix_mismatch", "parent_id is None exactly when prefix_len == 0")
+            raise InvalidStagedCall(
+                "parent_prefix_mismatch", "parent_id is None exactly when prefix_len == 0"
+            )
         if self.gen_len < 1:
             raise InvalidStagedCall("empty_generation", "gen_len must be at least 1")
         if self.finish_reason not in FINISH_REASONS:
-            raise InvalidStagedCall("bad_finish_reason", f"finish_reason must be one of {FINISH_REASONS}")
+            raise InvalidStagedCall(
+                "bad_finish_reason", f"finish_reason must be one of {FINISH_REASONS}"
+            )
         if not (isinstance(self.tokens, array) and self.tokens.typecode == "I"):
             raise InvalidStagedCall("bad_tokens", "tokens must be array('I'); use token_array()")
         if not (isinstance(self.logprobs, array) and self.logprobs.typecode == "f"):
-            raise InvalidStagedCall("bad_logprobs", "logprobs must be array('f'); use logprob_array()")
+            raise InvalidStagedCall(
+                "bad_logprobs", "logprobs must be array('f'); use logprob_array()"
+            )
         if len(self.tokens) != self.carry_len + self.gen_len:
-            raise InvalidStagedCall("token_count_mismatch", "len(tokens) must equal carry_len + gen_len")
+            raise InvalidStagedCall(
+                "token_count_mismatch", "len(tokens) must equal carry_len + gen_len"
+            )
         if len(self.logprobs) != self.gen_len:
             raise InvalidStagedCall("logprob_count_mismatch", "len(logprobs) must equal gen_len")
         total = sum(self.logprobs)  # NaN or +inf anywhere makes the sum NaN or +inf

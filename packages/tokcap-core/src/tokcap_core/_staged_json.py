@@ -1,4 +1,4 @@
-"""Staged calls as strict JSON (examples, golden vectors, debugging dumps; sinks use their own layout).
+"""Staged calls as strict JSON (examples, golden vectors, debug dumps; sinks use their own layout).
 
 A document is ``{"format": "tokcap/staged/v1", "calls": [...]}``; each call lists every
 `StagedCall` field, tokens and logprobs as JSON arrays, routes as an ``nrlre1`` envelope
@@ -17,7 +17,13 @@ from ._errors import InvalidStagedCall, TokcapError
 from ._routes import decode_routes, encode_routes
 from ._staged import StagedCall
 
-__all__ = ["STAGED_FORMAT", "decode_staged_calls", "encode_staged_calls", "staged_from_json", "staged_to_json"]
+__all__ = [
+    "STAGED_FORMAT",
+    "decode_staged_calls",
+    "encode_staged_calls",
+    "staged_from_json",
+    "staged_to_json",
+]
 
 STAGED_FORMAT: Final = "tokcap/staged/v1"
 _FIELDS: Final = (
@@ -55,10 +61,13 @@ def staged_from_json(obj: object) -> StagedCall:
     if any(isinstance(obj[k], bool) or not isinstance(obj[k], int) for k in ints):
         raise InvalidStagedCall("wrong_type", f"{ints} must be integers")
     tokens, logprobs = obj["tokens"], obj["logprobs"]
-    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+    if not isinstance(tokens, list) or any(
+        isinstance(t, bool) or not isinstance(t, int) for t in tokens
+    ):
         raise InvalidStagedCall("wrong_type", "tokens must be a list of integers")
     if not isinstance(logprobs, list) or any(
-        isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in logprobs
+        isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+        for x in logprobs
     ):
         raise InvalidStagedCall("wrong_type", "logprobs must be a list of finite numbers")
     try:
@@ -92,8 +101,10 @@ def encode_staged_calls(calls: Iterable[StagedCall]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
-def decode_staged_calls(data: bytes | str, *, max_bytes: int = 256 * 1024 * 1024) -> list[StagedCall]:
-    """Strictly decode a staged-calls document (codes ``too_large``, ``bad_json``, ``bad_format``, ...)."""
+def decode_staged_calls(
+    data: bytes | str, *, max_bytes: int = 256 * 1024 * 1024
+) -> list[StagedCall]:
+    """Strictly decode a staged-calls document (``too_large``, ``bad_json``, ``bad_format``...)."""
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise InvalidStagedCall("too_large", f"{len(raw)} bytes exceeds {max_bytes}")
@@ -103,8 +114,14 @@ def decode_staged_calls(data: bytes | str, *, max_bytes: int = 256 * 1024 * 1024
         raise
     except (ValueError, RecursionError) as e:
         raise InvalidStagedCall("bad_json", f"not JSON: {e}") from None
-    if not isinstance(doc, dict) or set(doc) != {"format", "calls"} or doc["format"] != STAGED_FORMAT:
-        raise InvalidStagedCall("bad_format", f"expected {{'format': {STAGED_FORMAT!r}, 'calls': [...]}}")
+    if (
+        not isinstance(doc, dict)
+        or set(doc) != {"format", "calls"}
+        or doc["format"] != STAGED_FORMAT
+    ):
+        raise InvalidStagedCall(
+            "bad_format", f"expected {{'format': {STAGED_FORMAT!r}, 'calls': [...]}}"
+        )
     if not isinstance(doc["calls"], list):
         raise InvalidStagedCall("wrong_type", "calls must be a list")
     return [staged_from_json(c) for c in doc["calls"]]

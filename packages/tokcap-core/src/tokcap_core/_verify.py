@@ -30,7 +30,9 @@ def verify_staged(
     ``terminal_mismatch``.
     """
     if not receipt.ok:
-        raise VerificationError("receipt_poisoned", f"{receipt.rollout_id}: {receipt.failure_reason}")
+        raise VerificationError(
+            "receipt_poisoned", f"{receipt.rollout_id}: {receipt.failure_reason}"
+        )
     by_key = staged_calls if isinstance(staged_calls, Mapping) else {c.key: c for c in staged_calls}
     out: list[list[StagedCall]] = []
     for index, segment in enumerate(receipt.segments):
@@ -51,21 +53,35 @@ def verify_staged(
     return out
 
 
-def _check_call(receipt: Receipt, link: ReceiptCall, call: StagedCall, previous: ReceiptCall | None) -> None:
+def _check_call(
+    receipt: Receipt, link: ReceiptCall, call: StagedCall, previous: ReceiptCall | None
+) -> None:
     where = link.staging_key
     if call.rollout_id != receipt.rollout_id or call.call_id != link.call_id:
         raise VerificationError("identity_mismatch", f"{where}: row names {call.key}")
     if call.parent_id != link.parent_id:
-        raise VerificationError("parent_mismatch", f"{where}: parent {call.parent_id} != {link.parent_id}")
-    if (call.prefix_len, call.carry_len, call.gen_len) != (link.prefix_len, link.carry_len, link.gen_len):
+        raise VerificationError(
+            "parent_mismatch", f"{where}: parent {call.parent_id} != {link.parent_id}"
+        )
+    if (call.prefix_len, call.carry_len, call.gen_len) != (
+        link.prefix_len,
+        link.carry_len,
+        link.gen_len,
+    ):
         raise VerificationError("length_mismatch", f"{where}: lengths differ from the ledger")
     if (call.weight_version, call.finish_reason) != (link.weight_version, link.finish_reason):
-        raise VerificationError("metadata_mismatch", f"{where}: weight version or finish reason differ")
+        raise VerificationError(
+            "metadata_mismatch", f"{where}: weight version or finish reason differ"
+        )
     if call.digest != link.call_digest or call.compute_digest() != link.call_digest:
         raise VerificationError("digest_mismatch", f"{where}: digest does not match the ledger")
     expected_parent_id = previous.call_id if previous is not None else None
-    if link.parent_id != expected_parent_id or link.prefix_len != (previous.cum_len if previous else 0):
+    if link.parent_id != expected_parent_id or link.prefix_len != (
+        previous.cum_len if previous else 0
+    ):
         raise VerificationError("parent_order", f"{where}: does not extend the call before it")
     expected_chain = chain_hash(previous.chain_hash if previous else None, link.call_digest)
     if call.chain_hash != link.chain_hash or link.chain_hash != expected_chain:
-        raise VerificationError("chain_mismatch", f"{where}: chain hash does not link to its parent")
+        raise VerificationError(
+            "chain_mismatch", f"{where}: chain hash does not link to its parent"
+        )

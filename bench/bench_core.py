@@ -1,0 +1,114 @@
+"""Core benchmarks: ledger throughput and digest throughput, as ratios within one run.
+
+    uv run python bench/bench_core.py [--rollouts 2000] [--tokens 262144]
+
+1. Ledger: events/s appended (through `Ledger.append`, hashing every entry) and
+   replayed (`replay`, re-checking every hash and transition), over many realistic
+   rollouts (8 calls each, terminal declared, closed). Goal: >= 100k events/s.
+2. Digest: `StagedCall.compute_digest` over large staged calls vs raw `hashlib.sha256`
+   over the same token and logprob bytes. Goal: >= 50 % of raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import time
+from array import array
+
+from tokcap_core import (
+    Admitted,
+    Closed,
+    Ledger,
+    Staged,
+    StagedCall,
+    TerminalDeclared,
+    chain_hash,
+    replay,
+)
+
+
+def _events_for(rollout_id: str, calls: int, rng: random.Random) -> list:  # type: ignore[type-arg]
+    events = []
+    parent_chain = None
+    cum = 0
+    for i in range(1, calls + 1):
+        call_id = f"c{i:06d}"
+        parent_id = f"c{i - 1:06d}" if i > 1 else None
+        events.append(Admitted(call_id=call_id, parent_id=parent_id, prefix_len=cum, admitted_at=i, request_fingerprint="f"))
+        digest = hashlib.sha256(rng.randbytes(8)).hexdigest()
+        ch = chain_hash(parent_chain, digest)
+        carry, gen = 10, 20
+        events.append(Staged(call_id=call_id, carry_len=carry, gen_len=gen, weight_version=0, finish_reason="stop",
+                             call_digest=digest, chain_hash=ch, response_id=f"r{i}"))  # fmt: skip
+        parent_chain, cum = ch, cum + carry + gen
+    events.append(TerminalDeclared(by="call_id", value=f"c{calls:06d}"))
+    events.append(Closed(reward=1.0))
+    return events
+
+
+def bench_ledger(rollouts: int) -> None:
+    rng = random.Random(0)
+    histories = [(f"r{i}", _events_for(f"r{i}", 8, rng)) for i in range(rollouts)]
+    n_events = sum(len(e) for _, e in histories)
+    t0 = time.perf_counter()
+    ledgers = []
+    for rollout_id, events in histories:
+        ledger = Ledger(rollout_id)
+        for event in events:
+            ledger.append(event)
+        ledgers.append(ledger)
+    t_append = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for ledger in ledgers:
+        replay(ledger.rollout_id, ledger.entries)
+    t_replay = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_events):
+        hashlib.sha256(b"x" * 200).hexdigest()
+    t_hash = time.perf_counter() - t0
+    print(f"ledger: {rollouts} rollouts, {n_events} events")
+    print(f"  append : {n_events / t_append:>12,.0f} events/s   (goal >= 100,000)")
+    print(f"  replay : {n_events / t_replay:>12,.0f} events/s   (goal >= 100,000)")
+    print(f"  baseline: one raw sha256 of 200 B per event: {n_events / t_hash:,.0f}/s; "
+          f"append costs {t_append / t_hash:.1f}x, replay {t_replay / t_hash:.1f}x that")  # fmt: skip
+
+
+def bench_digest(tokens: int, repeats: int = 20) -> None:
+    rng = random.Random(1)
+    gen = tokens // 2
+    call = StagedCall.from_engine_output(
+        rollout_id="bench", call_id="c000001", parent_id=None, parent_cum_len=0, parent_chain_hash=None,
+        prompt_ids=array("I", (rng.randrange(150_000) for _ in range(tokens - gen))),
+        output_ids=array("I", (rng.randrange(150_000) for _ in range(gen))),
+        logprobs=array("f", (-rng.random() for _ in range(gen))),
+        finish_reason="stop", weight_version=0,
+    )  # fmt: skip
+    raw = bytes(call.tokens) + bytes(call.logprobs)
+    best_ours = best_raw = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call.compute_digest()
+        best_ours = min(best_ours, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        hashlib.sha256(raw).hexdigest()
+        best_raw = min(best_raw, time.perf_counter() - t0)
+    mb = len(raw) / 1e6
+    print(f"digest: staged call of {tokens:,} tokens ({mb:.2f} MB of token+logprob bytes), best of {repeats}")
+    print(f"  compute_digest : {mb / best_ours:>8.0f} MB/s")
+    print(f"  raw sha256     : {mb / best_raw:>8.0f} MB/s")
+    print(f"  ratio          : {best_raw / best_ours:>8.1%} of raw   (goal >= 50 %)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=2000)
+    parser.add_argument("--tokens", type=int, default=262_144)
+    args = parser.parse_args()
+    bench_ledger(args.rollouts)
+    bench_digest(args.tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Training rows: one verified trajectory segment, laid out for a trainer.
+
+Buffers are compact ``array`` objects (``input_ids`` u32, ``loss_mask`` u8,
+``logprobs`` f32, routes small ints) that torch/numpy view without copying
+(``torch.frombuffer``, ``numpy.frombuffer``). ``loss_mask`` is 1 exactly on
+generated tokens; ``logprobs`` is 0.0 wherever the mask is 0. A placeholder row
+stands in for an invalid rollout: ``sample_mask == 0`` and its failure reason.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from ._errors import InvalidStagedCall
+from ._ids import validate_rollout_id
+from ._reasons import reason_bucket
+from ._routes import Routes, unknown_routes
+
+__all__ = ["CallSpan", "TrainingRow", "placeholder_row", "training_key"]
+
+
+def training_key(rollout_id: str, segment: int) -> str:
+    """The training-partition key of a rollout's ``segment``-th row: ``"{rollout_id}/s{segment:03d}"``."""
+    if isinstance(segment, bool) or not isinstance(segment, int) or not 0 <= segment < 1000:
+        raise InvalidStagedCall("bad_segment", f"segment index must be in [0, 1000): {segment!r}")
+    return f"{validate_rollout_id(rollout_id)}/s{segment:03d}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallSpan:
+    """Where one call's tokens sit in a row: ``[start, start + carry_len + gen_len)``."""
+
+    call_id: str
+    start: int
+    carry_len: int
+    gen_len: int
+    weight_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingRow:
+    """A canonical training row (or a placeholder with ``sample_mask == 0``)."""
+
+    rollout_id: str
+    segment: int
+    input_ids: array[int]
+    loss_mask: array[int]
+    logprobs: array[float]
+    routes: Routes | None
+    prompt_len: int
+    """Tokens before the first generated token."""
+    call_spans: tuple[CallSpan, ...]
+    weight_version_min: int | None
+    weight_version_max: int | None
+    truncated: bool
+    """The terminal call stopped on ``"length"``, or the row was cut to ``max_seq_len``."""
+    reward: float | None
+    sample_mask: int
+    reason: str | None
+    """Why a placeholder is one (None for a valid row)."""
+    terminal_call_id: str | None
+    backfilled_route_rows: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise InvalidStagedCall("row_length_mismatch", "input_ids, loss_mask and logprobs differ in length")
+        if self.routes is not None and self.routes.shape[0] != n:
+            raise InvalidStagedCall("row_length_mismatch", "routes must have one row per token")
+        if self.sample_mask not in (0, 1) or (self.sample_mask == 0) != (self.reason is not None):
+            raise InvalidStagedCall("bad_sample_mask", "sample_mask is 0 exactly for placeholders, which carry a reason")
+
+    @property
+    def key(self) -> str:
+        """This row's training-partition key."""
+        return training_key(self.rollout_id, self.segment)
+
+    @property
+    def reason_bucket(self) -> str | None:
+        """The failure bucket of a placeholder (for metrics), None for a valid row."""
+        return None if self.reason is None else reason_bucket(self.reason)
+
+    @property
+    def num_generated(self) -> int:
+        """How many tokens the loss is computed on."""
+        return sum(self.loss_mask)
+
+
+def placeholder_row(
+    rollout_id: str, reason: str, *, like: TrainingRow | None = None, segment: int = 0, reward: float | None = None
+) -> TrainingRow:
+    """The row a trainer pads in for an invalid rollout: one pad token, all masks 0.
+
+    With ``like``, routes (if ``like`` has them) are all-unknown rows of the same
+    ``[layers, topk]`` and dtype, so placeholders batch with real rows.
+    """
+    routes = None
+    if like is not None and like.routes is not None:
+        _, layers, topk = like.routes.shape
+        routes = unknown_routes(1, layers=layers, topk=topk, dtype=like.routes.dtype)
+    return TrainingRow(
+        rollout_id=rollout_id,
+        segment=segment,
+        input_ids=array("I", [0]),
+        loss_mask=array("B", [0]),
+        logprobs=array("f", [0.0]),
+        routes=routes,
+        prompt_len=1,
+        call_spans=(),
+        weight_version_min=None,
+        weight_version_max=None,
+        truncated=False,
+        reward=reward,
+        sample_mask=0,
+        reason=reason,
+        terminal_call_id=None,
+    )
