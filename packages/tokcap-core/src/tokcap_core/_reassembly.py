@@ -36,10 +36,13 @@ def reassemble(
 
     ``reward`` overrides the receipt's reward. Raises `ReassemblyError` with the
     verification code (``missing_call``, ``digest_mismatch``, ...) or ``routes_partial``,
-    ``chain_shape_mismatch``, ``chain_dtype_mismatch``, ``no_generated_tokens``, ``bad_max_seq_len``.
+    ``chain_shape_mismatch``, ``chain_dtype_mismatch``, ``no_generated_tokens``,
+    ``bad_max_seq_len``.
     """
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-        raise ReassemblyError("bad_max_seq_len", f"max_seq_len must be a positive int: {max_seq_len!r}")
+        raise ReassemblyError(
+            "bad_max_seq_len", f"max_seq_len must be a positive int: {max_seq_len!r}"
+        )
     try:
         segments = verify_staged(receipt, staged)
     except ReassemblyError:
@@ -85,7 +88,9 @@ def _segment_row(
         spans = _clip_spans(spans, max_seq_len)
     prompt_len = calls[0].carry_len
     if prompt_len >= len(input_ids):
-        raise ReassemblyError("no_generated_tokens", f"{receipt.rollout_id}: max_seq_len leaves no generated token")
+        raise ReassemblyError(
+            "no_generated_tokens", f"{receipt.rollout_id}: max_seq_len leaves no generated token"
+        )
     versions = [s.weight_version for s in spans if s.gen_len]
     return TrainingRow(
         rollout_id=receipt.rollout_id,
@@ -108,7 +113,7 @@ def _segment_row(
 
 
 def _clip_spans(spans: list[CallSpan], length: int) -> list[CallSpan]:
-    """The spans of a row cut to ``length`` tokens: calls past the cut go, the last one is clipped."""
+    """The spans of a row cut to ``length`` tokens: calls past the cut go, the last is clipped."""
     clipped = []
     for span in spans:
         if span.start >= length:
@@ -125,7 +130,9 @@ def _chain_routes(calls: list[StagedCall]) -> tuple[Routes | None, int]:
     if not any(with_routes):
         return None, 0
     if not all(with_routes):
-        raise ReassemblyError("routes_partial", "some calls of a segment carry routes and some do not")
+        raise ReassemblyError(
+            "routes_partial", "some calls of a segment carry routes and some do not"
+        )
     parts: list[Routes] = []
     backfilled = 0
     for call in calls:
@@ -153,5 +160,7 @@ def _rows(routes: Routes, first: int, count: int) -> Routes:
     _, layers, topk = routes.shape
     width = layers * topk
     return Routes(
-        dtype=routes.dtype, shape=(count, layers, topk), data=routes.data[first * width : (first + count) * width]
+        dtype=routes.dtype,
+        shape=(count, layers, topk),
+        data=routes.data[first * width : (first + count) * width],
     )

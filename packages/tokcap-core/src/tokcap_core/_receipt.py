@@ -4,8 +4,9 @@ Terminal selection, in order (the first rule that applies decides; none falls ba
 1. declared (`TerminalDeclared`): the named call must be STAGED, else the rollout is
    poisoned with ``declared_terminal_missing``;
 2. witnesses of `Closed` (scored ``response_id``, output ``content`` fingerprint): each
-   must match exactly one staged call and all must agree (``witness_unmatched``,
-   ``ambiguous_terminal``, ``witness_disagreement``);
+   must match a staged call (``witness_unmatched``) and they must agree
+   (``witness_disagreement``); a content fingerprint shared by several calls is
+   ``ambiguous_terminal`` unless a response-id witness picks one of them;
 3. heuristic: the deepest chain under the latest root; a tie is ``ambiguous_terminal``.
 A served failure or a call left uncommitted poisons its own rollout; a call that
 failed without ever being served (``Failed(served=False)``) is off-chain and does not.

@@ -21,7 +21,7 @@ __all__ = ["CallSpan", "TrainingRow", "placeholder_row", "training_key"]
 
 
 def training_key(rollout_id: str, segment: int) -> str:
-    """The training-partition key of a rollout's ``segment``-th row: ``"{rollout_id}/s{segment:03d}"``."""
+    """The training key of a rollout's ``segment``-th row: ``"{rollout_id}/s{segment:03d}"``."""
     if isinstance(segment, bool) or not isinstance(segment, int) or not 0 <= segment < 1000:
         raise InvalidStagedCall("bad_segment", f"segment index must be in [0, 1000): {segment!r}")
     return f"{validate_rollout_id(rollout_id)}/s{segment:03d}"
@@ -65,11 +65,15 @@ class TrainingRow:
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         if len(self.loss_mask) != n or len(self.logprobs) != n:
-            raise InvalidStagedCall("row_length_mismatch", "input_ids, loss_mask and logprobs differ in length")
+            raise InvalidStagedCall(
+                "row_length_mismatch", "input_ids, loss_mask and logprobs differ in length"
+            )
         if self.routes is not None and self.routes.shape[0] != n:
             raise InvalidStagedCall("row_length_mismatch", "routes must have one row per token")
         if self.sample_mask not in (0, 1) or (self.sample_mask == 0) != (self.reason is not None):
-            raise InvalidStagedCall("bad_sample_mask", "sample_mask is 0 exactly for placeholders, which carry a reason")
+            raise InvalidStagedCall(
+                "bad_sample_mask", "sample_mask is 0 exactly for placeholders, which carry a reason"
+            )
 
     @property
     def key(self) -> str:
@@ -88,7 +92,12 @@ class TrainingRow:
 
 
 def placeholder_row(
-    rollout_id: str, reason: str, *, like: TrainingRow | None = None, segment: int = 0, reward: float | None = None
+    rollout_id: str,
+    reason: str,
+    *,
+    like: TrainingRow | None = None,
+    segment: int = 0,
+    reward: float | None = None,
 ) -> TrainingRow:
     """The row a trainer pads in for an invalid rollout: one pad token, all masks 0.
 

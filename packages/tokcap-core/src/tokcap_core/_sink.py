@@ -119,5 +119,7 @@ def _store(table: dict[str, _T], batch: Mapping[str, _T], *, what: str) -> None:
 def _load(table: Mapping[str, _T], keys: Sequence[str]) -> list[_T]:
     missing = tuple(k for k in keys if k not in table)
     if missing:
-        raise MissingRows("missing_rows", f"{len(missing)} of {len(keys)} keys are not in the sink", missing)
+        raise MissingRows(
+            "missing_rows", f"{len(missing)} of {len(keys)} keys are not in the sink", missing
+        )
     return [table[k] for k in keys]

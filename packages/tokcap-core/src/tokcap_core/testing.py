@@ -27,8 +27,10 @@ def rollout_ids() -> st.SearchStrategy[str]:
 
 
 @st.composite
-def simulated_rollouts(draw: Any, *, max_turns: int = 6, max_roots: int = 3, routes: bool | None = None) -> SimulatedRollout:
-    """Closed synthetic rollouts: chains, breaks (forests), off-chain failures, every terminal mode."""
+def simulated_rollouts(
+    draw: Any, *, max_turns: int = 6, max_roots: int = 3, routes: bool | None = None
+) -> SimulatedRollout:
+    """Closed synthetic rollouts: chains, forests, off-chain failures, all terminal modes."""
     return simulate_rollout(
         draw(rollout_ids()),
         seed=draw(st.integers(0, 2**32 - 1)),
@@ -46,7 +48,8 @@ def simulated_rollouts(draw: Any, *, max_turns: int = 6, max_roots: int = 3, rou
 def staged_calls(draw: Any, *, routes: bool | None = None) -> StagedCall:
     """One staged call (root or child) taken from a synthetic rollout."""
     rollout = draw(simulated_rollouts(max_turns=4, max_roots=1, routes=routes))
-    return draw(st.sampled_from(rollout.calls))
+    call: StagedCall = draw(st.sampled_from(rollout.calls))
+    return call
 
 
 def manifests() -> st.SearchStrategy[Manifest]:

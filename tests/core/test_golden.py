@@ -1,0 +1,75 @@
+"""Golden vectors: the shipped digests, entry hashes and receipts are recomputed exactly."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+import pytest
+
+from tokcap_core import VerificationError, assert_golden_vectors
+
+
+def shipped() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(
+        resources.files("tokcap_core").joinpath("golden/vectors.json").read_text("utf-8")
+    )
+    return doc
+
+
+def test_shipped_golden_vectors_are_recomputed_exactly() -> None:
+    assert assert_golden_vectors() == assert_golden_vectors(shipped()) > 0
+
+
+def test_golden_vectors_cover_every_terminal_path_in_the_spec() -> None:
+    doc = shipped()
+    receipts = {r["name"]: r["receipt"] for r in doc["rollouts"]}
+    assert {r["terminal_selection"] for r in receipts.values()} >= {
+        "declared",
+        "heuristic",
+        "content",
+    }
+    assert any(r["status"] == "poisoned" for r in receipts.values())
+    assert any(len(r["segments"]) > 1 for r in receipts.values())
+
+
+# (module, constant) as each module looks it up at call time
+DOMAINS = [
+    ("tokcap_core._staged", "CALL_DOMAIN"),
+    ("tokcap_core._digest", "CHAIN_DOMAIN"),
+    ("tokcap_core._digest", "GENESIS_DOMAIN"),
+    ("tokcap_core._ledger", "LEDGER_DOMAIN"),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), DOMAINS)
+def test_a_changed_domain_string_breaks_the_golden_vectors(
+    monkeypatch: pytest.MonkeyPatch, module: str, name: str
+) -> None:
+    monkeypatch.setattr(f"{module}.{name}", b"tokcap/changed/v1")
+    with pytest.raises(VerificationError) as info:
+        assert_golden_vectors()
+    assert info.value.code == "golden_mismatch"
+
+
+EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "format": lambda d: d.update(format="tokcap/golden/v0"),
+    "genesis hash": lambda d: d["genesis"][0].update(hash="00" * 32),
+    "chain hash": lambda d: d["chain"][1].update(chain_hash="00" * 32),
+    "receipt status": lambda d: d["rollouts"][0]["receipt"].update(status="poisoned"),
+    "receipt terminal": lambda d: d["rollouts"][1]["receipt"].update(terminal_call_id="c000001"),
+    "staged digest": lambda d: d["rollouts"][0]["staged"][0].update(digest="00" * 32),
+    "staged token": lambda d: d["rollouts"][0]["staged"][0]["tokens"].__setitem__(0, 12345),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_golden_value_is_a_golden_mismatch(edit: str) -> None:
+    doc = copy.deepcopy(shipped())
+    EDITS[edit](doc)
+    with pytest.raises(VerificationError) as info:
+        assert_golden_vectors(doc)
+    assert info.value.code == "golden_mismatch"
