@@ -58,9 +58,18 @@ def _segment_calls(receipt: Receipt, staged: dict[str, StagedCall], index: int) 
     return [staged[link.staging_key] for link in receipt.segments[index]]
 
 
-def _engine_routes(rows: int, expert: int, *, dtype: str = "int8", layers: int = LAYERS, topk: int = TOPK) -> Routes:
-    """What an engine reports: one ``[layers][topk]`` row per token it ran, all naming ``expert``."""
-    return routes_from_rows([[[expert] * topk for _ in range(layers)] for _ in range(rows)], dtype=dtype)
+def _engine_routes(
+    rows: int,
+    expert: int,
+    *,
+    dtype: str = "int8",
+    layers: int = LAYERS,
+    topk: int = TOPK,
+) -> Routes:
+    """Engine-shaped routes: one ``[layers][topk]`` row per token it ran, all ``expert``."""
+    return routes_from_rows(
+        [[[expert] * topk for _ in range(layers)] for _ in range(rows)], dtype=dtype
+    )
 
 
 @dataclasses.dataclass
@@ -69,14 +78,18 @@ class Turn:
 
     carry: Sequence[int]
     output: Sequence[int]
-    routes: Any = "engine"  # "engine": engine-shaped routes naming expert = turn index; None: no routes
+    routes: Any = (
+        "engine"  # "engine": engine-shaped routes naming expert = turn index; None: no routes
+    )
     dtype: str = "int8"
     layers: int = LAYERS
     finish_reason: str = "stop"
     weight_version: int = 0
 
 
-def _chain(turns: Sequence[Turn], *, rollout_id: str = "run-1", reward: float | None = 1.0) -> tuple[Receipt, dict[str, StagedCall]]:
+def _chain(
+    turns: Sequence[Turn], *, rollout_id: str = "run-1", reward: float | None = 1.0
+) -> tuple[Receipt, dict[str, StagedCall]]:
     """A single-chain rollout as a gate would record it: ledger → receipt, plus its staged calls."""
     ledger = Ledger(rollout_id)
     staged: dict[str, StagedCall] = {}
@@ -96,7 +109,9 @@ def _chain(turns: Sequence[Turn], *, rollout_id: str = "run-1", reward: float | 
         prompt = history + list(turn.carry)
         routes = turn.routes
         if routes == "engine":
-            routes = _engine_routes(len(prompt) + len(turn.output) - 1, index, dtype=turn.dtype, layers=turn.layers)
+            routes = _engine_routes(
+                len(prompt) + len(turn.output) - 1, index, dtype=turn.dtype, layers=turn.layers
+            )
         call = StagedCall.from_engine_output(
             rollout_id=rollout_id,
             call_id=call_id,
@@ -146,7 +161,9 @@ def _expected_mask(row: TrainingRow) -> list[int]:
 
 def _check_row_laws(row: TrainingRow, calls: list[StagedCall]) -> None:
     """Every law a full (uncut) row obeys against the calls of its segment."""
-    assert row.sample_mask == 1 and row.reason is None and row.reason_bucket is None
+    assert row.sample_mask == 1
+    assert row.reason is None
+    assert row.reason_bucket is None
     assert list(row.input_ids) == [t for c in calls for t in c.tokens]
     assert len(row.input_ids) == calls[-1].cum_len
     assert row.prompt_len == calls[0].carry_len
@@ -170,9 +187,11 @@ def _check_row_laws(row: TrainingRow, calls: list[StagedCall]) -> None:
     assert row.weight_version_max == max(c.weight_version for c in calls)
     assert row.truncated == (calls[-1].finish_reason == "length")
     if calls[0].routes is None:
-        assert row.routes is None and row.backfilled_route_rows == 0
+        assert row.routes is None
+        assert row.backfilled_route_rows == 0
     else:
-        assert row.routes is not None and row.routes.shape[0] == len(row.input_ids)
+        assert row.routes is not None
+        assert row.routes.shape[0] == len(row.input_ids)
 
 
 # ---- the row is the segment ---------------------------------------------------------------
@@ -301,11 +320,13 @@ def test_row_longer_than_max_seq_len_is_cut_with_its_routes() -> None:
     receipt, staged = _chain(THREE_TURNS)
     (full,) = reassemble(receipt, staged, max_seq_len=BIG)
     (cut,) = reassemble(receipt, staged, max_seq_len=8)
-    assert cut.truncated and not full.truncated
+    assert cut.truncated
+    assert not full.truncated
     assert cut.input_ids == full.input_ids[:8]
     assert cut.loss_mask == full.loss_mask[:8]
     assert cut.logprobs == full.logprobs[:8]
-    assert cut.routes is not None and full.routes is not None
+    assert cut.routes is not None
+    assert full.routes is not None
     assert cut.routes.shape == (8, LAYERS, TOPK)
     assert cut.routes.data == full.routes.data[: 8 * LAYERS * TOPK]
 
@@ -313,13 +334,17 @@ def test_row_longer_than_max_seq_len_is_cut_with_its_routes() -> None:
 def test_row_of_exactly_max_seq_len_is_not_cut() -> None:
     receipt, staged = _chain(THREE_TURNS)
     (row,) = reassemble(receipt, staged, max_seq_len=12)
-    assert len(row.input_ids) == 12 and not row.truncated
+    assert len(row.input_ids) == 12
+    assert not row.truncated
 
 
 def test_cut_call_spans_tile_the_row_and_versions_cover_kept_generations() -> None:
     receipt, staged = _chain(THREE_TURNS)
     (row,) = reassemble(receipt, staged, max_seq_len=6)  # cuts inside the second call's carry
-    assert [(s.call_id, s.carry_len, s.gen_len) for s in row.call_spans] == [("c000001", 3, 2), ("c000002", 1, 0)]
+    assert [(s.call_id, s.carry_len, s.gen_len) for s in row.call_spans] == [
+        ("c000001", 3, 2),
+        ("c000002", 1, 0),
+    ]
     assert sum(s.carry_len + s.gen_len for s in row.call_spans) == len(row.input_ids)
     assert (row.weight_version_min, row.weight_version_max) == (3, 3)
     assert list(row.loss_mask) == _expected_mask(row)
@@ -327,7 +352,9 @@ def test_cut_call_spans_tile_the_row_and_versions_cover_kept_generations() -> No
 
 @settings(max_examples=40, deadline=None)
 @given(rollout=simulated_rollouts(routes=True), data=st.data())
-def test_any_cut_is_a_prefix_of_the_full_row(rollout: SimulatedRollout, data: st.DataObject) -> None:
+def test_any_cut_is_a_prefix_of_the_full_row(
+    rollout: SimulatedRollout, data: st.DataObject
+) -> None:
     receipt = _receipt(rollout)
     (full,) = reassemble(receipt, rollout.staged, max_seq_len=BIG)
     limit = data.draw(st.integers(full.prompt_len + 1, len(full.input_ids)))
@@ -335,7 +362,8 @@ def test_any_cut_is_a_prefix_of_the_full_row(rollout: SimulatedRollout, data: st
     assert cut.input_ids == full.input_ids[:limit]
     assert cut.loss_mask == full.loss_mask[:limit]
     assert cut.logprobs == full.logprobs[:limit]
-    assert cut.routes is not None and full.routes is not None
+    assert cut.routes is not None
+    assert full.routes is not None
     assert cut.routes.data == full.routes.data[: limit * LAYERS * TOPK]
     assert cut.truncated == (full.truncated or limit < len(full.input_ids))
     assert list(cut.loss_mask) == _expected_mask(cut)
@@ -349,7 +377,8 @@ def test_max_seq_len_within_the_prompt_leaves_no_generated_tokens() -> None:
             reassemble(receipt, staged, max_seq_len=limit)
         assert info.value.code == "no_generated_tokens"
     (row,) = reassemble(receipt, staged, max_seq_len=4)
-    assert row.num_generated == 1 and row.truncated
+    assert row.num_generated == 1
+    assert row.truncated
 
 
 @pytest.mark.parametrize("limit", [0, -1, True, 1.5, "8", None])
@@ -369,7 +398,9 @@ def _tampered(code: str) -> tuple[Receipt, dict[str, StagedCall]]:
     key = "run-1/c000002"
     call = staged[key]
     if code == "receipt_poisoned":
-        receipt = dataclasses.replace(receipt, status="poisoned", failure_reason="stage_failed:timeout")
+        receipt = dataclasses.replace(
+            receipt, status="poisoned", failure_reason="stage_failed:timeout"
+        )
     elif code == "missing_call":
         del staged[key]
     elif code == "identity_mismatch":
@@ -378,7 +409,11 @@ def _tampered(code: str) -> tuple[Receipt, dict[str, StagedCall]]:
         staged[key] = dataclasses.replace(call, parent_id="c000009")
     elif code == "length_mismatch":
         staged[key] = dataclasses.replace(
-            call, carry_len=call.carry_len + 1, gen_len=call.gen_len - 1, logprobs=call.logprobs[1:], routes=None
+            call,
+            carry_len=call.carry_len + 1,
+            gen_len=call.gen_len - 1,
+            logprobs=call.logprobs[1:],
+            routes=None,
         )
     elif code == "metadata_mismatch":
         staged[key] = dataclasses.replace(call, weight_version=call.weight_version + 1)
@@ -439,7 +474,9 @@ def test_any_altered_payload_is_a_digest_mismatch(field: str) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(rollout=simulated_rollouts(), data=st.data())
-def test_flipping_any_token_of_any_segment_is_caught(rollout: SimulatedRollout, data: st.DataObject) -> None:
+def test_flipping_any_token_of_any_segment_is_caught(
+    rollout: SimulatedRollout, data: st.DataObject
+) -> None:
     receipt = _receipt(rollout, segments="all")
     links = [link for segment in receipt.segments for link in segment]
     link = data.draw(st.sampled_from(links))
@@ -469,7 +506,8 @@ def test_reassembly_error_pickles_with_its_code() -> None:
 def test_routes_have_one_row_per_token_and_backfill_each_parents_last_token() -> None:
     receipt, staged = _chain(THREE_TURNS)
     (row,) = reassemble(receipt, staged, max_seq_len=BIG)
-    assert row.routes is not None and row.routes.dtype == "int8"
+    assert row.routes is not None
+    assert row.routes.dtype == "int8"
     per_token = [row.routes.data[t * LAYERS * TOPK] for t in range(row.routes.shape[0])]
     # tokens of call i were routed by call i's pass (expert i); a parent's last generated token
     # is first run by the child's prefill, so its route comes from the child (expert i + 1).
@@ -505,7 +543,8 @@ def test_simulated_chain_backfills_calls_minus_one_rows(rollout: SimulatedRollou
     for index, row in enumerate(reassemble(receipt, rollout.staged, max_seq_len=BIG)):
         calls = _segment_calls(receipt, rollout.staged, index)
         assert row.backfilled_route_rows == len(calls) - 1
-        assert row.routes is not None and row.routes.shape == (len(row.input_ids), LAYERS, TOPK)
+        assert row.routes is not None
+        assert row.routes.shape == (len(row.input_ids), LAYERS, TOPK)
         assert unknown_rows(row.routes) == (len(row.input_ids) - 1,)
 
 
@@ -521,14 +560,18 @@ def test_a_child_without_a_prefill_route_leaves_the_parents_last_token_unknown()
 
 
 def test_routes_on_some_calls_only_is_routes_partial() -> None:
-    receipt, staged = _chain([THREE_TURNS[0], dataclasses.replace(THREE_TURNS[1], routes=None), THREE_TURNS[2]])
+    receipt, staged = _chain(
+        [THREE_TURNS[0], dataclasses.replace(THREE_TURNS[1], routes=None), THREE_TURNS[2]]
+    )
     with pytest.raises(ReassemblyError) as info:
         reassemble(receipt, staged, max_seq_len=BIG)
     assert info.value.code == "routes_partial"
 
 
 def test_dtype_change_along_the_chain_is_chain_dtype_mismatch() -> None:
-    receipt, staged = _chain([THREE_TURNS[0], dataclasses.replace(THREE_TURNS[1], dtype="int16"), THREE_TURNS[2]])
+    receipt, staged = _chain(
+        [THREE_TURNS[0], dataclasses.replace(THREE_TURNS[1], dtype="int16"), THREE_TURNS[2]]
+    )
     with pytest.raises(ReassemblyError) as info:
         reassemble(receipt, staged, max_seq_len=BIG)
     assert info.value.code == "chain_dtype_mismatch"
@@ -544,7 +587,8 @@ def test_shape_change_along_the_chain_is_chain_shape_mismatch() -> None:
 def test_rows_without_routes_have_none() -> None:
     receipt, staged = _chain([dataclasses.replace(t, routes=None) for t in THREE_TURNS])
     (row,) = reassemble(receipt, staged, max_seq_len=BIG)
-    assert row.routes is None and row.backfilled_route_rows == 0
+    assert row.routes is None
+    assert row.backfilled_route_rows == 0
 
 
 # ---- zero-copy buffers --------------------------------------------------------------------
@@ -569,7 +613,7 @@ def test_torch_views_share_the_rows_memory() -> None:
     receipt, staged = _chain(THREE_TURNS)
     (row,) = reassemble(receipt, staged, max_seq_len=BIG)
     assert row.routes is not None
-    views = {
+    views: dict[str, tuple[array[Any], Any]] = {
         "input_ids": (row.input_ids, torch.frombuffer(row.input_ids, dtype=torch.uint32)),
         "loss_mask": (row.loss_mask, torch.frombuffer(row.loss_mask, dtype=torch.uint8)),
         "logprobs": (row.logprobs, torch.frombuffer(row.logprobs, dtype=torch.float32)),
@@ -589,11 +633,17 @@ def test_torch_views_share_the_rows_memory() -> None:
 
 def test_placeholder_row_is_masked_out_and_keeps_its_reason() -> None:
     row = placeholder_row("run-1", "stage_failed:timeout", reward=0.0)
-    assert (row.sample_mask, row.reason, row.reason_bucket) == (0, "stage_failed:timeout", "stage_failed")
+    assert (row.sample_mask, row.reason, row.reason_bucket) == (
+        0,
+        "stage_failed:timeout",
+        "stage_failed",
+    )
     assert row.num_generated == 0
     assert len(row.input_ids) == len(row.loss_mask) == len(row.logprobs) == 1
-    assert row.routes is None and row.call_spans == ()
-    assert row.terminal_call_id is None and row.reward == 0.0
+    assert row.routes is None
+    assert row.call_spans == ()
+    assert row.terminal_call_id is None
+    assert row.reward == 0.0
     assert row.key == "run-1/s000"
 
 
