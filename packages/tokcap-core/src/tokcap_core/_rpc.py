@@ -67,39 +67,92 @@ def assert_metadata_only(obj: object) -> None:
     ``unsupported_type`` (anything else), ``too_deep`` (over `MAX_METADATA_DEPTH`).
     The message names the path, e.g. ``receipts[0].segments[1][2]``.
     """
-    _walk(obj, "", 0)
+    _walk(obj, None, 0)
 
 
-def _walk(obj: object, path: str, depth: int) -> None:
-    where = path or "<root>"
+_Path = tuple[object, ...] | None
+"""A path as a cons list ``(parent, segment)``; rendered only when a violation is raised."""
+
+
+def _render(path: _Path) -> str:
+    parts: list[str] = []
+    while path is not None:
+        path, segment = path
+        parts.append(str(segment))
+    text = "".join(reversed(parts)).lstrip(".")
+    return text or "<root>"
+
+
+def _walk(obj: object, path: _Path, depth: int) -> None:
     if depth > MAX_METADATA_DEPTH:
-        raise MetadataViolation("too_deep", f"nested over {MAX_METADATA_DEPTH} deep at {where}")
-    if obj is None or type(obj) in (str, int, float, bool):
+        raise MetadataViolation(
+            "too_deep", f"nested over {MAX_METADATA_DEPTH} deep at {_render(path)}"
+        )
+    kind = _kind(obj)
+    if kind == "plain":
         return
-    if _is_token_data(obj):
-        raise MetadataViolation("tensor_value", f"{type(obj).__name__} at {where} holds tokens")
-    if is_dataclass(obj) and not isinstance(obj, type):
-        for f in fields(obj):
-            here = f"{path}.{f.name}" if path else f.name
-            _check_name(f.name, here)
-            _walk(getattr(obj, f.name), here, depth + 1)
-    elif isinstance(obj, dict):
+    if kind == "token":
+        raise MetadataViolation(
+            "tensor_value", f"{type(obj).__name__} at {_render(path)} holds tokens"
+        )
+    if kind == "dataclass":
+        for name in _field_names(type(obj), path):
+            _walk(getattr(obj, name), (path, f".{name}"), depth + 1)
+    elif kind == "dict":
+        assert isinstance(obj, dict)
         for key, value in obj.items():
-            here = f"{path}[{key!r}]"
+            here = (path, f"[{key!r}]")
             if isinstance(key, str):
                 _check_name(key, here)
             _walk(key, here, depth + 1)
             _walk(value, here, depth + 1)
-    elif isinstance(obj, (list, tuple)):
+    elif kind == "sequence":
+        assert isinstance(obj, (list, tuple))
         for name in getattr(obj, "_fields", ()):  # a namedtuple's field names are keys too
-            _check_name(name, f"{path}.{name}")
+            _check_name(name, (path, f".{name}"))
         for i, item in enumerate(obj):
-            _walk(item, f"{path}[{i}]", depth + 1)
-    elif isinstance(obj, (set, frozenset)):
+            _walk(item, (path, f"[{i}]"), depth + 1)
+    elif kind == "set":
+        assert isinstance(obj, (set, frozenset))
         for item in obj:
-            _walk(item, f"{path}{{...}}", depth + 1)
+            _walk(item, (path, "{...}"), depth + 1)
     else:
-        raise MetadataViolation("unsupported_type", f"{type(obj).__qualname__} at {where}")
+        raise MetadataViolation("unsupported_type", f"{type(obj).__qualname__} at {_render(path)}")
+
+
+_KINDS: dict[type, str] = {t: "plain" for t in (str, int, float, bool, type(None))}
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _kind(obj: object) -> str:
+    """Classify ``obj`` by its type (cached: what holds tokens is a property of the type)."""
+    tp = type(obj)
+    kind = _KINDS.get(tp)
+    if kind is None:
+        if _is_token_data(obj):
+            kind = "token"
+        elif is_dataclass(obj) and not isinstance(obj, type):
+            kind = "dataclass"
+        elif isinstance(obj, dict):
+            kind = "dict"
+        elif isinstance(obj, (list, tuple)):
+            kind = "sequence"
+        elif isinstance(obj, (set, frozenset)):
+            kind = "set"
+        else:
+            kind = "unsupported"
+        _KINDS[tp] = kind
+    return kind
+
+
+def _field_names(tp: type, path: _Path) -> tuple[str, ...]:
+    names = _FIELDS.get(tp)
+    if names is None:
+        names = tuple(f.name for f in fields(tp))
+        for name in names:
+            _check_name(name, (path, f".{name}"))
+        _FIELDS[tp] = names
+    return names
 
 
 def _is_token_data(obj: object) -> bool:
@@ -116,9 +169,9 @@ def _is_token_data(obj: object) -> bool:
         return False
 
 
-def _check_name(name: str, path: str) -> None:
+def _check_name(name: str, path: _Path) -> None:
     if name in FORBIDDEN_KEYS:
-        raise MetadataViolation("forbidden_key", f"{name!r} names token data at {path}")
+        raise MetadataViolation("forbidden_key", f"{name!r} names token data at {_render(path)}")
 
 
 def _require(ok: bool, code: str, message: str) -> None:
