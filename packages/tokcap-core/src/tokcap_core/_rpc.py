@@ -13,7 +13,7 @@ import inspect
 import math
 from array import array
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Final, Literal
+from typing import Final, Literal, TypeAlias
 
 from ._errors import InvalidId, MetadataViolation, TokcapError
 from ._ids import validate_rollout_id
@@ -70,7 +70,7 @@ def assert_metadata_only(obj: object) -> None:
     _walk(obj, None, 0)
 
 
-_Path = tuple[object, ...] | None
+_Path: TypeAlias = "tuple[_Path, str] | None"
 """A path as a cons list ``(parent, segment)``; rendered only when a violation is raised."""
 
 
