@@ -8,7 +8,11 @@ puts the repo root first on ``sys.path`` so that ``tests`` is this folder. Fail 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import tests
 
@@ -21,3 +25,21 @@ if Path(tests.__file__).resolve().parent != _HERE:
 
 # Ray must not re-run `uv run` in its workers (see scripts/setup.sh).
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# TQ reads this when imported; its default logs a warning on every op on a 2-core box.
+os.environ.setdefault("TQ_NUM_THREADS", "2")
+
+
+# ---- TransferQueue on a local Ray, shared by the whole session ---------------------------
+
+
+@pytest.fixture(scope="session")
+def tq_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One loopback-only local Ray + TransferQueue for the session (≈30 s to start).
+
+    ``extra_cpus=2`` leaves room for other actors on the same Ray (a reassembler pool).
+    Yields `tokcap_tq.LocalTQ`; TQ is closed before Ray at the end of the session.
+    """
+    from tokcap_tq import local_tq
+
+    with local_tq(tmp_path_factory.mktemp("tq"), storage_units=1, extra_cpus=2) as cluster:
+        yield cluster

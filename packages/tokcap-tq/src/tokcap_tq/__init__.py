@@ -1,3 +1,38 @@
-"""tokcap adapter for TransferQueue (placeholder; the real modules land later)."""
+"""tokcap adapter for TransferQueue: `TQSink`, `TQReplayBuffer` and a loopback `local_tq`.
 
-__all__: list[str] = []
+`TQSink` implements ``tokcap_core.TokenSink`` over TransferQueue's async KV API (a staging
+partition for staged calls, a training partition for trainer-ready rows) and turns TQ's
+silent partial results into errors. `TQReplayBuffer` drives the core's replay-slot state
+machine over it. `to_padded_batch` turns fetched rows into torch tensors; the
+``encode_*``/``decode_*`` functions expose the TensorDict layout for readers of TQ itself.
+Installing: ``pip install tokcap-tq`` (brings TransferQueue, Ray, torch and tensordict).
+"""
+
+from ._codec import (
+    STAGING_FIELDS,
+    TRAINING_FIELDS,
+    decode_rows,
+    decode_staged,
+    encode_rows,
+    encode_staged,
+    to_padded_batch,
+)
+from ._local import LocalTQ, local_tq
+from ._replay import SweepResult, TQReplayBuffer
+from ._sink import TQSink, TQSinkConfig
+
+__all__ = [
+    "STAGING_FIELDS",
+    "TRAINING_FIELDS",
+    "LocalTQ",
+    "SweepResult",
+    "TQReplayBuffer",
+    "TQSink",
+    "TQSinkConfig",
+    "decode_rows",
+    "decode_staged",
+    "encode_rows",
+    "encode_staged",
+    "local_tq",
+    "to_padded_batch",
+]

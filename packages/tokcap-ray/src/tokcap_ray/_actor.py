@@ -1,0 +1,197 @@
+"""`RolloutReassemblerActor`: one group in, exactly N training rows published, one summary out.
+
+Per request: check the progress record (a retry of a finished group returns the
+recorded `FinalizedGroup` and writes nothing); fetch every on-chain staged row in one
+batched ``get`` (on `MissingRows`, fetch the present ones once more: the missing
+rollouts become ``missing_rows`` placeholders); verify and reassemble with the core;
+record ``publishing``; publish; clear the group's staging keys; record ``published``.
+
+A record left at ``publishing`` means an earlier attempt died between the record and
+the end of its publish. The training keys then decide, never a guess: all present ->
+published (finish the clear); none -> nothing was written, start over; some ->
+``outcome="unknown"`` with the keys to check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias
+
+import anyio
+
+from tokcap_core import (
+    FinalizedGroup,
+    MissingRows,
+    ReassemblyRequest,
+    StagedCall,
+    TokenSink,
+    assert_metadata_only,
+    on_chain_keys,
+    reassemble_group,
+)
+
+from ._await import await_ref
+from ._progress import GroupRecord, RecordState
+
+__all__ = ["RolloutReassemblerActor", "SinkFactory"]
+
+SinkFactory: TypeAlias = Callable[[], "TokenSink | Awaitable[TokenSink]"]
+"""A picklable zero-arg callable building a sink (or an awaitable of one) in an actor."""
+
+TIMING_KEYS = ("time/fetch_ms", "time/reassemble_ms", "time/publish_ms", "time/clear_ms")
+"""Per-group timings (ms) added to the core's metrics; ``reassemble`` is verify+assemble,
+one pass in the core. A group recovered after its actor died reports 0.0 for the steps
+the dead actor did."""
+
+
+class _Pending:
+    """One group being reassembled; concurrent duplicates wait for it instead of redoing it."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.result: FinalizedGroup | None = None
+        self.error: BaseException | None = None
+
+
+class RolloutReassemblerActor:
+    """Reassembles groups into a sink's training partition (run as an async Ray actor).
+
+    ``sink_factory`` runs here, in the actor process, so a sink opens its own
+    connections; it may return the sink or an awaitable of it (``TQSink.connect``).
+    ``progress`` is the pool's ``ProgressActor`` handle.
+    """
+
+    def __init__(self, sink_factory: SinkFactory, progress: Any) -> None:
+        self._made: TokenSink | Awaitable[TokenSink] = sink_factory()
+        self._sink_lock = anyio.Lock()
+        self._progress = progress
+        self._pending: dict[str, _Pending] = {}
+
+    async def ready(self) -> bool:
+        """True once the actor and its sink are up."""
+        await self._get_sink()
+        return True
+
+    async def _get_sink(self) -> TokenSink:
+        async with self._sink_lock:
+            if inspect.isawaitable(self._made):
+                self._made = await self._made
+            return self._made
+
+    @property
+    def _sink(self) -> TokenSink:
+        assert not inspect.isawaitable(self._made), "ready() builds the sink first"
+        return self._made
+
+    async def reassemble(
+        self, request: ReassemblyRequest, *, first_attempt: bool = False
+    ) -> FinalizedGroup:
+        """Reassemble and publish ``request``'s group (idempotent by group id).
+
+        ``first_attempt=True`` (the pool has never sent this group before) skips the
+        progress lookup: no record can exist yet.
+        """
+        assert_metadata_only(request)
+        pending = self._pending.get(request.group_id)
+        if pending is None:
+            pending = self._pending[request.group_id] = _Pending()
+            # Shielded: once started, a group runs to the end even if its caller is
+            # cancelled, so no cancellation can leave a half-written group behind.
+            with anyio.CancelScope(shield=True):
+                try:
+                    pending.result = await self._run(request, first_attempt)
+                except BaseException as e:
+                    pending.error = e
+                    raise
+                finally:
+                    del self._pending[request.group_id]
+                    pending.done.set()
+        else:
+            await pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+        assert pending.result is not None
+        assert_metadata_only(pending.result)
+        return pending.result
+
+    async def _run(self, request: ReassemblyRequest, first_attempt: bool) -> FinalizedGroup:
+        await self._get_sink()
+        record: GroupRecord | None = None
+        if not first_attempt:
+            record = await await_ref(self._progress.get.remote(request.group_id))
+        if record is None:
+            return await self._fresh(request)
+        if record.state == "publishing":
+            return await self._resume(request, record.finalized)
+        return record.finalized
+
+    async def _fresh(self, request: ReassemblyRequest) -> FinalizedGroup:
+        t0 = time.perf_counter()
+        staged, missing = await self._fetch(on_chain_keys(request))
+        t1 = time.perf_counter()
+        timings = dict.fromkeys(TIMING_KEYS, 0.0) | {"time/fetch_ms": (t1 - t0) * 1e3}
+        result = reassemble_group(
+            request,
+            staged,
+            staging_cleared=request.clear_staging,
+            extra_metrics=timings | {"staging/missing_keys": float(missing)},
+        )
+        t2 = time.perf_counter()
+        finalized = _with_metrics(result.finalized, {"time/reassemble_ms": (t2 - t1) * 1e3})
+        await self._record(request.group_id, "publishing", finalized)
+        t2 = time.perf_counter()  # the record's round trip is in neither step
+        await self._sink.publish(result.rows)
+        t3 = time.perf_counter()
+        if request.clear_staging:
+            await self._sink.clear(request.staging_keys)
+        t4 = time.perf_counter()
+        finalized = _with_metrics(
+            finalized, {"time/publish_ms": (t3 - t2) * 1e3, "time/clear_ms": (t4 - t3) * 1e3}
+        )
+        # Not awaited: Ray runs this caller's calls to the progress actor in order, and
+        # if this record is lost the "publishing" one still resolves to published.
+        self._progress.put.remote(
+            request.group_id, GroupRecord(state="published", finalized=finalized)
+        )
+        return finalized
+
+    async def _resume(self, request: ReassemblyRequest, recorded: FinalizedGroup) -> FinalizedGroup:
+        keys = recorded.training_keys
+        try:
+            await self._sink.fetch(keys)
+            present = len(keys)
+        except MissingRows as e:
+            present = len(keys) - len(set(e.missing))
+        if present == 0:
+            return await self._fresh(request)
+        if present < len(keys):
+            unknown = dataclasses.replace(recorded, outcome="unknown", staging_cleared=False)
+            await self._record(request.group_id, "unknown", unknown)
+            return unknown
+        if request.clear_staging:
+            await self._sink.clear(request.staging_keys)
+        await self._record(request.group_id, "published", recorded)
+        return recorded
+
+    async def _fetch(self, keys: list[str]) -> tuple[dict[str, StagedCall], int]:
+        """All staged rows of ``keys`` in one batch, or the present ones and the missing count."""
+        try:
+            calls = await self._sink.get(keys)
+            missing = 0
+        except MissingRows as e:
+            absent = set(e.missing)
+            present = [k for k in keys if k not in absent]
+            calls = await self._sink.get(present) if present else []
+            missing = len(keys) - len(present)
+        return {call.key: call for call in calls}, missing
+
+    async def _record(self, group_id: str, state: RecordState, finalized: FinalizedGroup) -> None:
+        record = GroupRecord(state=state, finalized=finalized)
+        await await_ref(self._progress.put.remote(group_id, record))
+
+
+def _with_metrics(finalized: FinalizedGroup, extra: dict[str, float]) -> FinalizedGroup:
+    return dataclasses.replace(finalized, metrics=finalized.metrics | extra)

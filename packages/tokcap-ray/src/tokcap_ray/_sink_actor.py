@@ -1,0 +1,121 @@
+"""The reference sink across processes: a `MemorySink` inside a Ray actor, and its proxy.
+
+``ActorSink`` implements `tokcap_core.TokenSink` by forwarding every call to one
+``SinkActor``; it is picklable (it holds only the actor handle), so a pool's
+``sink_factory`` can be ``sink.factory()`` and every reassembler actor talks to the
+same store. For users without TransferQueue, and for tests: rows cross a process
+boundary per call, so it is slower than a real distributed store's direct reads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayTaskError
+
+from tokcap_core import MemorySink, StagedCall, TrainingRow
+
+from ._await import await_ref
+
+__all__ = ["ActorSink", "SinkActor"]
+
+
+class SinkActor:
+    """A `MemorySink` as a Ray actor (start it with `ActorSink.start`)."""
+
+    def __init__(self) -> None:
+        self._sink = MemorySink()
+
+    async def put(self, calls: Sequence[StagedCall]) -> None:
+        """See `MemorySink.put`."""
+        await self._sink.put(calls)
+
+    async def get(self, keys: Sequence[str]) -> list[StagedCall]:
+        """See `MemorySink.get`."""
+        return await self._sink.get(keys)
+
+    async def clear(self, keys: Sequence[str]) -> None:
+        """See `MemorySink.clear`."""
+        await self._sink.clear(keys)
+
+    async def publish(self, rows: Mapping[str, TrainingRow]) -> None:
+        """See `MemorySink.publish`."""
+        await self._sink.publish(rows)
+
+    async def fetch(self, keys: Sequence[str]) -> list[TrainingRow]:
+        """See `MemorySink.fetch`."""
+        return await self._sink.fetch(keys)
+
+    async def clear_rows(self, keys: Sequence[str]) -> None:
+        """See `MemorySink.clear_rows`."""
+        await self._sink.clear_rows(keys)
+
+    async def staged_keys(self) -> list[str]:
+        """Every staging key held."""
+        return self._sink.staged_keys()
+
+    async def row_keys(self) -> list[str]:
+        """Every training key held."""
+        return self._sink.row_keys()
+
+
+class ActorSink:
+    """A `TokenSink` that forwards to a ``SinkActor``; errors arrive as the sink raised them."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    @classmethod
+    def start(cls, **actor_options: Any) -> ActorSink:
+        """Start a ``SinkActor`` (``num_cpus=0`` unless given) and return its proxy."""
+        actor_options.setdefault("num_cpus", 0)
+        return cls(ray.remote(SinkActor).options(**actor_options).remote())
+
+    def factory(self) -> Callable[[], ActorSink]:
+        """A picklable zero-arg callable making a proxy to the same actor (a ``sink_factory``)."""
+        return functools.partial(type(self), self.handle)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await await_ref(getattr(self.handle, method).remote(*args))
+        except RayTaskError as e:
+            raise e.cause from None  # the sink's own typed error, e.g. MissingRows
+
+    async def put(self, calls: Sequence[StagedCall]) -> None:
+        """Store staged calls (see `TokenSink.put`)."""
+        await self._call("put", list(calls))
+
+    async def get(self, keys: Sequence[str]) -> list[StagedCall]:
+        """The staged calls for ``keys``, or `MissingRows`."""
+        result: list[StagedCall] = await self._call("get", list(keys))
+        return result
+
+    async def clear(self, keys: Sequence[str]) -> None:
+        """Free staged calls; absent keys are ignored."""
+        await self._call("clear", list(keys))
+
+    async def publish(self, rows: Mapping[str, TrainingRow]) -> None:
+        """Store training rows under their keys."""
+        await self._call("publish", dict(rows))
+
+    async def fetch(self, keys: Sequence[str]) -> list[TrainingRow]:
+        """The training rows for ``keys``, or `MissingRows`."""
+        result: list[TrainingRow] = await self._call("fetch", list(keys))
+        return result
+
+    async def clear_rows(self, keys: Sequence[str]) -> None:
+        """Free training rows; absent keys are ignored."""
+        await self._call("clear_rows", list(keys))
+
+    async def staged_keys(self) -> list[str]:
+        """Every staging key the actor holds (leak checks)."""
+        result: list[str] = await self._call("staged_keys")
+        return result
+
+    async def row_keys(self) -> list[str]:
+        """Every training key the actor holds (leak checks)."""
+        result: list[str] = await self._call("row_keys")
+        return result

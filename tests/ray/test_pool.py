@@ -1,0 +1,221 @@
+"""The reassembler pool on a real local Ray, against the reference sink across processes.
+
+One pool (2 actors, 0.5 CPU each) on one `ScriptedSink` serves the whole module: actor
+start-up dominates on a small machine. Groups have distinct ids, so each test checks
+only its own keys; the scripted sink stalls in ``publish`` for ``stall-*``/``half-*``
+groups so a test can kill the actor mid-request.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+import ray
+
+from tests.ray.support import ScriptedSink, make_group
+from tokcap_core import (
+    FinalizedGroup,
+    MemorySink,
+    ReassemblyRequest,
+    StagedCall,
+    reassemble_group,
+)
+from tokcap_ray import TIMING_KEYS, ActorSink, ReassemblerPool, step_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.usefixtures("ray_cluster")]
+
+
+@pytest.fixture(scope="module")
+async def sink(ray_cluster: Any) -> AsyncIterator[ActorSink]:
+    """The reference sink (a `MemorySink` in its own actor), seen from the driver."""
+    sink = ActorSink.start()
+    yield sink
+    ray.kill(sink.handle, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+async def pool(sink: ActorSink) -> AsyncIterator[ReassemblerPool]:
+    """Two reassembler actors whose sink is a `ScriptedSink` proxy to ``sink``'s actor."""
+    factory = functools.partial(ScriptedSink, sink.handle)
+    async with ReassemblerPool(2, factory, num_cpus=0.5, max_in_flight=32) as pool:
+        yield pool
+
+
+def _in_process(request: ReassemblyRequest, staged: dict[str, StagedCall]) -> Any:
+    return reassemble_group(request, staged, staging_cleared=request.clear_staging)
+
+
+def _core_metrics(finalized: FinalizedGroup) -> dict[str, float]:
+    """The core's metrics (the pool adds its timings and ``staging/missing_keys``)."""
+    pool_keys = {*TIMING_KEYS, "staging/missing_keys"}
+    return {k: v for k, v in finalized.metrics.items() if k not in pool_keys}
+
+
+async def _staged_group(sink: ActorSink, group_id: str, kinds: list[str]) -> Any:
+    request, staged = make_group(group_id, kinds)
+    await sink.put(list(staged.values()))
+    return request, staged
+
+
+async def _held(sink: ActorSink, group_id: str) -> tuple[list[str], list[str]]:
+    """The group's training keys and staging keys the sink holds, sorted."""
+    mine = f"{group_id}-r"
+    rows = sorted(k for k in await sink.row_keys() if k.startswith(mine))
+    staged = sorted(k for k in await sink.staged_keys() if k.startswith(mine))
+    return rows, staged
+
+
+async def test_mixed_group_publishes_one_row_per_segment_and_a_placeholder_per_failure(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    kinds = ["ok", "forest", "poisoned", "tampered", "missing", "ok"]
+    request, staged = await _staged_group(sink, "mixed", kinds)
+    finalized = await pool.submit(request)
+    expected = _in_process(request, staged)
+    assert finalized.outcome == "published"
+    assert finalized.total_row_count == 5 + 2  # the forest has two segments
+    assert finalized.valid_row_count == 4
+    assert dict(finalized.failures) == {
+        "mixed-r2": "engine_failed:oom",
+        "mixed-r3": "reassembly_failed:digest_mismatch",
+        "mixed-r4": "missing_rows",
+    }
+    rows = await sink.fetch(finalized.training_keys)
+    assert rows == list(expected.rows.values())
+    placeholders = [r for r in rows if r.sample_mask == 0]
+    assert [r.reason for r in placeholders] == [reason for _, reason in finalized.failures]
+    assert await _held(sink, "mixed") == (sorted(finalized.training_keys), [])
+    assert finalized.staging_cleared  # every admitted call's staging key, off-chain too
+    metrics = finalized.metrics
+    assert metrics["staging/missing_keys"] == 1.0
+    assert metrics["failures/missing_rows"] == 1.0
+    assert metrics["failures/reassembly_failed"] == 1.0
+    assert metrics["failures/engine_failed"] == 1.0
+    assert all(metrics[k] >= 0.0 for k in TIMING_KEYS)
+    assert _core_metrics(finalized) == _core_metrics(expected.finalized)
+    step = step_metrics([finalized, finalized])
+    assert step["rows/total"] == 14.0
+    assert step["groups/total"] == 2.0
+    assert step["rows/valid_fraction"] == pytest.approx(4 / 7)
+
+
+async def test_a_retry_after_success_returns_the_same_group_and_publishes_nothing(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    request, _ = await _staged_group(sink, "again", ["ok", "ok", "poisoned"])
+    deaths = pool.stats["actor_deaths"]
+    first = await pool.submit(request)
+    await sink.clear_rows(first.training_keys)  # the trainer consumed them
+    assert await pool.submit(request) == first
+    ray.kill(pool.actor_for(request.group_id), no_restart=True)  # and on a fresh actor
+    with anyio.fail_after(60):
+        again = await pool.submit(request)
+    concurrent = await pool.map([request, request])
+    assert again == first
+    assert concurrent == [first, first]
+    assert await _held(sink, "again") == ([], [])  # nothing was published a second time
+    assert pool.stats["actor_deaths"] == deaths + 1
+
+
+async def _submit_and_kill(pool: ReassemblerPool, request: ReassemblyRequest) -> FinalizedGroup:
+    """Submit, wait until the actor recorded ``publishing``, kill it, return the result."""
+    result: list[FinalizedGroup] = []
+    deaths = pool.stats["actor_deaths"]
+
+    async def submit() -> None:
+        result.append(await pool.submit(request))
+
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit)
+            while (record := await pool.record(request.group_id)) is None:
+                await anyio.sleep(0.05)
+            assert record.state == "publishing"
+            ray.kill(pool.actor_for(request.group_id), no_restart=True)
+    assert pool.stats["actor_deaths"] == deaths + 1
+    return result[0]
+
+
+async def test_an_actor_killed_before_its_publish_wrote_is_replaced_and_the_group_redone(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    request, staged = await _staged_group(sink, "stall-before", ["ok", "forest", "missing"])
+    finalized = await _submit_and_kill(pool, request)
+    expected = _in_process(request, staged)
+    assert finalized.outcome == "published"
+    assert finalized.metrics["time/publish_ms"] > 0.0  # the replacement published
+    assert await _held(sink, "stall-before") == (sorted(expected.rows), [])
+    assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+
+
+async def test_an_actor_killed_after_its_publish_wrote_is_not_republished(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    request, staged = await _staged_group(sink, "stall-after", ["ok", "poisoned", "ok"])
+    finalized = await _submit_and_kill(pool, request)
+    expected = _in_process(request, staged)
+    assert finalized.outcome == "published"
+    assert _core_metrics(finalized) == _core_metrics(expected.finalized)
+    assert finalized.metrics["time/publish_ms"] == 0.0  # recovered: the dead actor published
+    assert await _held(sink, "stall-after") == (sorted(expected.rows), [])  # clear finished
+    assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+
+
+async def test_an_actor_killed_mid_write_reports_an_unknown_outcome_with_the_keys(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    request, staged = await _staged_group(sink, "half", ["ok", "ok", "ok", "ok"])
+    finalized = await _submit_and_kill(pool, request)
+    assert await pool.submit(request) == finalized  # stays unknown: never guessed
+    assert finalized.outcome == "unknown"
+    assert not finalized.staging_cleared
+    assert sorted(finalized.training_keys) == sorted(_in_process(request, staged).rows)
+    rows, staging = await _held(sink, "half")
+    assert len(rows) == 2
+    assert staging == sorted(staged)  # not cleared: the controller decides what to do
+
+
+async def test_256_groups_through_2_workers_match_in_process_reassembly(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    pattern = ["ok", "forest", "ok", "poisoned", "tampered", "missing"]
+    groups = [
+        make_group(f"g{i:03d}", [pattern[(i + j) % 6] for j in range(4)], seed=i)
+        for i in range(256)
+    ]
+    await sink.put([c for _, staged in groups for c in staged.values()])
+    requests = [request for request, _ in groups]
+    with anyio.fail_after(120):
+        seen = []
+        async with pool.as_completed(requests) as results:
+            async for finalized in results:
+                seen.append(finalized.group_id)
+        assert sorted(seen) == sorted(r.group_id for r in requests)
+        in_order = await pool.map(requests)  # retries of finished groups: same results
+    expected_rows: dict[str, Any] = {}
+    for (request, staged), finalized in zip(groups, in_order, strict=True):
+        expected = _in_process(request, staged)
+        assert finalized.group_id == request.group_id
+        assert finalized.training_keys == expected.finalized.training_keys
+        assert _core_metrics(finalized) == _core_metrics(expected.finalized)
+        expected_rows.update(expected.rows)
+    keys = sorted(expected_rows)
+    assert sorted(k for k in await sink.row_keys() if k[0] == "g") == keys
+    assert await sink.fetch(keys) == [expected_rows[k] for k in keys]
+    assert [k for k in await sink.staged_keys() if k[0] == "g"] == []
+    step = step_metrics(in_order)
+    assert step["groups/total"] == 256.0
+    assert step["rows/total"] == float(len(keys))
+
+
+async def test_the_in_process_baseline_runs_the_core_on_a_memory_sink() -> None:
+    """What the pool is compared with: the core on a `MemorySink`, in one process."""
+    request, staged = make_group("local", ["ok", "missing"])
+    sink = MemorySink()
+    await sink.put(list(staged.values()))
+    result = _in_process(request, dict(zip(staged, await sink.get(list(staged)), strict=True)))
+    assert result.finalized.failures == (("local-r1", "missing_rows"),)

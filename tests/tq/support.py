@@ -1,0 +1,24 @@
+"""Helpers shared by the TransferQueue tests."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from tokcap_core import SimulatedRollout, TrainingRow, assemble_receipt, placeholder_row, reassemble
+
+
+def fresh_tq_sink() -> Any:
+    """A `TQSink` on partitions no other test touches (TQ outlives each test)."""
+    from tokcap_tq import TQSink, TQSinkConfig
+
+    tag = uuid.uuid4().hex[:12]
+    return TQSink(TQSinkConfig(staging_partition=f"stg_{tag}", training_partition=f"trn_{tag}"))
+
+
+def rows_of(rollout: SimulatedRollout) -> list[TrainingRow]:
+    """The training rows of a simulated rollout (a placeholder when its receipt fails)."""
+    receipt = assemble_receipt(rollout.ledger.state, segments="all")
+    if not receipt.ok:
+        return [placeholder_row(receipt.rollout_id, receipt.failure_reason or "unknown")]
+    return reassemble(receipt, rollout.staged, max_seq_len=1 << 20)
