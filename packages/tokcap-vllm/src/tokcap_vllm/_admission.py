@@ -1,0 +1,274 @@
+"""Admission: fingerprints, parent resolution and suffix rendering (pure; no I/O, no engine).
+
+A chat call's parent is the latest live call whose *conversation after it* (its request
+messages + the assistant message it returned) equals a prefix of the new messages ending at
+an assistant message; the deepest such prefix wins. Messages are normalised first (content
+parts joined, tool-call arguments re-serialised canonically, ids dropped) so a harness that
+re-encodes JSON still matches.
+
+On a match the prompt is ``parent cumulative ids + encode(R_full[len(T):])`` where ``T`` is
+the parent's cumulative *text* (its rendered prompt text + its generated ids decoded with
+special tokens) and ``R_full`` the new conversation rendered with the chat template. Two
+checks make this exact rather than hopeful:
+- ``R_prefix = render(messages[:k+1])`` must start with ``T``: the template renders the
+  parent's turn as exactly what the model produced; what follows ``T`` in ``R_prefix`` is
+  template text after the end-of-turn token (ChatML's ``\\n`` after ``<|im_end|>``), which
+  becomes part of the carried suffix;
+- ``R_full`` must start with ``R_prefix``: appending messages does not re-render history.
+A failed check makes the call a new root with a break cause (`BREAK_CAUSES`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import BadRequest
+
+__all__ = [
+    "ChatPlan",
+    "PriorCall",
+    "Renderer",
+    "break_cause",
+    "message_fingerprints",
+    "normalize_message",
+    "output_fingerprint",
+    "plan_chat",
+    "plan_completion",
+]
+
+Renderer = Callable[[Sequence[Mapping[str, Any]], bool], str]
+"""``render(messages, add_generation_prompt) -> text``: the chat template, bound to a request."""
+Encoder = Callable[[str], list[int]]
+
+
+@dataclass(slots=True)
+class PriorCall:
+    """What admission needs to know about an earlier call of the rollout."""
+
+    call_id: str
+    kind: str
+    cum_text: str
+    cum_ids: Sequence[int]
+    conversation_fp: str | None = None
+    """Chat only: fingerprint of the request messages + the returned assistant message."""
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    """Admission's answer: the parent (None: root), the exact engine prompt, and the text it is."""
+
+    parent_id: str | None
+    prefix_len: int
+    prompt_ids: list[int]
+    prompt_text: str
+    break_cause: str | None = None
+    request_fingerprint: str = ""
+    details: dict[str, int] = field(default_factory=dict)
+
+
+def _text_of(content: object) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                isinstance(part, Mapping)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                parts.append(part["text"])
+            elif isinstance(part, str):
+                parts.append(part)
+            else:
+                raise BadRequest("unsupported_content", "only text content parts can be captured")
+        return "\n".join(parts)
+    raise BadRequest("bad_body", "message content must be a string, a list of parts or null")
+
+
+def _arguments(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def normalize_message(message: object) -> dict[str, Any]:
+    """The fields of a chat message that identify it (and feed the template), canonically."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise BadRequest("bad_body", "every message must be an object with a string role")
+    out: dict[str, Any] = {"role": message["role"], "content": _text_of(message.get("content"))}
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise BadRequest("bad_body", "tool_calls must be a list")
+        norm = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping):
+                raise BadRequest("bad_body", "a tool call needs a function object")
+            norm.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": fn.get("name"),
+                        "arguments": _arguments(fn.get("arguments")),
+                    },
+                }
+            )
+        out["tool_calls"] = norm
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    return out
+
+
+def _canonical(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def message_fingerprints(messages: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Rolling fingerprints: element ``i`` covers ``messages[: i + 1]`` (hex SHA-256)."""
+    out, prev = [], b"tokcap/conversation/v1"
+    for message in messages:
+        digest = hashlib.sha256(prev + _canonical(message)).digest()
+        out.append(digest.hex())
+        prev = digest
+    return out
+
+
+def output_fingerprint(
+    content: str | None, tool_calls: Sequence[Mapping[str, Any]] | None = None
+) -> str:
+    """Fingerprint of one returned assistant message (content and tool calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return hashlib.sha256(b"tokcap/output/v1" + _canonical(normalize_message(message))).hexdigest()
+
+
+def break_cause(before: str, after: str, *, gen_start: int | None, markers: Sequence[str]) -> str:
+    """Why ``after`` does not extend ``before``: reasoning stripped, content or history changed."""
+    i = 0
+    limit = min(len(before), len(after))
+    while i < limit and before[i] == after[i]:
+        i += 1
+    lost, kept = before[i:], after[i:]
+    if any(lost.count(m) > kept.count(m) for m in markers):
+        return "reasoning_stripped"
+    if gen_start is not None and i >= gen_start:
+        return "template_mismatch"
+    return "history_rewritten"
+
+
+def plan_chat(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    priors: Sequence[PriorCall],
+    gen_starts: Mapping[str, int],
+    render: Renderer,
+    encode: Encoder,
+    add_generation_prompt: bool,
+    markers: Sequence[str],
+) -> ChatPlan:
+    """Resolve the parent of a chat call among ``priors`` and build its exact prompt.
+
+    ``priors`` are the rollout's live chat calls, oldest first; ``gen_starts[call_id]`` is
+    where that call's generated text starts in its ``cum_text`` (for break causes).
+    """
+    fps = message_fingerprints(messages)
+    request_fp = fps[-1] if fps else hashlib.sha256(b"tokcap/conversation/v1").hexdigest()
+    full = render(messages, add_generation_prompt)
+    by_fp: dict[str, PriorCall] = {}
+    for prior in priors:
+        if prior.kind == "chat" and prior.conversation_fp is not None:
+            by_fp[prior.conversation_fp] = prior  # latest wins
+    for k in range(len(messages) - 1, -1, -1):
+        if messages[k]["role"] != "assistant" or fps[k] not in by_fp:
+            continue
+        parent = by_fp[fps[k]]
+        prefix = render(messages[: k + 1], False)
+        gen_start = gen_starts.get(parent.call_id)
+        if not prefix.startswith(parent.cum_text):
+            cause = break_cause(parent.cum_text, prefix, gen_start=gen_start, markers=markers)
+            return _root(full, encode, request_fp, cause)
+        if not full.startswith(prefix):
+            cause = break_cause(prefix, full, gen_start=None, markers=markers)
+            return _root(full, encode, request_fp, cause)
+        carry_text = full[len(parent.cum_text) :]
+        prompt_ids = list(parent.cum_ids)
+        prompt_ids.extend(encode(carry_text))
+        return ChatPlan(
+            parent_id=parent.call_id,
+            prefix_len=len(parent.cum_ids),
+            prompt_ids=prompt_ids,
+            prompt_text=full,
+            request_fingerprint=request_fp,
+            details={"template_tail_chars": len(prefix) - len(parent.cum_text)},
+        )
+    return _root(full, encode, request_fp, "no_parent_match" if priors else None)
+
+
+def _root(full: str, encode: Encoder, request_fp: str, cause: str | None) -> ChatPlan:
+    return ChatPlan(
+        parent_id=None,
+        prefix_len=0,
+        prompt_ids=encode(full),
+        prompt_text=full,
+        break_cause=cause,
+        request_fingerprint=request_fp,
+    )
+
+
+def plan_completion(
+    prompt: str | Sequence[int], *, priors: Sequence[PriorCall], encode: Encoder
+) -> ChatPlan:
+    """A completion call's parent: the longest earlier cumulative text (or ids) it extends."""
+    is_text = isinstance(prompt, str)
+    raw = prompt.encode() if isinstance(prompt, str) else _canonical(list(prompt))
+    request_fp = hashlib.sha256(b"tokcap/completion/v1" + raw).hexdigest()
+    best: PriorCall | None = None
+    for prior in priors:
+        if prior.kind != "completion":
+            continue
+        if isinstance(prompt, str):
+            hit = prompt.startswith(prior.cum_text) and len(prompt) > len(prior.cum_text)
+            size = len(prior.cum_text)
+        else:
+            n = len(prior.cum_ids)
+            hit = len(prompt) > n and list(prompt[:n]) == list(prior.cum_ids)
+            size = n
+        if hit and (best is None or size >= (len(best.cum_text) if is_text else len(best.cum_ids))):
+            best = prior
+    text = prompt if isinstance(prompt, str) else ""
+    if best is None:
+        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+        cause = "no_parent_match" if any(p.kind == "completion" for p in priors) else None
+        return ChatPlan(
+            parent_id=None,
+            prefix_len=0,
+            prompt_ids=ids,
+            prompt_text=text,
+            break_cause=cause,
+            request_fingerprint=request_fp,
+        )
+    ids = list(best.cum_ids)
+    if isinstance(prompt, str):
+        ids.extend(encode(prompt[len(best.cum_text) :]))
+    else:
+        ids.extend(prompt[len(best.cum_ids) :])
+    return ChatPlan(
+        parent_id=best.call_id,
+        prefix_len=len(best.cum_ids),
+        prompt_ids=ids,
+        prompt_text=text,
+        request_fingerprint=request_fp,
+    )

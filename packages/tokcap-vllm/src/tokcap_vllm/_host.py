@@ -1,0 +1,164 @@
+"""CaptureHost: the hook around vLLM's async engine that every OpenAI path funnels through.
+
+vLLM's chat and completion handlers template the request, then call
+``engine_client.generate(engine_input, sampling_params, request_id, ...)``. The host
+replaces that bound method on the one engine instance. For a call the gate admitted (a
+`Ticket` in the request's context) it swaps the prompt for the admitted token ids
+(``token_in``), asks the engine for the sampled token's logprob (never shown to the
+harness unless it asked: vLLM decides that from the request, not the sampling params) and
+accumulates output ids, logprobs, finish reason, weight version and routed experts. When the
+engine finishes, the ticket's ``on_finish`` runs *before* the final output is handed to vLLM's
+response writer, so the sink write starts while the response is still being serialised.
+Everything else passes through untouched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from array import array
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokcap_core import Routes, dtype_for_experts, routes_from_rows
+
+__all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket"]
+
+
+@dataclass(slots=True)
+class EngineResult:
+    """What the engine saw and produced for one captured call."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: array[int]
+    logprobs: array[float]
+    finish_reason: str | None
+    weight_version: int
+    text: str
+    routes: Routes | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One admitted call travelling with its HTTP request (via a context variable)."""
+
+    prompt_ids: list[int]
+    on_finish: Callable[[EngineResult], None]
+    used: bool = False
+    result: EngineResult | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+CURRENT_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
+    "tokcap_ticket", default=None
+)
+
+
+class CaptureHost:
+    """Wraps one vLLM engine client's ``generate`` (install once; idempotent)."""
+
+    def __init__(self, engine: Any, *, default_weight_version: int = 0) -> None:
+        self.engine = engine
+        self.default_weight_version = default_weight_version
+        self._original = engine.generate
+        self._route_dtype: str | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (the one vLLM's own renderer uses)."""
+        return self.engine.tokenizer
+
+    def install(self) -> None:
+        """Route every ``generate`` call on this engine through the host."""
+        if getattr(self.engine, "_tokcap_host", None) is self:
+            return
+        if getattr(self.engine, "_tokcap_host", None) is not None:
+            raise RuntimeError("another CaptureHost already wraps this engine")
+        self.engine._tokcap_host = self
+        self.engine.generate = self.generate
+
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        """The engine's ``generate``; captures when the caller's context holds an unused ticket."""
+        ticket = CURRENT_TICKET.get()
+        if ticket is None or ticket.used or not hasattr(sampling_params, "logprobs"):
+            return self._original(prompt, sampling_params, request_id, *args, **kwargs)
+        ticket.used = True
+        return self._capture(ticket, sampling_params, request_id, args, kwargs)
+
+    async def _capture(
+        self,
+        ticket: Ticket,
+        sampling_params: Any,
+        request_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> AsyncGenerator[Any, None]:
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        params = sampling_params.clone()
+        if params.logprobs is None:
+            params.logprobs = 0
+        delta = params.output_kind == RequestOutputKind.DELTA
+        output_ids, logprobs, text = array("I"), array("f"), ""
+        prompt_ids: list[int] = ticket.prompt_ids
+        engine_input = tokens_input(list(ticket.prompt_ids))
+        async for out in self._original(engine_input, params, request_id, *args, **kwargs):
+            completion = out.outputs[0]
+            if not delta:
+                output_ids, logprobs, text = array("I"), array("f"), ""
+            output_ids.extend(completion.token_ids)
+            logprobs.extend(_sampled_logprobs(completion.token_ids, completion.logprobs))
+            text += completion.text
+            if out.prompt_token_ids is not None:
+                prompt_ids = list(out.prompt_token_ids)
+            if out.finished:
+                result = EngineResult(
+                    request_id=request_id,
+                    prompt_ids=prompt_ids,
+                    output_ids=output_ids,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    weight_version=_weight_version(
+                        completion.weight_versions, self.default_weight_version
+                    ),
+                    text=text,
+                    routes=self._routes(completion.routed_experts),
+                )
+                ticket.result = result
+                ticket.on_finish(result)
+            yield out
+
+    def _routes(self, routed: Any) -> Routes | None:
+        if routed is None:
+            return None
+        if self._route_dtype is None:
+            self._route_dtype = dtype_for_experts(_num_experts(self.engine))
+        return routes_from_rows(routed.tolist(), dtype=self._route_dtype)
+
+
+def _sampled_logprobs(token_ids: Any, logprobs: Any) -> list[float]:
+    if logprobs is None:
+        raise RuntimeError("the engine returned no logprobs for a captured call")
+    return [step[token].logprob for token, step in zip(token_ids, logprobs, strict=True)]
+
+
+def _weight_version(spans: Any, default: int) -> int:
+    if not spans:
+        return default
+    try:
+        return max(int(span.version) for span in spans)
+    except (TypeError, ValueError):
+        return default
+
+
+def _num_experts(engine: Any) -> int:
+    config = engine.model_config.hf_text_config
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise RuntimeError("routed experts returned by a model whose config names no expert count")

@@ -1,0 +1,173 @@
+"""Wire structs (msgspec): the request fields the gate reads and the response fields it watches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ._errors import BadRequest, Unsupported
+
+__all__ = ["ChatBody", "CompletionBody", "ResponseObserver", "decode_body", "error_body"]
+
+
+class ChatBody(msgspec.Struct):
+    """The chat-completion request fields admission needs (others pass through to vLLM)."""
+
+    messages: list[dict[str, Any]]
+    n: int | None = None
+    best_of: int | None = None
+    stream: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    use_beam_search: bool = False
+
+
+class CompletionBody(msgspec.Struct):
+    """The completion request fields admission needs."""
+
+    prompt: str | list[Any]
+    n: int | None = None
+    best_of: int | None = None
+    stream: bool | None = False
+    echo: bool | None = False
+    use_beam_search: bool = False
+
+
+def decode_body(body: bytes, kind: str) -> ChatBody | CompletionBody:
+    """Decode and check a captured request body; `BadRequest` / `Unsupported` with a code."""
+    target: type[ChatBody] | type[CompletionBody] = ChatBody if kind == "chat" else CompletionBody
+    try:
+        parsed = msgspec.json.decode(body, type=target)
+    except msgspec.ValidationError as e:
+        raise BadRequest("bad_body", f"invalid request body: {e}") from e
+    except msgspec.DecodeError as e:
+        raise BadRequest("bad_json", f"request body is not JSON: {e}") from e
+    if parsed.n not in (None, 1) or parsed.best_of not in (None, 1):
+        raise Unsupported(
+            "n_unsupported", "captured rollouts take n=1 (one completion per call); send n calls"
+        )
+    if parsed.use_beam_search:
+        raise Unsupported("beam_search_unsupported", "beam search cannot be captured")
+    if isinstance(parsed, ChatBody):
+        if not parsed.messages:
+            raise BadRequest("bad_body", "messages must not be empty")
+        if parsed.continue_final_message:
+            raise Unsupported(
+                "continue_final_message_unsupported", "continue_final_message cannot be captured"
+            )
+    else:
+        if isinstance(parsed.prompt, list) and not all(
+            type(t) is int and t >= 0 for t in parsed.prompt
+        ):
+            raise Unsupported(
+                "batched_prompt_unsupported", "one prompt (text or token ids) per captured call"
+            )
+        if not parsed.prompt:
+            raise BadRequest("bad_body", "prompt must not be empty")
+        if parsed.echo:
+            raise Unsupported("echo_unsupported", "echo cannot be captured")
+    return parsed
+
+
+def error_body(code: str, message: str, status: int) -> bytes:
+    """An OpenAI-style error body (the ``openai`` client raises it with this message)."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(
+        status, "InternalServerError"
+    )
+    return msgspec.json.encode(
+        {"error": {"message": f"[{code}] {message}", "type": kind, "code": code}, "object": "error"}
+    )
+
+
+class _ToolDelta(msgspec.Struct):
+    index: int = 0
+    function: dict[str, Any] | None = None
+
+
+class _Message(msgspec.Struct):
+    content: str | None = None
+    tool_calls: list[_ToolDelta] | None = None
+
+
+class _Choice(msgspec.Struct):
+    message: _Message | None = None
+    delta: _Message | None = None
+    text: str | None = None
+
+
+class _Response(msgspec.Struct):
+    id: str | None = None
+    choices: list[_Choice] = []
+
+
+_decoder = msgspec.json.Decoder(_Response)
+
+
+class ResponseObserver:
+    """Watches a response on its way out: status, id, returned content and tool calls."""
+
+    def __init__(self, *, keep: bool) -> None:
+        self.status = 0
+        self.start: dict[str, Any] | None = None
+        self.streaming = False
+        self.chunks: list[bytes] | None = [] if keep else None
+        self.response_id: str | None = None
+        self.content = ""
+        self.tools: dict[int, dict[str, str]] = {}
+        self._buffer = b""
+
+    def on_start(self, message: dict[str, Any]) -> None:
+        """Record the status and whether the body is a server-sent-event stream."""
+        self.start = message
+        self.status = int(message["status"])
+        for name, value in message.get("headers", ()):
+            if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
+                self.streaming = True
+
+    def on_body(self, body: bytes) -> None:
+        """Feed one body chunk."""
+        if self.chunks is not None:
+            self.chunks.append(body)
+        self._buffer += body
+        if self.streaming:
+            *events, self._buffer = self._buffer.split(b"\n\n")
+            for event in events:
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                        self._take(line[6:], delta=True)
+
+    def finish(self) -> None:
+        """The last chunk arrived: parse a non-streaming body."""
+        if not self.streaming and self.status == 200:
+            self._take(self._buffer, delta=False)
+        self._buffer = b""
+
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """The returned tool calls, merged across stream deltas."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": self.tools[i]} for i in sorted(self.tools)]
+
+    def _take(self, raw: bytes, *, delta: bool) -> None:
+        try:
+            response = _decoder.decode(raw)
+        except msgspec.DecodeError:
+            return
+        self.response_id = self.response_id or response.id
+        for choice in response.choices[:1]:
+            message = choice.delta if delta else choice.message
+            if choice.text is not None:
+                self.content += choice.text
+            if message is None:
+                continue
+            self.content += message.content or ""
+            for position, tool in enumerate(message.tool_calls or ()):
+                index = tool.index if delta else position
+                slot = self.tools.setdefault(index, {"name": "", "arguments": ""})
+                fn = tool.function or {}
+                slot["name"] += fn.get("name") or ""
+                slot["arguments"] += fn.get("arguments") or ""

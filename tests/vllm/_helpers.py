@@ -1,0 +1,60 @@
+"""Shared helpers for the vLLM gate tests: run coroutines, read a closed rollout back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+
+from tokcap_core import (
+    StagedCall,
+    TrainingRow,
+    assemble_receipt,
+    manifest_of,
+    reassemble,
+    verify_manifest,
+)
+from tokcap_vllm import InProcessServer
+
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+# DeepSeek-R1 style: the generation prompt opens <think>, and history drops the reasoning.
+STRIP_REASONING_TEMPLATE = (
+    "{%- for m in messages %}{%- set c = m['content'] %}"
+    "{%- if m['role'] == 'assistant' %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+def client(server: InProcessServer, rollout_id: str) -> openai.AsyncOpenAI:
+    """The real OpenAI client, pointed at the rollout's base URL."""
+    return openai.AsyncOpenAI(base_url=server.rollout_url(rollout_id), api_key="x", max_retries=0)
+
+
+def close_and_reassemble(
+    server: InProcessServer, rollout_id: str, *, segments: str = "terminal"
+) -> tuple[Any, list[TrainingRow], dict[str, StagedCall]]:
+    """Close the rollout on the gate, verify its manifest, build its receipt and rows from the sink."""
+    gate = server.gate
+
+    async def run() -> tuple[Any, list[TrainingRow], dict[str, StagedCall]]:
+        await gate.close(rollout_id, reward=1.0)
+        receipt = assemble_receipt(
+            verify_manifest(manifest_of(gate.ledger(rollout_id))), segments=segments
+        )  # type: ignore[arg-type]
+        keys = [c.staging_key for seg in receipt.segments for c in seg]
+        staged = {s.call_id: s for s in await gate.sink.get(keys)} if receipt.ok else {}
+        rows = reassemble(receipt, list(staged.values()), max_seq_len=1 << 20) if receipt.ok else []
+        return receipt, rows, staged
+
+    return server.call(run)
+
+
+def events(server: InProcessServer, rollout_id: str) -> list[Any]:
+    """The rollout's ledger events (after its in-flight commits settle)."""
+    server.call(server.gate.drain)
+    return [e.event for e in server.gate.ledger(rollout_id).entries]

@@ -1,0 +1,66 @@
+"""One vLLM CPU engine + the gate for the whole tests/vllm session (fast-start mode).
+
+The tiny model comes from ``tokcap._tiny`` (ChatML template, built locally, cached).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+for _name, _value in {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+from tokcap_core import MemorySink, SinkError, StagedCall  # noqa: E402
+from tokcap_vllm import Gate, GateConfig, InProcessServer  # noqa: E402
+
+
+class FailingSink(MemorySink):
+    """The real `MemorySink`, wrapped to fail every put for rollouts whose id starts with ``fail-``."""
+
+    async def put(self, calls: Sequence[StagedCall]) -> None:
+        if any(c.rollout_id.startswith("fail-") for c in calls):
+            raise SinkError("injected_put_failure", "this test sink refuses rollouts named fail-*")
+        await super().put(calls)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokcap._tiny import build_tiny_model
+
+    cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
+    return build_tiny_model(cache / "dense", kind="dense")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path) -> Iterator[InProcessServer]:
+    gate = Gate(GateConfig(parent_commit_timeout_s=30), sink=FailingSink())
+    srv = InProcessServer(
+        str(tiny_model),
+        gate=gate,
+        vllm_args=[
+            "--enforce-eager",
+            "--distributed-executor-backend",
+            "uni",
+            "--max-model-len",
+            "4096",
+            "--dtype",
+            "float32",
+            "--disable-log-stats",
+            "--trust-request-chat-template",
+            "--max-num-seqs",
+            "128",
+        ],
+    )
+    srv.start()
+    yield srv
+    srv.stop()
