@@ -71,9 +71,11 @@ def main() -> int:
         assert len(receipt.segments[0]) == 4, "the conversation did not chain"
         for call in staged:
             assert call.routes is not None, f"{call.call_id}: no routes captured"
-            assert call.routes.dtype == "int8" and call.routes.shape[1:] == (2, 2)
+            assert call.routes.dtype == "int8", call.routes.dtype
+            assert call.routes.shape[1:] == (2, 2), call.routes.shape
         (row,) = reassemble(receipt, staged, max_seq_len=4096)
-        assert row.routes is not None and row.routes.shape == (len(row.input_ids), 2, 2)
+        assert row.routes is not None
+        assert row.routes.shape == (len(row.input_ids), 2, 2)
         width = 4
         data = list(row.routes.data)
         known = data[:-width]
@@ -81,7 +83,8 @@ def main() -> int:
         assert data[-width:] == [-1] * width
         assert row.backfilled_route_rows == 3
         print(
-            f"OK: {len(row.input_ids)} tokens, routes {row.routes.shape}, backfilled {row.backfilled_route_rows}"
+            f"OK: {len(row.input_ids)} tokens, routes {row.routes.shape}, "
+            f"backfilled {row.backfilled_route_rows}"
         )
         return 0
     finally:
