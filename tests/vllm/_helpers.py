@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import openai
@@ -14,7 +15,25 @@ from tokcap_core import (
     reassemble,
     verify_manifest,
 )
-from tokcap_vllm import InProcessServer
+from tokcap_vllm import ControlPlaneClient, InProcessServer
+
+CONTROL_TOKEN = "tokcap-test-token-" + secrets.token_hex(12)
+"""The session gate's control-plane token (tests assert it never shows up in any output)."""
+
+VLLM_ARGS = [
+    "--enforce-eager",
+    "--distributed-executor-backend",
+    "uni",
+    "--max-model-len",
+    "4096",
+    "--dtype",
+    "float32",
+    "--disable-log-stats",
+    "--trust-request-chat-template",
+    "--max-num-seqs",
+    "128",
+]
+"""vLLM options of every test server (the CPU engine, fast start)."""
 
 LLAMA3_TEMPLATE = (
     "{{- '<|begin_of_text|>' }}{%- for m in messages %}"
@@ -58,3 +77,8 @@ def events(server: InProcessServer, rollout_id: str) -> list[Any]:
     """The rollout's ledger events (after its in-flight commits settle)."""
     server.call(server.gate.drain)
     return [e.event for e in server.gate.ledger(rollout_id).entries]
+
+
+def control(server: InProcessServer, **kwargs: Any) -> ControlPlaneClient:
+    """A control-plane client of the session gate, holding the right token."""
+    return ControlPlaneClient(server.base_url, CONTROL_TOKEN, **kwargs)

@@ -20,6 +20,7 @@ for _name, _value in {
 }.items():
     os.environ.setdefault(_name, _value)
 
+from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS  # noqa: E402
 from tokcap_core import MemorySink, SinkError, StagedCall  # noqa: E402
 from tokcap_vllm import Gate, GateConfig, InProcessServer  # noqa: E402
 
@@ -42,25 +43,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model: Path) -> Iterator[InProcessServer]:
-    gate = Gate(GateConfig(parent_commit_timeout_s=30), sink=FailingSink())
-    srv = InProcessServer(
-        str(tiny_model),
-        gate=gate,
-        vllm_args=[
-            "--enforce-eager",
-            "--distributed-executor-backend",
-            "uni",
-            "--max-model-len",
-            "4096",
-            "--dtype",
-            "float32",
-            "--disable-log-stats",
-            "--trust-request-chat-template",
-            "--max-num-seqs",
-            "128",
-        ],
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    """The gate (control token set, ledger persisted to a file) on vLLM's OpenAI server."""
+    config = GateConfig(
+        parent_commit_timeout_s=30,
+        control_token=CONTROL_TOKEN,
+        ledger_path=str(tmp_path_factory.mktemp("gate") / "ledger.jsonl"),
     )
+    gate = Gate(config, sink=FailingSink())
+    srv = InProcessServer(str(tiny_model), gate=gate, vllm_args=VLLM_ARGS)
     srv.start()
     yield srv
     srv.stop()

@@ -14,6 +14,7 @@ __all__ = [
     "ENGINE_FAILED",
     "FAILURE_BUCKETS",
     "GATE_RESTARTED",
+    "MANIFEST_INVALID",
     "MISSING_ROWS",
     "NOT_CLOSED",
     "NO_TERMINAL",
@@ -54,6 +55,8 @@ MISSING_ROWS: Final = "missing_rows"
 """The sink does not hold every staged row a receipt names."""
 REASSEMBLY_FAILED: Final = "reassembly_failed"
 """Staged rows did not verify against the receipt (detail: the error code)."""
+MANIFEST_INVALID: Final = "manifest_invalid"
+"""The rollout's manifest could not be fetched, decoded or verified (detail: the code)."""
 UNKNOWN_REASON: Final = "unknown"
 """The bucket of a reason string outside the closed set."""
 
@@ -71,6 +74,7 @@ FAILURE_BUCKETS: Final[tuple[str, ...]] = (
     GATE_RESTARTED,
     MISSING_ROWS,
     REASSEMBLY_FAILED,
+    MANIFEST_INVALID,
 )
 """Every failure bucket, in a stable order (metrics may use it as their key set)."""
 

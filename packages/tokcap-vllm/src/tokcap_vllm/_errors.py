@@ -1,4 +1,5 @@
-"""Typed gate errors: each carries a stable ``code`` and the HTTP status it maps to."""
+"""Typed errors: the gate's (each with the HTTP status it answers with) and the client's
+(`ControlPlaneError` and subclasses: the status and code the control plane answered)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,23 @@ from typing import ClassVar
 
 from tokcap_core import TokcapError
 
-__all__ = ["BadRequest", "GateError", "RolloutConflict", "RolloutNotFound", "Unsupported"]
+__all__ = [
+    "BadRequest",
+    "ControlAuthError",
+    "ControlConflict",
+    "ControlNotFound",
+    "ControlPlaneError",
+    "ControlRequestError",
+    "ControlUnavailable",
+    "ControlUnreachable",
+    "GateError",
+    "InvalidBody",
+    "RolloutConflict",
+    "RolloutNotFound",
+    "TooLarge",
+    "Unauthorized",
+    "Unsupported",
+]
 
 
 class GateError(TokcapError):
@@ -40,3 +57,60 @@ class RolloutConflict(GateError, RuntimeError):
     """The rollout is closed (or its parent never committed) so the call cannot be captured."""
 
     status = 409
+
+
+class Unauthorized(GateError, PermissionError):
+    """A control-plane request without the right bearer token (the token is never echoed)."""
+
+    status = 401
+
+
+class InvalidBody(GateError, ValueError):
+    """A control-plane body that decodes but says something invalid (both terminal ids, ...)."""
+
+    status = 422
+
+
+class TooLarge(GateError, ValueError):
+    """A manifest over the configured bound: refused, never truncated."""
+
+    status = 413
+
+
+class ControlUnavailable(GateError, RuntimeError):
+    """The control plane cannot serve: no token configured, or the ledger file failed."""
+
+    status = 503
+
+
+# ---- what the client raises -------------------------------------------------------------
+
+
+class ControlPlaneError(TokcapError, RuntimeError):
+    """A control-plane call failed; ``status`` is the HTTP status (0: no answer came back)
+    and ``code`` the server's reason code."""
+
+    def __init__(self, code: str, message: str = "", status: int = 0) -> None:
+        super().__init__(code, message)
+        self.args = (code, message, status)
+        self.status = status
+
+
+class ControlAuthError(ControlPlaneError):
+    """401: the token is missing or wrong."""
+
+
+class ControlNotFound(ControlPlaneError):
+    """404: no such rollout (or route)."""
+
+
+class ControlConflict(ControlPlaneError):
+    """409: the ledger refused the transition (``rollout_closed``, ...)."""
+
+
+class ControlRequestError(ControlPlaneError):
+    """400, 405, 413, 422: the request itself is wrong."""
+
+
+class ControlUnreachable(ControlPlaneError):
+    """No usable answer after the retries: transport failure or 5xx."""

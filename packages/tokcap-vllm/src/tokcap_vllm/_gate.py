@@ -7,8 +7,11 @@ commits ``Staged`` once the sink acknowledged, or ``Failed(served=True)`` if it 
 A call whose response never completed is `abandon`-ed: ``Failed(served=False)`` and its
 staged row (if any) cleared. A child waits for its parent's commit before it is admitted.
 
-Part 2 (the control plane) is a thin HTTP layer over `ledger`, `declare_terminal`,
-`close`, `release` and `metrics`.
+The control plane (`ControlPlane`) is a thin HTTP layer over `ledger`, `declare_terminal`,
+`close`, `release` and `rollouts`. Observers (`GateHooks`: the ledger file, Prometheus
+metrics) see every appended entry; with ``GateConfig.ledger_path`` the gate replays its
+ledger file when built, and rollouts that were open at a crash are poisoned
+(``gate_restarted``), never resumed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import time
 from array import array
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +28,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from tokcap_core import (
+    GATE_RESTARTED,
     STAGE_FAILED,
     UNCOMMITTED_CALL,
     Admitted,
@@ -32,6 +37,7 @@ from tokcap_core import (
     Failed,
     Ledger,
     MemorySink,
+    Poisoned,
     Staged,
     StagedCall,
     TerminalDeclared,
@@ -45,7 +51,10 @@ from tokcap_core import (
 from ._admission import ChatPlan, PriorCall
 from ._config import GateConfig
 from ._errors import RolloutConflict, RolloutNotFound
+from ._hooks import GateHooks
 from ._host import EngineResult
+from ._persist import LedgerFile
+from ._prom import GateMetrics
 
 __all__ = ["Gate", "PendingCall"]
 
@@ -74,6 +83,27 @@ class PendingCall:
     sink_done: anyio.Event = field(default_factory=anyio.Event)
     settled: anyio.Event = field(default_factory=anyio.Event)
 
+    @property
+    def committed(self) -> bool:
+        """Whether the call's ``Staged`` entry is in the ledger."""
+        return self.phase == "committed"
+
+
+class _HookedLedger(Ledger):
+    """A ledger that tells the gate's hooks about every entry it appends (part 2)."""
+
+    __slots__ = ("hooks",)
+
+    def __init__(self, rollout_id: str, hooks: list[GateHooks] | None = None) -> None:
+        super().__init__(rollout_id)
+        self.hooks: list[GateHooks] = hooks if hooks is not None else []
+
+    def append(self, event: Any) -> Entry:
+        entry = super().append(event)
+        for hook in self.hooks:
+            hook.on_entry(self.rollout_id, entry)
+        return entry
+
 
 @dataclass(slots=True, eq=False)
 class _Rollout:
@@ -96,6 +126,19 @@ class Gate:
         self._closed: dict[str, Ledger] = {}
         self._tg: TaskGroup | None = None
         self._counts: Counter[str] = Counter()
+        # ---- part 2: observers and the ledger file ----
+        self._hooks: list[GateHooks] = []
+        self.prometheus = GateMetrics(self)
+        self.attach(self.prometheus)
+        self.ledger_file: LedgerFile | None = None
+        if self.config.ledger_path is not None:
+            self.ledger_file, stored = LedgerFile.open(
+                self.config.ledger_path,
+                compact_after_releases=self.config.compact_after_releases,
+            )
+            self.attach(self.ledger_file)
+            self.restore(stored)
+            self.ledger_file.sync_blocking()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -138,8 +181,9 @@ class Gate:
         if (call_id is None) == (response_id is None):
             raise ValueError("give exactly one of call_id, response_id")
         rollout = self._open_rollout(rollout_id)
-        by = "call_id" if call_id is not None else "response_id"
-        return rollout.ledger.append(TerminalDeclared(by=by, value=call_id or response_id or ""))
+        if call_id is not None:
+            return rollout.ledger.append(TerminalDeclared(by="call_id", value=call_id))
+        return rollout.ledger.append(TerminalDeclared(by="response_id", value=response_id or ""))
 
     async def close(
         self, rollout_id: str, reward: float | None, witnesses: Witnesses | None = None
@@ -150,12 +194,16 @@ class Gate:
         rollout.ledger.append(Closed(reward=reward, witnesses=witnesses or Witnesses()))
         self._closed[rollout_id] = rollout.ledger
         del self._open[rollout_id]
+        for hook in self._hooks:  # part 2: the head is returned once it is durable
+            await hook.on_close(rollout_id)
         return rollout.ledger.head
 
     def release(self, rollout_id: str) -> None:
         """Forget a closed rollout (its manifest is no longer served)."""
         if self._closed.pop(rollout_id, None) is None:
             raise RolloutNotFound("unknown_rollout", f"no closed rollout {rollout_id}")
+        for hook in self._hooks:
+            hook.on_release(rollout_id)
 
     async def drain(self, rollout_id: str | None = None) -> None:
         """Wait until every call that finished on the engine is committed or failed."""
@@ -178,6 +226,35 @@ class Gate:
         out["tokcap/rollouts_closed"] = float(len(self._closed))
         return out
 
+    # ---- part 2: observers, restore after a restart ------------------------------------
+
+    def attach(self, hooks: GateHooks) -> None:
+        """Add an observer of every entry, staging write, close and release."""
+        self._hooks.append(hooks)
+
+    def held_ledgers(self) -> list[Ledger]:
+        """Every ledger held, open and closed (what a ledger-file compaction keeps)."""
+        return [*self._closed.values(), *(r.ledger for r in self._open.values())]
+
+    def restore(self, ledgers: Iterable[Ledger]) -> list[str]:
+        """Take back stored ledgers after a restart; return the ids poisoned on the way.
+
+        A closed ledger is served as it was. One that was still open is poisoned with
+        ``Poisoned(gate_restarted)`` (appended, so the hooks persist it) and held as
+        closed: its in-flight calls are gone, so it is never resumed.
+        """
+        poisoned = []
+        for stored in ledgers:
+            ledger = _HookedLedger.from_entries(stored.rollout_id, stored.entries)
+            assert isinstance(ledger, _HookedLedger)
+            ledger.hooks = self._hooks
+            if ledger.state.closed is None and ledger.state.poisoned is None:
+                ledger.append(Poisoned(reason=make_reason(GATE_RESTARTED)))
+                poisoned.append(ledger.rollout_id)
+                self._counts["rollouts_poisoned/gate_restarted"] += 1
+            self._closed[ledger.rollout_id] = ledger
+        return poisoned
+
     # ---- the capture path (used by the middleware and the host) -----------------------
 
     def _open_rollout(self, rollout_id: str) -> _Rollout:
@@ -197,7 +274,9 @@ class Gate:
             )
         rollout = self._open.get(rollout_id)
         if rollout is None:
-            rollout = self._open[rollout_id] = _Rollout(ledger=Ledger(rollout_id))
+            rollout = self._open[rollout_id] = _Rollout(
+                ledger=_HookedLedger(rollout_id, self._hooks)
+            )
         if rollout.served_failure:
             self._counts["calls_uncaptured_after_failure"] += 1
             return None
@@ -239,7 +318,7 @@ class Gate:
                     )
             with anyio.move_on_after(self.config.parent_commit_timeout_s):
                 await parent.settled.wait()
-            if parent.phase != "committed":
+            if not parent.committed:
                 raise RolloutConflict(
                     "parent_not_committed", f"parent {parent.call_id} did not commit"
                 )
@@ -291,7 +370,7 @@ class Gate:
         try:
             if result.finish_reason not in ("stop", "length") or not result.output_ids:
                 raise TokcapError("engine_incomplete", f"finish_reason={result.finish_reason!r}")
-            if any(math.isnan(x) for x in result.logprobs):
+            if any(map(math.isnan, result.logprobs)):
                 raise TokcapError("bad_logprobs", "NaN logprob")
             call.staged = StagedCall.from_engine_output(
                 rollout_id=call.rollout_id,
@@ -315,6 +394,7 @@ class Gate:
 
     async def _stage(self, call: PendingCall) -> None:
         assert call.staged is not None
+        started = time.perf_counter()
         try:
             with anyio.fail_after(self.config.stage_timeout_s):
                 await self.sink.put([call.staged])
@@ -324,6 +404,8 @@ class Gate:
             call.stage_error = getattr(e, "code", None) or type(e).__name__
         finally:
             call.sink_done.set()
+            for hook in self._hooks:  # part 2: metrics
+                hook.on_sink_write(call.staged, time.perf_counter() - started, call.stage_error)
 
     def response_complete(
         self,

@@ -5,8 +5,9 @@ vLLM's chat and completion handlers template the request, then call
 replaces that bound method on the one engine instance. For a call the gate admitted (a
 `Ticket` in the request's context) it swaps the prompt for the admitted token ids
 (``token_in``), asks the engine for the sampled token's logprob (never shown to the
-harness unless it asked: vLLM decides that from the request, not the sampling params) and
-accumulates output ids, logprobs, finish reason, weight version and routed experts. When the
+harness unless it asked: vLLM decides that from the request, not the sampling params; when
+it did not ask, vLLM keeps them as flat lists, no per-token objects) and accumulates output
+ids, logprobs, finish reason, weight version and routed experts. When the
 engine finishes, the ticket's ``on_finish`` runs *before* the final output is handed to vLLM's
 response writer, so the sink write starts while the response is still being serialised.
 Everything else passes through untouched.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 from array import array
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +85,10 @@ class CaptureHost:
         """The engine's ``generate``; captures when the caller's context holds an unused ticket."""
         ticket = CURRENT_TICKET.get()
         if ticket is None or ticket.used or not hasattr(sampling_params, "logprobs"):
-            return self._original(prompt, sampling_params, request_id, *args, **kwargs)
+            plain: AsyncGenerator[Any, None] = self._original(
+                prompt, sampling_params, request_id, *args, **kwargs
+            )
+            return plain
         ticket.used = True
         return self._capture(ticket, sampling_params, request_id, args, kwargs)
 
@@ -102,9 +106,10 @@ class CaptureHost:
         params = sampling_params.clone()
         if params.logprobs is None:
             params.logprobs = 0
+            params.flat_logprobs = True
         delta = params.output_kind == RequestOutputKind.DELTA
         output_ids, logprobs, text = array("I"), array("f"), ""
-        prompt_ids: list[int] = ticket.prompt_ids
+        prompt_ids: Sequence[int] = ticket.prompt_ids
         engine_input = tokens_input(list(ticket.prompt_ids))
         async for out in self._original(engine_input, params, request_id, *args, **kwargs):
             completion = out.outputs[0]
@@ -113,12 +118,12 @@ class CaptureHost:
             output_ids.extend(completion.token_ids)
             logprobs.extend(_sampled_logprobs(completion.token_ids, completion.logprobs))
             text += completion.text
-            if out.prompt_token_ids is not None:
-                prompt_ids = list(out.prompt_token_ids)
+            if out.prompt_token_ids is not None:  # the same list on every output: copy once
+                prompt_ids = out.prompt_token_ids
             if out.finished:
                 result = EngineResult(
                     request_id=request_id,
-                    prompt_ids=prompt_ids,
+                    prompt_ids=list(prompt_ids),
                     output_ids=output_ids,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
@@ -140,9 +145,23 @@ class CaptureHost:
         return routes_from_rows(routed.tolist(), dtype=self._route_dtype)
 
 
-def _sampled_logprobs(token_ids: Any, logprobs: Any) -> list[float]:
+def _sampled_logprobs(token_ids: Any, logprobs: Any) -> Sequence[float]:
+    """The sampled token's logprob at each position (vLLM's sampler puts it first)."""
     if logprobs is None:
         raise RuntimeError("the engine returned no logprobs for a captured call")
+    starts = getattr(logprobs, "start_indices", None)  # vLLM's FlatLogprobs
+    if starts is not None:
+        if len(starts) != len(token_ids):
+            raise RuntimeError("the engine returned logprobs for a different number of tokens")
+        values: Sequence[float]
+        if len(logprobs.logprobs) == len(starts):  # logprobs=0: one entry per position
+            sampled, values = logprobs.token_ids, logprobs.logprobs
+        else:
+            sampled = [logprobs.token_ids[i] for i in starts]
+            values = [logprobs.logprobs[i] for i in starts]
+        if sampled != list(token_ids):
+            raise RuntimeError("the engine's logprobs name other tokens than it sampled")
+        return values
     return [step[token].logprob for token, step in zip(token_ids, logprobs, strict=True)]
 
 

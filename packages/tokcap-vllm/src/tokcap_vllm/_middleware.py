@@ -11,6 +11,7 @@ parent and its commit scheduled. On lifespan start-up the middleware runs `Gate.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -23,6 +24,9 @@ from ._admission import (
     plan_chat,
     plan_completion,
 )
+from ._api import CONTROL_PREFIX
+from ._config import GateConfig
+from ._control import ControlPlane
 from ._errors import GateError
 from ._gate import Gate, PendingCall
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
@@ -47,8 +51,14 @@ def install_gate(gate: Gate) -> Gate:
 
 
 def default_gate() -> Gate:
-    """The installed gate, or a new one with a `MemorySink` (installed on first use)."""
-    return _installed if _installed is not None else install_gate(Gate())
+    """The installed gate, or a new one with a `MemorySink` (installed on first use).
+
+    A new gate is configured from the environment (`GateConfig.from_environ`: the ledger
+    file from ``TOKCAP_LEDGER_PATH``).
+    """
+    if _installed is not None:
+        return _installed
+    return install_gate(Gate(GateConfig.from_environ(os.environ)))
 
 
 class GateMiddleware:
@@ -61,6 +71,7 @@ class GateMiddleware:
         self.gate = gate if gate is not None else default_gate()
         self._host: CaptureHost | None = None
         self._templates: dict[str | None, str | None] = {}
+        self._control = ControlPlane(self.gate)  # part 2: /tokcap/v1/...
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -68,6 +79,9 @@ class GateMiddleware:
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope["path"].startswith(CONTROL_PREFIX):  # part 2: the control plane
+            await self._control(scope, receive, send)
             return
         config = self.gate.config
         headers = {
@@ -163,7 +177,7 @@ class GateMiddleware:
 
         async def watch(message: Message) -> None:
             if message["type"] == "http.response.start":
-                observer.on_start(message)
+                observer.on_start(dict(message))
             elif message["type"] == "http.response.body":
                 observer.on_body(message.get("body", b""))
                 if not message.get("more_body", False):
@@ -195,7 +209,7 @@ class GateMiddleware:
 
         if isinstance(parsed, CompletionBody):
             prompt = parsed.prompt
-            return None, lambda priors, _: plan_completion(prompt, priors=priors, encode=encode)  # type: ignore[arg-type]
+            return None, lambda priors, _: plan_completion(prompt, priors=priors, encode=encode)
         messages = [normalize_message(m) for m in parsed.messages]
         template = self._template(scope, parsed.chat_template)
         args = getattr(scope["app"].state, "args", None)

@@ -26,7 +26,7 @@ def register() -> None:
         from vllm.entrypoints.launchers.api_server import entry
     except ImportError:  # an engine-only process or another vLLM layout: nothing to wrap
         return
-    original = entry.build_app
+    original = entry.build_app  # type: ignore[attr-defined]
     if getattr(original, "__tokcap__", False):
         return
 
@@ -38,4 +38,4 @@ def register() -> None:
         return original(args, *rest, **kwargs)
 
     build_app.__tokcap__ = True  # type: ignore[attr-defined]
-    entry.build_app = build_app
+    entry.build_app = build_app  # type: ignore[attr-defined]

@@ -1,0 +1,133 @@
+"""Control-plane wire bodies (msgspec), shared by the server (`ControlPlane`) and the client.
+
+Request bodies refuse unknown fields, so a typo is a 422, not a silently ignored witness.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+__all__ = [
+    "CONTROL_PREFIX",
+    "CloseBody",
+    "ErrorBody",
+    "Head",
+    "HeadResponse",
+    "Health",
+    "ReleaseResponse",
+    "RolloutItem",
+    "RolloutPage",
+    "TerminalBody",
+    "WitnessBody",
+    "error_json",
+]
+
+CONTROL_PREFIX: Final = "/tokcap/v1/"
+
+RolloutStateName = Literal["open", "closed"]
+
+
+class TerminalBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST …/terminal``: exactly one of ``call_id`` or ``response_id``."""
+
+    call_id: str | None = None
+    response_id: str | None = None
+
+
+class WitnessBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What the scorer saw: the scored response id and/or the scored output.
+
+    ``content`` (with ``tool_calls`` if any) is fingerprinted by the gate exactly as it
+    fingerprints returned messages; ``content_fingerprint`` gives that fingerprint directly.
+    """
+
+    response_id: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    content_fingerprint: str | None = None
+
+
+class CloseBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST …/close``: the reward (None: unscored) and the witnesses."""
+
+    reward: float | None = None
+    witnesses: WitnessBody | None = None
+
+
+class Head(msgspec.Struct):
+    """A ledger head: the last entry's ``seq`` and ``hash``."""
+
+    seq: int
+    hash: str
+
+
+class HeadResponse(msgspec.Struct):
+    """The answer to close and terminal: the rollout and its ledger head after the call."""
+
+    rollout_id: str
+    head: Head
+
+
+class ReleaseResponse(msgspec.Struct):
+    """The answer to ``DELETE …``."""
+
+    rollout_id: str
+    released: bool
+
+
+class RolloutItem(msgspec.Struct):
+    """One rollout of a listing."""
+
+    rollout_id: str
+    state: RolloutStateName
+
+
+class RolloutPage(msgspec.Struct):
+    """``GET /tokcap/v1/rollouts``: ids in ascending order; pass ``next_cursor`` as ``after``."""
+
+    rollouts: list[RolloutItem]
+    next_cursor: str | None
+
+
+class Health(msgspec.Struct):
+    """``GET /tokcap/v1/health``."""
+
+    status: Literal["ok", "degraded"]
+    serving: bool
+    rollouts_open: int
+    rollouts_closed: int
+    ledger_file: bool
+    ledger_error: str | None
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    code: str
+
+
+class ErrorBody(msgspec.Struct):
+    """Every error answer (the OpenAI error shape, with a stable ``code``)."""
+
+    error: _ErrorDetail
+    object: str = "error"
+
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "ContentTooLargeError",
+    422: "UnprocessableEntityError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_json(code: str, message: str, status: int) -> bytes:
+    """An error body for ``status`` carrying ``code``."""
+    kind = _TYPES.get(status, "InternalServerError")
+    return msgspec.json.encode(ErrorBody(error=_ErrorDetail(message=message, type=kind, code=code)))

@@ -1,0 +1,374 @@
+"""`ControlPlaneClient`: the trainer's async client for a gate's control plane (httpx, anyio).
+
+Retries: GET and DELETE are idempotent and retried with exponential backoff on transport
+errors and 5xx answers. POST close/terminal are not idempotent (a second close answers
+409 ``rollout_closed``), so they are retried only when the request provably never left
+(connection refused or connect timeout). A retried DELETE that finds the rollout gone
+(404) counts as released.
+
+`fetch_receipts` fetches manifests concurrently (bounded), replays and verifies them with
+the core against the heads kept at close, and returns one receipt per rollout id, in
+order. A rollout the gate does not know, or whose manifest does not decode or verify,
+becomes a *poisoned* receipt whose reason is ``reassembly_failed:manifest:<code>`` (never
+dropped); failures of the control plane itself (auth, unreachable) raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import anyio
+import httpx
+import msgspec
+
+from tokcap_core import (
+    MANIFEST_INVALID,
+    MAX_MANIFEST_BYTES,
+    Admitted,
+    Manifest,
+    ManifestError,
+    Receipt,
+    VerificationError,
+    assemble_receipt,
+    decode_manifest,
+    genesis_hash,
+    make_reason,
+    staging_key,
+    validate_rollout_id,
+    verify_manifest,
+)
+
+from ._api import (
+    CONTROL_PREFIX,
+    CloseBody,
+    ErrorBody,
+    HeadResponse,
+    Health,
+    RolloutItem,
+    RolloutPage,
+    TerminalBody,
+    WitnessBody,
+)
+from ._errors import (
+    ControlAuthError,
+    ControlConflict,
+    ControlNotFound,
+    ControlPlaneError,
+    ControlRequestError,
+    ControlUnreachable,
+)
+
+__all__ = ["MANIFEST_FAILURE_BUCKET", "ControlPlaneClient"]
+
+MANIFEST_FAILURE_BUCKET = MANIFEST_INVALID
+"""The failure bucket of a receipt whose manifest was missing or did not verify."""
+
+_RESPONSE_LIMIT = 64 * 1024 * 1024
+
+
+_BY_STATUS: dict[int, type[ControlPlaneError]] = {
+    401: ControlAuthError,
+    404: ControlNotFound,
+    409: ControlConflict,
+}
+
+
+def _error(status: int, body: bytes, what: str) -> ControlPlaneError:
+    try:
+        detail = msgspec.json.decode(body, type=ErrorBody).error
+        code, message = detail.code, detail.message
+    except msgspec.MsgspecError:
+        code, message = f"http_{status}", f"{what}: HTTP {status}"
+    kind = _BY_STATUS.get(status)
+    if kind is None:
+        kind = ControlUnreachable if status >= 500 else ControlRequestError
+    return kind(code, message, status)
+
+
+class ControlPlaneClient:
+    """Typed async client of ``/tokcap/v1``; use as ``async with ControlPlaneClient(...) as c``.
+
+    ``token`` goes into the ``authorization`` header only (never into ``repr`` or errors).
+    ``max_manifest_bytes`` is enforced on the wire, before any parsing.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+        max_concurrency: int = 16,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_manifest_bytes = max_manifest_bytes
+        self.max_concurrency = max_concurrency
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url + CONTROL_PREFIX,
+            headers={"authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    def __repr__(self) -> str:
+        return f"ControlPlaneClient({self.base_url!r})"
+
+    async def __aenter__(self) -> ControlPlaneClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    # ---- routes ------------------------------------------------------------------------
+
+    async def health(self) -> Health:
+        """``GET /health``."""
+        return msgspec.json.decode(await self._get("health"), type=Health)
+
+    async def metrics(self) -> str:
+        """``GET /metrics``: the gate's Prometheus text."""
+        return (await self._get("metrics")).decode("utf-8")
+
+    async def rollouts(
+        self, state: Literal["open", "closed"] | None = None, *, page_size: int | None = None
+    ) -> list[RolloutItem]:
+        """Every rollout the gate holds (in ``state``), following the pages."""
+        items: list[RolloutItem] = []
+        after: str | None = None
+        while True:
+            params = {
+                k: v
+                for k, v in (("state", state), ("limit", page_size), ("after", after))
+                if v is not None
+            }
+            page = msgspec.json.decode(await self._get("rollouts", params), type=RolloutPage)
+            items.extend(page.rollouts)
+            if page.next_cursor is None:
+                return items
+            after = page.next_cursor
+
+    async def manifest_bytes(self, rollout_id: str) -> bytes:
+        """The manifest as the gate encoded it; `ManifestError` ``too_large`` over the bound."""
+        return await self._get(_path(rollout_id, "manifest"), limit=self.max_manifest_bytes)
+
+    async def manifest(self, rollout_id: str) -> Manifest:
+        """The decoded (not yet verified) manifest of ``rollout_id``."""
+        data = await self.manifest_bytes(rollout_id)
+        return decode_manifest(data, max_bytes=self.max_manifest_bytes)
+
+    async def declare_terminal(
+        self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
+    ) -> tuple[int, str]:
+        """Name the terminal call (exactly one of the two); returns the ledger head."""
+        if (call_id is None) == (response_id is None):
+            raise ValueError("give exactly one of call_id, response_id")
+        body = TerminalBody(call_id=call_id, response_id=response_id)
+        return await self._post_head(_path(rollout_id, "terminal"), body)
+
+    async def close(
+        self,
+        rollout_id: str,
+        *,
+        reward: float | None = None,
+        response_id: str | None = None,
+        content: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        content_fingerprint: str | None = None,
+    ) -> tuple[int, str]:
+        """Close the rollout with its reward and witnesses; returns the durable ledger head.
+
+        Keep the head and pass it to `fetch_receipts` (``expected_heads``). Closing twice
+        raises `ControlConflict` (``rollout_closed``).
+        """
+        witnesses = WitnessBody(
+            response_id=response_id,
+            content=content,
+            tool_calls=tool_calls,
+            content_fingerprint=content_fingerprint,
+        )
+        body = CloseBody(reward=reward, witnesses=witnesses)
+        return await self._post_head(_path(rollout_id, "close"), body)
+
+    async def release(self, rollout_id: str) -> None:
+        """Make the gate forget a closed rollout (its sink keys are the caller's to clear)."""
+        await self._send("DELETE", _path(rollout_id), idempotent=True, gone_ok=True)
+
+    # ---- receipts ----------------------------------------------------------------------
+
+    async def receipt(
+        self,
+        rollout_id: str,
+        *,
+        expected_head: tuple[int, str] | None = None,
+        segments: Literal["terminal", "all"] = "terminal",
+    ) -> Receipt:
+        """Fetch, verify and assemble one rollout's receipt (poisoned if the manifest fails)."""
+        validate_rollout_id(rollout_id)
+        try:
+            data = await self.manifest_bytes(rollout_id)
+        except (ControlNotFound, ManifestError) as e:
+            return _manifest_failure(rollout_id, e.code, None)
+        except ControlRequestError as e:
+            if e.status != 413:
+                raise
+            return _manifest_failure(rollout_id, e.code, None)
+        manifest = None
+        try:
+            manifest = decode_manifest(data, max_bytes=self.max_manifest_bytes)
+            if manifest.rollout_id != rollout_id:
+                raise VerificationError("wrong_rollout", "the gate served another rollout")
+            state = verify_manifest(manifest, expected_head=expected_head)
+        except VerificationError as e:
+            return _manifest_failure(rollout_id, e.code, manifest)
+        return assemble_receipt(state, segments=segments)
+
+    async def fetch_receipts(
+        self,
+        rollout_ids: Iterable[str],
+        *,
+        expected_heads: Mapping[str, tuple[int, str]] | None = None,
+        segments: Literal["terminal", "all"] = "terminal",
+    ) -> list[Receipt]:
+        """One receipt per id, in order: manifests fetched concurrently (``max_concurrency``).
+
+        Poisoned receipts are included, with reasons; control-plane failures (auth,
+        unreachable after retries) raise the first `ControlPlaneError`.
+        """
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        heads = dict(expected_heads or {})
+        out: list[Receipt | None] = [None] * len(ids)
+        errors: list[ControlPlaneError] = []
+        limiter = anyio.CapacityLimiter(self.max_concurrency)
+
+        async def one(index: int, rollout_id: str) -> None:
+            async with limiter:
+                try:
+                    out[index] = await self.receipt(
+                        rollout_id, expected_head=heads.get(rollout_id), segments=segments
+                    )
+                except ControlPlaneError as e:
+                    errors.append(e)
+                    tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for index, rollout_id in enumerate(ids):
+                tg.start_soon(one, index, rollout_id)
+        if errors:
+            raise errors[0]
+        return [r for r in out if r is not None]
+
+    # ---- transport ---------------------------------------------------------------------
+
+    async def _get(
+        self, path: str, params: Mapping[str, Any] | None = None, *, limit: int = _RESPONSE_LIMIT
+    ) -> bytes:
+        return await self._send("GET", path, params=params, idempotent=True, limit=limit)
+
+    async def _post_head(self, path: str, body: msgspec.Struct) -> tuple[int, str]:
+        data = await self._send("POST", path, body=msgspec.json.encode(body), idempotent=False)
+        head = msgspec.json.decode(data, type=HeadResponse).head
+        return head.seq, head.hash
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        idempotent: bool,
+        params: Mapping[str, Any] | None = None,
+        body: bytes | None = None,
+        limit: int = _RESPONSE_LIMIT,
+        gone_ok: bool = False,
+    ) -> bytes:
+        """One call with its retries; ``gone_ok``: a 404 after a retry means the first took."""
+        what = f"{method} {CONTROL_PREFIX}{path}"
+        attempt = 0
+        while True:
+            try:
+                status, data = await self._once(method, path, params, body, limit)
+            except httpx.TransportError as e:
+                never_sent = isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+                if attempt < self.retries and (idempotent or never_sent):
+                    attempt += 1
+                    await anyio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                    continue
+                raise ControlUnreachable(
+                    "unreachable", f"{what}: {type(e).__name__} after {attempt + 1} attempt(s)"
+                ) from e
+            if status >= 500 and idempotent and attempt < self.retries:
+                attempt += 1
+                await anyio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                continue
+            if status == 404 and gone_ok and attempt > 0:
+                return b""
+            if status >= 400:
+                raise _error(status, data, what)
+            return data
+
+    async def _once(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None,
+        body: bytes | None,
+        limit: int,
+    ) -> tuple[int, bytes]:
+        headers = {"content-type": "application/json"} if body is not None else None
+        async with self._http.stream(
+            method, path, params=params, content=body, headers=headers
+        ) as response:
+            declared = response.headers.get("content-length")
+            if response.status_code < 400 and declared is not None and int(declared) > limit:
+                raise ManifestError("too_large", f"answer is {declared} bytes, bound is {limit}")
+            parts, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise ManifestError("too_large", f"answer is over the bound of {limit} bytes")
+                parts.append(chunk)
+            return response.status_code, b"".join(parts)
+
+
+def _path(rollout_id: str, action: str | None = None) -> str:
+    validate_rollout_id(rollout_id)  # the grammar has no character that needs quoting
+    return f"rollouts/{rollout_id}" + (f"/{action}" if action else "")
+
+
+def _manifest_failure(rollout_id: str, code: str, manifest: Manifest | None) -> Receipt:
+    """A poisoned receipt for a rollout whose manifest is missing or does not verify.
+
+    Its ``sink_keys`` are the staging keys the (unverified) manifest admitted, if any, so
+    cleanup can still free them (clearing an absent key is harmless).
+    """
+    keys: tuple[str, ...] = ()
+    head = (0, genesis_hash(rollout_id))
+    if manifest is not None and manifest.rollout_id == rollout_id:
+        keys = tuple(
+            staging_key(rollout_id, e.event.call_id)
+            for e in manifest.entries
+            if isinstance(e.event, Admitted)
+        )
+        head = manifest.head
+    return Receipt(
+        rollout_id=rollout_id,
+        status="poisoned",
+        failure_reason=make_reason(MANIFEST_FAILURE_BUCKET, code),
+        terminal_call_id=None,
+        terminal_selection=None,
+        segments=(),
+        ledger_head=head,
+        reward=None,
+        sink_keys=keys,
+        break_causes=(),
+    )

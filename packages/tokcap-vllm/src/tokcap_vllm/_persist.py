@@ -1,0 +1,313 @@
+"""The gate's ledger file: one append-only record per ledger entry, replayed at start.
+
+Format (JSON lines, ASCII): each entry is one line holding a *one-entry manifest*
+(``encode_manifest`` of that entry, ``tokcap/manifest/v1``), so every record decodes
+strictly with the core and carries its rollout id; forgetting a released rollout is a
+``{"release":"<rollout_id>"}`` line. Each record is one ``write`` on an ``O_APPEND`` file
+descriptor (it survives the process being killed); the file is fsync'ed when a rollout
+closes, before the close returns its head.
+
+Reading: a last record that is incomplete or undecodable is a torn write and is ignored;
+any earlier bad record, or entries whose hash chain does not replay, stop the start
+(`LedgerFileError`) rather than serve a history nobody can vouch for. Compaction
+rewrites the file without released rollouts (temp file, fsync, rename, fsync of the
+folder): always at start, and at run time once enough rollouts were released.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import anyio
+
+from tokcap_core import (
+    Entry,
+    Ledger,
+    Manifest,
+    StagedCall,
+    TokcapError,
+    VerificationError,
+    decode_manifest,
+    encode_manifest,
+    validate_rollout_id,
+)
+
+from ._hooks import GateHooks
+
+__all__ = [
+    "LedgerFile",
+    "LedgerFileError",
+    "encode_entry_record",
+    "encode_release_record",
+    "read_ledger_records",
+]
+
+_RELEASE = b'{"release":'
+
+
+class LedgerFileError(TokcapError, RuntimeError):
+    """The ledger file cannot be trusted (a corrupt record before the tail, a broken chain)
+    or cannot be written (``ledger_write_failed``)."""
+
+
+def encode_entry_record(rollout_id: str, entry: Entry) -> bytes:
+    """One file line for ``entry`` of ``rollout_id`` (a one-entry manifest, newline-terminated)."""
+    manifest = Manifest(
+        rollout_id=rollout_id, entries=(entry,), head_seq=entry.seq, head_hash=entry.hash
+    )
+    return encode_manifest(manifest) + b"\n"
+
+
+def encode_release_record(rollout_id: str) -> bytes:
+    """The file line that forgets ``rollout_id`` (its earlier entries are dropped on read)."""
+    return json.dumps({"release": rollout_id}, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def _decode_line(line: bytes) -> tuple[str, Entry | None]:
+    if line.startswith(_RELEASE):
+        body = json.loads(line)
+        if not isinstance(body, dict) or set(body) != {"release"}:
+            raise ValueError("bad release record")
+        return validate_rollout_id(body["release"]), None
+    manifest = decode_manifest(line)
+    if len(manifest.entries) != 1 or manifest.head != (
+        manifest.entries[0].seq,
+        manifest.entries[0].hash,
+    ):
+        raise ValueError("an entry record holds exactly one entry, as its head")
+    return manifest.rollout_id, manifest.entries[0]
+
+
+def read_ledger_records(data: bytes) -> tuple[dict[str, list[Entry]], bool]:
+    """The entries per rollout held in ledger-file bytes, and whether a torn tail was ignored.
+
+    Rollouts come in order of first appearance; a released rollout is absent (unless it
+    was used again after its release). Raises `LedgerFileError` (``corrupt_record``) for a
+    bad record that is not the last one.
+    """
+    lines = data.split(b"\n")
+    complete = lines[:-1]  # a file that ends with "\n" leaves b"" last
+    torn = lines[-1] != b""
+    ledgers: dict[str, list[Entry]] = {}
+    for number, line in enumerate(complete, start=1):
+        try:
+            rollout_id, entry = _decode_line(line)
+        except (TokcapError, ValueError) as e:
+            if number == len(complete) and not torn:
+                torn = True  # a garbled last record: a write the crash cut short
+                break
+            raise LedgerFileError(
+                "corrupt_record", f"ledger file record {number} does not decode ({e})"
+            ) from e
+        if entry is None:
+            ledgers.pop(rollout_id, None)
+        else:
+            ledgers.setdefault(rollout_id, []).append(entry)
+    return ledgers, torn
+
+
+def _replay(ledgers: dict[str, list[Entry]]) -> list[Ledger]:
+    out = []
+    for rollout_id, entries in ledgers.items():
+        try:
+            out.append(Ledger.from_entries(rollout_id, entries))
+        except VerificationError as e:
+            raise LedgerFileError(
+                "corrupt_ledger", f"the stored ledger of {rollout_id} does not replay ({e.code})"
+            ) from e
+    return out
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_append(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+
+def _rewrite(path: Path, lines: Iterable[bytes]) -> int:
+    """Write ``lines`` to a fresh temp file next to ``path`` (fsync'ed); return its append fd."""
+    tmp = path.with_name(path.name + ".compact")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+    try:
+        chunk: list[bytes] = []
+        size = 0
+        for line in lines:
+            chunk.append(line)
+            size += len(line)
+            if size >= 1 << 20:
+                _write_all(fd, b"".join(chunk))
+                chunk, size = [], 0
+        _write_all(fd, b"".join(chunk))
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lines_of(ledgers: Iterable[tuple[str, tuple[Entry, ...]]]) -> Iterable[bytes]:
+    for rollout_id, entries in ledgers:
+        for entry in entries:
+            yield encode_entry_record(rollout_id, entry)
+
+
+class LedgerFile(GateHooks):
+    """The gate's append-only ledger file (a `GateHooks`: `Gate` attaches it when configured).
+
+    Build it with `open`, which reads the file, compacts it, and returns the ledgers found.
+    """
+
+    def __init__(self, path: Path, fd: int, *, compact_after_releases: int) -> None:
+        self.path = path
+        self.compact_after_releases = compact_after_releases
+        self.releases_since_compaction = 0
+        self.records_written = 0
+        self.torn_tail_ignored = False
+        self.error: str | None = None
+        self._fd = fd
+        self._appended = 0
+        self._synced = 0
+        self._sync_lock = anyio.Lock()
+        self._pending: list[bytes] | None = None
+        self._compacting = False
+
+    def __repr__(self) -> str:
+        return f"LedgerFile({str(self.path)!r})"
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], *, compact_after_releases: int = 1024
+    ) -> tuple[LedgerFile, list[Ledger]]:
+        """Read ``path`` (created if missing), rewrite it compacted, and open it for appending.
+
+        Returns the file and the stored ledgers (closed and still-open ones; the gate
+        poisons the open ones). Blocking: call it at start, before serving.
+        """
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = target.read_bytes() if target.exists() else b""
+        records, torn = read_ledger_records(data)
+        ledgers = _replay(records)
+        fd = _rewrite(target, _lines_of((ledger.rollout_id, ledger.entries) for ledger in ledgers))
+        os.replace(target.with_name(target.name + ".compact"), target)
+        _fsync_dir(target)
+        file = cls(target, fd, compact_after_releases=compact_after_releases)
+        file.torn_tail_ignored = torn
+        return file, ledgers
+
+    # ---- GateHooks ---------------------------------------------------------------------
+
+    def on_entry(self, rollout_id: str, entry: Entry) -> None:
+        """Append the entry's record (one write, no fsync)."""
+        self._append(encode_entry_record(rollout_id, entry))
+
+    def on_sink_write(self, call: StagedCall, seconds: float, error: str | None) -> None:
+        """Nothing to persist: staging is the sink's business."""
+
+    def on_release(self, rollout_id: str) -> None:
+        """Append a release record; the rollout's entries go at the next compaction."""
+        self._append(encode_release_record(rollout_id))
+        self.releases_since_compaction += 1
+
+    async def on_close(self, rollout_id: str) -> None:
+        """Make every record written so far durable (fsync)."""
+        await self.sync()
+
+    # ---- durability and compaction -----------------------------------------------------
+
+    def _append(self, record: bytes) -> None:
+        if self._pending is not None:
+            self._pending.append(record)
+        try:
+            _write_all(self._fd, record)
+        except OSError as e:
+            self.error = f"ledger_write_failed:{e.errno}"
+            return
+        self._appended += 1
+        self.records_written += 1
+
+    async def sync(self) -> None:
+        """fsync everything appended so far (concurrent callers share one fsync).
+
+        Raises `LedgerFileError` (``ledger_write_failed``) once any write failed.
+        """
+        target = self._appended
+        async with self._sync_lock:
+            if self._synced < target:
+                upto = self._appended
+                await anyio.to_thread.run_sync(os.fsync, self._fd)
+                self._synced = upto
+        if self.error is not None:
+            raise LedgerFileError(
+                "ledger_write_failed", f"the ledger file could not be written ({self.error})"
+            )
+
+    @property
+    def compacting(self) -> bool:
+        """Whether a compaction is under way."""
+        return self._compacting
+
+    @property
+    def should_compact(self) -> bool:
+        """Whether enough rollouts were released since the last compaction."""
+        return self.releases_since_compaction >= self.compact_after_releases
+
+    async def compact(self, held: Callable[[], Iterable[Ledger]]) -> None:
+        """Rewrite the file with the ledgers ``held()`` returns (the gate's open and closed ones).
+
+        The snapshot is encoded and written in a worker thread; records appended meanwhile
+        go to the old file *and* are copied to the new one before the rename.
+        """
+        if self._compacting:
+            return
+        self._compacting = True
+        try:
+            snapshot = [(ledger.rollout_id, ledger.entries) for ledger in held()]
+            self._pending = []
+            self.releases_since_compaction = 0
+            fd = await anyio.to_thread.run_sync(_rewrite, self.path, _lines_of(snapshot))
+            async with self._sync_lock:
+                try:
+                    _write_all(fd, b"".join(self._pending))
+                    os.replace(self.path.with_name(self.path.name + ".compact"), self.path)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                old, self._fd = self._fd, fd
+                self._pending = None
+                os.close(old)
+                upto = self._appended
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._fsync_new, fd)
+                self._synced = upto
+        finally:
+            self._pending = None
+            self._compacting = False
+
+    def sync_blocking(self) -> None:
+        """fsync now, blocking (at start, before the event loop serves anything)."""
+        os.fsync(self._fd)
+        self._synced = self._appended
+
+    def _fsync_new(self, fd: int) -> None:
+        os.fsync(fd)
+        _fsync_dir(self.path)
+
+    def close(self) -> None:
+        """Close the file descriptor (records already written stay)."""
+        os.close(self._fd)

@@ -1,0 +1,340 @@
+"""The gate's ledger file: replay at start, torn tails, corruption, poisoning, compaction.
+
+Unit tests run the real `Gate` and `LedgerFile` without an engine (ledgers fed with the
+core's simulated rollouts). The restart test at the end kills a real ``tokcap-vllm
+serve`` process with SIGKILL and starts it again on the same ledger file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS
+from tokcap_core import (
+    Closed,
+    Poisoned,
+    assemble_receipt,
+    encode_manifest,
+    manifest_of,
+    simulate_rollout,
+    verify_manifest,
+)
+from tokcap_vllm import (
+    CONTROL_TOKEN_ENV,
+    LEDGER_PATH_ENV,
+    ControlPlaneClient,
+    Gate,
+    GateConfig,
+    LedgerFile,
+    LedgerFileError,
+    read_ledger_records,
+)
+
+
+def _gate(path: Path, **config: object) -> Gate:
+    return Gate(GateConfig(ledger_path=str(path), **config))  # type: ignore[arg-type]
+
+
+def _feed(gate: Gate, rollout_id: str, *, seed: int, close: bool) -> bytes | None:
+    """Replay a simulated rollout's events into the gate (closing it through `Gate.close`)."""
+    sim = simulate_rollout(rollout_id, seed=seed, turns=3)
+    rollout = gate.rollout_for_call(rollout_id)
+    assert rollout is not None
+    *body, last = sim.ledger.entries
+    for entry in body:
+        rollout.ledger.append(entry.event)
+    if not close:
+        return None
+    assert isinstance(last.event, Closed)
+    head = anyio.run(gate.close, rollout_id, last.event.reward, last.event.witnesses)
+    assert head == sim.ledger.head
+    return encode_manifest(manifest_of(gate.ledger(rollout_id)))
+
+
+def test_closed_manifests_come_back_byte_identical_and_open_ones_poisoned(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    gate = _gate(path)
+    before = {f"done-{i}": _feed(gate, f"done-{i}", seed=i, close=True) for i in range(3)}
+    _feed(gate, "open-1", seed=7, close=False)
+    assert gate.rollouts()["open-1"] == "open"
+
+    restarted = _gate(path)
+    assert {r: encode_manifest(manifest_of(restarted.ledger(r))) for r in before} == before
+    assert restarted.rollouts()["open-1"] == "closed"
+    state = verify_manifest(manifest_of(restarted.ledger("open-1")))
+    assert state.poisoned == Poisoned(reason="gate_restarted")
+    assert assemble_receipt(state).failure_reason == "gate_restarted"
+    with pytest.raises(Exception, match="rollout_closed"):
+        restarted.rollout_for_call("open-1")  # never silently resumed
+
+    third = _gate(path)  # the poisoning was persisted: it is not applied twice
+    assert encode_manifest(manifest_of(third.ledger("open-1"))) == encode_manifest(
+        manifest_of(restarted.ledger("open-1"))
+    )
+
+
+def test_a_torn_last_record_is_ignored_and_cut_off(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    gate = _gate(path)
+    kept = _feed(gate, "kept", seed=1, close=True)
+    _feed(gate, "torn", seed=2, close=False)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 17])  # the last record loses its tail
+    records, torn = read_ledger_records(path.read_bytes())
+    assert torn
+    assert len(records["torn"]) == simulate_rollout("torn", seed=2, turns=3).ledger.head[0] - 2
+
+    restarted = _gate(path)
+    assert restarted.ledger_file is not None
+    assert restarted.ledger_file.torn_tail_ignored
+    assert encode_manifest(manifest_of(restarted.ledger("kept"))) == kept
+    assert verify_manifest(manifest_of(restarted.ledger("torn"))).poisoned is not None
+    assert path.read_bytes().endswith(b"\n")
+    assert not read_ledger_records(path.read_bytes())[1]
+
+
+def test_a_garbled_last_line_is_a_torn_write(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    _feed(_gate(path), "a", seed=1, close=True)
+    with path.open("ab") as f:
+        f.write(b'{"format":"tokcap/manifest/v1","rollout_id":"a","he\x00\x00\n')
+    assert read_ledger_records(path.read_bytes())[1]
+    assert _gate(path).rollouts() == {"a": "closed"}
+
+
+def test_a_corrupt_record_before_the_tail_stops_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    _feed(_gate(path), "a", seed=1, close=True)
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"seq":2', b'"seq":"2"')
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(LedgerFileError) as info:
+        _gate(path)
+    assert info.value.code == "corrupt_record"
+
+
+def test_a_missing_record_breaks_the_chain_and_stops_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    _feed(_gate(path), "a", seed=1, close=True)
+    lines = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join(lines[:1] + lines[2:]))
+    with pytest.raises(LedgerFileError) as info:
+        _gate(path)
+    assert info.value.code == "corrupt_ledger"
+
+
+def test_released_rollouts_are_compacted_away(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    gate = _gate(path, compact_after_releases=2)
+    for i in range(4):
+        _feed(gate, f"r{i}", seed=i, close=True)
+    gate.release("r0")
+    gate.release("r1")
+    size_before = path.stat().st_size
+    file = gate.ledger_file
+    assert file is not None
+    assert file.should_compact
+
+    async def compact_while_appending() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(file.compact, gate.held_ledgers)
+            await anyio.sleep(0)  # the snapshot is taken; its rewrite runs in a thread
+            assert file.compacting
+            _feed_events(gate, "late", seed=9)  # appended meanwhile: must reach the new file
+
+    anyio.run(compact_while_appending)
+    assert path.stat().st_size < size_before
+    records, torn = read_ledger_records(path.read_bytes())
+    assert not torn
+    assert set(records) == {"r2", "r3", "late"}
+    assert len(records["late"]) == len(gate.ledger("late").entries)
+    gate.release("r2")  # a release record after compaction still counts on restart
+    assert set(_gate(path).rollouts()) == {"r3", "late"}
+
+
+def _feed_events(gate: Gate, rollout_id: str, *, seed: int) -> None:
+    rollout = gate.rollout_for_call(rollout_id)
+    assert rollout is not None
+    for entry in simulate_rollout(rollout_id, seed=seed, turns=2).ledger.entries[:-1]:
+        rollout.ledger.append(entry.event)
+
+
+def test_a_released_id_used_again_starts_a_new_ledger(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    gate = _gate(path)
+    _feed(gate, "again", seed=1, close=True)
+    gate.release("again")
+    second = _feed(gate, "again", seed=2, close=True)
+    assert encode_manifest(manifest_of(_gate(path).ledger("again"))) == second
+
+
+def test_the_start_rewrites_the_file_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    gate = _gate(path)
+    _feed(gate, "a", seed=1, close=True)
+    gate.release("a")
+    _gate(path)
+    assert path.read_bytes() == b""
+    assert sorted(os.listdir(tmp_path)) == ["ledger.jsonl"]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_ledger_file_open_on_a_missing_file_creates_it(tmp_path: Path) -> None:
+    file, ledgers = LedgerFile.open(tmp_path / "sub" / "ledger.jsonl")
+    try:
+        assert ledgers == []
+        assert (tmp_path / "sub" / "ledger.jsonl").exists()
+        assert "ledger.jsonl" in repr(file)
+    finally:
+        file.close()
+
+
+# ---- a real gate process, killed and restarted on its ledger file ------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _GateProcess:
+    """``tokcap-vllm serve`` in its own process group, output captured to a file."""
+
+    def __init__(self, model: Path, ledger: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        env = {
+            **os.environ,
+            CONTROL_TOKEN_ENV: CONTROL_TOKEN,
+            LEDGER_PATH_ENV: str(ledger),
+            "VLLM_LOGGING_LEVEL": "INFO",  # the most the server ever says, checked for the token
+        }
+        command = [
+            str(Path(sys.executable).parent / "tokcap-vllm"),
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *VLLM_ARGS,
+        ]
+        self._log = log.open("ab")
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the gate process exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the gate process did not become ready")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the API server and its engine core)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(60)
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(60)
+        self._log.close()
+
+
+async def _converse(base_url: str, model: str, rollout_id: str, turns: int) -> Any:
+    url = f"{base_url}/tokcap/rollouts/{rollout_id}/v1"
+    messages: list[Any] = [{"role": "user", "content": f"hi {rollout_id}"}]
+    response = None
+    async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as c:
+        for turn in range(turns):
+            response = await c.chat.completions.create(
+                model=model, messages=messages, max_tokens=4, temperature=0.0
+            )
+            messages += [
+                {"role": "assistant", "content": response.choices[0].message.content or ""},
+                {"role": "user", "content": f"turn {turn}"},
+            ]
+    return response
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_killed_gate_restarts_on_its_ledger_file(tiny_model: Path, tmp_path: Path) -> None:
+    """SIGKILL mid-run, restart: closed manifests byte-identical, open rollouts poisoned,
+    a torn last record ignored, and the token in no line the server printed."""
+    ledger, log = tmp_path / "ledger.jsonl", tmp_path / "server.log"
+    model = str(tiny_model)
+
+    first = _GateProcess(tiny_model, ledger, log)
+    try:
+        first.wait_ready()
+
+        async def before_crash() -> tuple[Any, ...]:
+            await _converse(first.base_url, model, "kept", turns=2)
+            await _converse(first.base_url, model, "in-flight", turns=1)
+            async with ControlPlaneClient(first.base_url, CONTROL_TOKEN) as cp:
+                head = await cp.close("kept", reward=1.0)
+                kept = await cp.manifest_bytes("kept")
+                with anyio.fail_after(60):  # the open rollout's call is committed (on file)
+                    while "staged" not in (await cp.manifest_bytes("in-flight")).decode():
+                        await anyio.sleep(0.1)
+            return head, kept
+
+        head, kept = anyio.run(before_crash)
+    finally:
+        first.kill()
+    with ledger.open("ab") as f:  # the crash also cut a record short
+        f.write(b'{"format":"tokcap/manifest/v1","rollout_id":"in-fl')
+
+    second = _GateProcess(tiny_model, ledger, log)
+    try:
+        second.wait_ready()
+
+        async def after_restart() -> tuple[Any, ...]:
+            async with ControlPlaneClient(second.base_url, CONTROL_TOKEN) as cp:
+                served = await cp.manifest_bytes("kept")
+                receipts = await cp.fetch_receipts(
+                    ["kept", "in-flight"], expected_heads={"kept": head}
+                )
+                listed = {r.rollout_id: r.state for r in await cp.rollouts()}
+            with pytest.raises(openai.ConflictError, match="rollout_closed"):
+                await _converse(second.base_url, model, "in-flight", turns=1)
+            return served, receipts, listed
+
+        served, (kept_receipt, open_receipt), listed = anyio.run(after_restart)
+    finally:
+        second.stop()
+
+    assert served == kept
+    assert (kept_receipt.status, kept_receipt.ledger_head) == ("verified", head)
+    assert (open_receipt.status, open_receipt.failure_reason) == ("poisoned", "gate_restarted")
+    assert listed == {"kept": "closed", "in-flight": "closed"}
+    assert CONTROL_TOKEN.encode() not in log.read_bytes()
+    assert log.read_bytes()  # the server did print: the check above looked at real output
