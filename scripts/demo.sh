@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The demo: bash scripts/demo.sh — verify the shipped example manifest against its staged records.
+# The demo: bash scripts/demo.sh [tokcap demo options, e.g. --quick]
+# The whole pipeline on this machine: a tiny model on vLLM (CPU) behind the tokcap gate, a
+# black-box agent harness, TransferQueue and a Ray reassembler pool on a loopback-only local
+# Ray; prints a summary and saves summary.json and report.html under .tokcap/runs/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 
 bash scripts/setup.sh
-EXAMPLES=packages/tokcap-core/src/tokcap_core/examples
-uv run --locked tokcap-core verify "$EXAMPLES/manifest.json" --staged "$EXAMPLES/staged.json"
+exec uv run --locked tokcap demo "$@"

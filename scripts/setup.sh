@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the tokcap workspace: uv, the CPU torch wheel in .wheels/, and the locked .venv.
-# Idempotent; safe to re-run. Usage: bash scripts/setup.sh
+# Idempotent; safe to re-run. Usage: bash scripts/setup.sh [--with-chromium]
+# --with-chromium: also install headless Chromium (the report test needs it; scripts/test.sh asks).
 #
 # Ray re-runs `uv run` inside its workers when the driver was started by `uv run` (it ships the
 # working dir, without the gitignored .wheels/, and the workers fail and retry for minutes).
@@ -58,6 +59,17 @@ PY
     fi
 fi
 
-# 3. the locked environment (default groups: dev + cpu-engine).
+# 3. headless Chromium for the HTML report test (Debian's `chromium`; CI runs as root).
+if [[ "${1:-}" == "--with-chromium" ]] && ! command -v chromium >/dev/null 2>&1; then
+    if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        say "installing chromium (apt-get) for the report test"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    else
+        say "chromium is missing and cannot be installed here (needs root and apt-get)"
+    fi
+fi
+
+# 4. the locked environment (default groups: dev + cpu-engine).
 uv sync --locked --quiet
 say "ok ($(uv run --locked --no-sync python -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'torch ?'))"

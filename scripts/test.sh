@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 
-bash scripts/setup.sh
+bash scripts/setup.sh --with-chromium
 uv lock --check --quiet
 
 rc=0

@@ -1,28 +1,146 @@
-"""The ``tokcap`` command line."""
+"""The ``tokcap`` command line: ``demo``, ``show``, ``verify``, ``bench``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+EPILOG = "Run `tokcap demo --quick` to see the whole pipeline on this machine in a few minutes."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tokcap`` CLI; return the process exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="tokcap", description=__doc__)
+    if args and args[0] == "verify":
+        from tokcap_core._cli import main as core_main
+
+        return int(core_main(args) or 0)
+    parser = _parser()
+    ns = parser.parse_args(args)
+    if ns.command == "demo":
+        return _demo(ns)
+    if ns.command == "show":
+        return _show(ns.run_dir)
+    if ns.command == "bench":
+        return _bench(ns.name, ns.args)
+    parser.print_help()
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokcap", description=__doc__, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="the whole pipeline on this machine: tiny model, vLLM + gate, TransferQueue, Ray",
+        description="Run G groups x N multi-turn agent rollouts through the tokcap gate, "
+        "reassemble them on a Ray pool and report (summary.json, report.html).",
+    )
+    demo.add_argument("--quick", action="store_true", help="small run for CI (2 x 4 x 3 turns)")
+    demo.add_argument("--groups", type=_positive, help="groups (default 4; quick 2)")
+    demo.add_argument("--rollouts", type=_positive, help="rollouts per group (default 6; quick 4)")
+    demo.add_argument(
+        "--turns", type=_positive, help="model calls per rollout (default 4; quick 3)"
+    )
+    demo.add_argument("--max-tokens", type=_positive, help="tokens per call (default 24; quick 16)")
+    demo.add_argument(
+        "--segments", choices=("terminal", "all"), default="terminal",
+        help="terminal: one row per rollout; all: also one row per rewritten-away history",
+    )  # fmt: skip
+    demo.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/<timestamp>)")
+    demo.add_argument("--seed", type=int, default=0)
+    show = sub.add_parser("show", help="re-print the summary of a saved demo run")
+    show.add_argument("run_dir", type=Path)
     sub.add_parser(
         "verify",
         help="verify a manifest against staged records (forwards to `tokcap-core verify`)",
         add_help=False,
     )
-    if args and args[0] == "verify":
-        from tokcap_core._cli import main as core_main
+    bench = sub.add_parser("bench", help="list the benchmarks in bench/, or run one")
+    bench.add_argument("name", nargs="?", help="a script in bench/ (with or without .py)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
 
-        return int(core_main(args) or 0)
-    parser.parse_args(args)
-    return 2
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text}")
+    return value
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    from ._demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        groups=ns.groups,
+        rollouts=ns.rollouts,
+        turns=ns.turns,
+        max_tokens=ns.max_tokens,
+        segments=ns.segments,
+        out=ns.out,
+        quick=ns.quick,
+        seed=ns.seed,
+    )
+    return run_demo(options)
+
+
+def _show(run_dir: Path) -> int:
+    from ._summary import print_summary, summary_console
+
+    path = run_dir / "summary.json" if run_dir.is_dir() else run_dir
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        print(f"tokcap show: cannot read {path}: {e}", file=sys.stderr)
+        return 4
+    console = summary_console()
+    print_summary(summary, console)
+    report = path.parent / "report.html"
+    if report.exists():
+        console.print(f"report: [bold]{report}[/]")
+    return 0
+
+
+def _bench_dir() -> Path | None:
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (base / "bench").is_dir():
+            return base / "bench"
+    return None
+
+
+def _bench(name: str | None, args: list[str]) -> int:
+    folder = _bench_dir()
+    if folder is None:
+        print(
+            "tokcap bench: no bench/ folder here; run it from a tokcap checkout.", file=sys.stderr
+        )
+        return 2
+    scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    if name is None:
+        print(f"benchmarks in {folder} (run: tokcap bench NAME [ARGS...]):")
+        for script in scripts:
+            print(f"  {script.stem:<24} {_first_line(script)}")
+        return 0
+    script = folder / (name if name.endswith(".py") else f"{name}.py")
+    if not script.is_file():
+        print(f"tokcap bench: no {script.name} in {folder}", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args])
+
+
+def _first_line(script: Path) -> str:
+    import ast
+
+    try:
+        doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
+    except (OSError, SyntaxError):
+        return ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""``tokcap demo``: build the tiny model, run the pipeline, check the rows, save and print.
+
+Environment defaults for the CPU engine are set here, before vLLM is imported: vLLM's
+fast-start mode and Ray's "do not re-run ``uv run`` in workers".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+for _name, _value in {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "TQ_NUM_THREADS": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+from rich.console import Console  # noqa: E402
+
+__all__ = ["DemoOptions", "run_demo"]
+
+QUICK = {"groups": 2, "rollouts": 4, "turns": 3, "max_tokens": 16}
+FULL = {"groups": 4, "rollouts": 6, "turns": 4, "max_tokens": 24}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoOptions:
+    """The ``tokcap demo`` flags (None: the quick or full default)."""
+
+    groups: int | None = None
+    rollouts: int | None = None
+    turns: int | None = None
+    max_tokens: int | None = None
+    segments: str = "terminal"
+    out: Path | None = None
+    quick: bool = False
+    seed: int = 0
+    cache: Path = Path(".tokcap")
+    samples: int = 4
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """First Ctrl-C interrupts; later ones are ignored so the shutdown can finish."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def run_demo(options: DemoOptions, console: Console | None = None) -> int:
+    """Run the demo; 0 when every check holds, 1 when one fails, 130 on Ctrl-C."""
+    from ._summary import summary_console
+
+    console = console or summary_console()
+    err = Console(stderr=True)
+    defaults = QUICK if options.quick else FULL
+    pick = {k: getattr(options, k) or v for k, v in defaults.items()}
+    out = options.out or options.cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        return _run(options, pick, out, console, err)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted: everything the demo started has been shut down")
+        return 130
+
+
+def _run(
+    options: DemoOptions, pick: dict[str, int], out: Path, console: Console, err: Console
+) -> int:
+    from ._stages import Stages
+
+    with Stages(err) as stages:
+        with stages.stage("build tiny model (cached)"):
+            from ._tiny import build_tiny_model
+
+            model = build_tiny_model(options.cache / "tiny" / "dense", kind="dense")
+            from ._pipeline import DemoConfig, run_pipeline
+
+        config = DemoConfig(
+            model=model,
+            groups=pick["groups"],
+            rollouts=pick["rollouts"],
+            turns=pick["turns"],
+            max_tokens=pick["max_tokens"],
+            segments=options.segments,
+            seed=options.seed,
+        )
+        run = run_pipeline(config, stages)
+        with stages.stage("checks, summary, report"):
+            from transformers import AutoTokenizer
+
+            from ._checks import check_rows
+            from ._report import render_report
+            from ._summary import build_summary
+
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            episodes = {e.rollout_id: e for e in run.episodes}
+            parity, drift = check_rows(run.rows, episodes, run.manifests, tokenizer)
+            summary = build_summary(run, parity, drift, stages.timings_s)
+            samples = _samples(run, drift, options.samples)
+            out.mkdir(parents=True, exist_ok=True)
+            page = render_report(summary, samples, tokenizer)
+            (out / "report.html").write_text(page, encoding="utf-8")
+    summary["timings_s"] = {k: round(v, 3) for k, v in stages.timings_s.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    from ._summary import print_summary
+
+    print_summary(summary, console)
+    problems = summary_problems(summary)
+    for problem in problems:
+        console.print(f"[red]check failed: {problem}")
+    console.print(f"saved [bold]{out / 'summary.json'}[/] and [bold]{out / 'report.html'}[/]")
+    return 1 if problems else 0
+
+
+def summary_problems(summary: dict[str, Any]) -> list[str]:
+    """The demo's invariants, as messages for each one that does not hold."""
+    rows, par = summary["rows"], summary["engine_parity"]
+    problems = []
+    if rows["valid"] + rows["placeholder"] != rows["total"]:
+        problems.append("valid + placeholder rows != total rows")
+    if rows["verified"] != rows["valid"]:
+        problems.append("a valid row does not match its receipt chain")
+    if par["rows_differing"]:
+        problems.append(f"{par['rows_differing']} rows differ from the engine's own ids")
+    if summary["advantages"]["placeholder_rows_nonzero"]:
+        problems.append("a placeholder row got a non-zero advantage")
+    return problems
+
+
+def _samples(run: Any, drift: list[Any], count: int) -> list[Any]:
+    """A few trajectories for the report: one per behaviour of group 0, drifted ones first."""
+    drift_of = {d.rollout_id: d for d in drift}
+    chosen: list[Any] = []
+    seen: set[str] = set()
+    episodes = sorted(
+        run.episodes, key=lambda e: (e.group, drift_of.get(e.rollout_id) is None, e.rollout_id)
+    )
+    for episode in episodes:
+        if episode.behaviour in seen or len(seen) >= count:
+            continue
+        rows = [r for r in run.rows if r.rollout_id == episode.rollout_id and r.sample_mask]
+        if not rows:
+            continue
+        seen.add(episode.behaviour)
+        for row in rows:
+            d = drift_of.get(row.rollout_id) if row.segment == 0 else None
+            chosen.append((row, run.receipts[row.rollout_id], d))
+    return chosen

@@ -1,0 +1,276 @@
+"""``report.html``: one self-contained page (inline CSS and JS, no network) about a demo run.
+
+Key figures, then a per-token view of a few trajectories: carried tokens (prompt, tool
+output, template text) in grey, generated tokens in blue shaded by the sampled token's
+probability, a marker where each call starts, the receipt's chain with shortened digests
+(the full value on hover, copied on click), and the first position where re-tokenising
+the transcript would have changed the ids.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from tokcap_core import Receipt, TrainingRow
+
+from ._checks import Drift
+
+__all__ = ["render_report"]
+
+_CSS = """
+:root{--fg:#1f2328;--mute:#656d76;--line:#d0d7de;--gen:37,99,235;--carry:#eef0f3;--bad:#d1242f}
+*{box-sizing:border-box}body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;
+color:var(--fg);margin:0;background:#f6f8fa}main{max-width:1320px;margin:0 auto;padding:24px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px}h3{font-size:15px;margin:0}
+.sub{color:var(--mute)}.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(200px,1fr));
+gap:10px;margin-top:16px}.card{background:#fff;border:1px solid var(--line);border-radius:8px;
+padding:10px 12px}.card b{display:block;font-size:20px}.card span{color:var(--mute);font-size:12px}
+.card.ok b{color:#1a7f37}.card.warn b{color:#9a6700}.grid{display:grid;
+grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:12px}
+table{border-collapse:collapse;background:#fff;width:100%}td,th{border:1px solid var(--line);
+padding:3px 8px;text-align:left;font-size:13px}th{background:#f0f2f5}td.n{text-align:right;
+font-variant-numeric:tabular-nums}.traj{background:#fff;border:1px solid var(--line);
+border-radius:8px;padding:14px;margin:14px 0}.meta{color:var(--mute);margin:4px 0 10px}
+.tag{display:inline-block;padding:0 6px;border-radius:10px;background:#ddf4ff;color:#0550ae;
+font-size:12px;margin-right:4px}
+.tag.bad{background:#ffebe9;color:var(--bad)}code,.tokens{font-family:ui-monospace,SFMono-Regular,
+Menlo,Consolas,monospace}.dg{cursor:pointer;border-bottom:1px dotted var(--mute)}
+.tokens{white-space:pre-wrap;word-break:break-all;font-size:12.5px;line-height:1.9;margin-top:10px;
+border:1px solid var(--line);border-radius:6px;padding:8px;background:#fff}
+.t{border-radius:2px;padding:1px 0}.c{background:var(--carry);color:#57606a}
+.g{background:rgba(var(--gen),var(--a));color:#0b1f44}.g.hi{color:#fff}
+.cb{display:inline-block;font-size:10.5px;background:#1f2328;color:#fff;border-radius:3px;
+padding:0 4px;margin:0 3px 0 6px;line-height:1.5}.drift{outline:2px solid var(--bad);
+outline-offset:1px;position:relative}.after{text-decoration:underline wavy rgba(209,36,47,.45)}
+.legend span{margin-right:14px}.sw{display:inline-block;width:14px;height:12px;vertical-align:-1px;
+margin-right:4px;border-radius:2px}.ids .t{font-size:11px}.note{font-size:12.5px;color:var(--mute)}
+button{font:inherit;font-size:12px;padding:2px 8px;border:1px solid var(--line);border-radius:6px;
+background:#fff;cursor:pointer}
+"""
+_JS = """
+document.querySelectorAll('.dg').forEach(e=>e.addEventListener('click',()=>{
+ navigator.clipboard&&navigator.clipboard.writeText(e.title);}));
+document.querySelectorAll('button[data-ids]').forEach(b=>b.addEventListener('click',()=>{
+ const box=document.getElementById(b.dataset.ids);const ids=box.classList.toggle('ids');
+ box.querySelectorAll('.t').forEach(t=>{const v=ids?t.dataset.id+' ':t.dataset.s;t.textContent=v;});
+ b.textContent=ids?'show text':'show token ids';}));
+"""
+
+
+_LOGPROB_FLOOR = 10.0
+"""Generated tokens shade from logprob 0 (dark) to -10 or below (light)."""
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _digest(value: str) -> str:
+    return f'<span class="dg" title="{_e(value)}">{_e(value[:12])}…</span>'
+
+
+def _card(label: str, value: str, kind: str = "") -> str:
+    return f'<div class="card {kind}"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
+
+
+def _kv_table(title: str, items: Sequence[tuple[str, object]]) -> str:
+    body = "".join(f"<tr><td>{_e(k)}</td><td class=n>{_e(v)}</td></tr>" for k, v in items)
+    return f"<div><h3>{_e(title)}</h3><table>{body}</table></div>"
+
+
+def _chain_table(receipt: Receipt, segment: int) -> str:
+    head = (
+        "<tr><th>call</th><th>parent</th><th>staging key</th><th>prefix</th><th>carry</th>"
+        "<th>gen</th><th>finish</th><th>call digest</th><th>chain hash</th></tr>"
+    )
+    body = "".join(
+        f"<tr><td><code>{_e(c.call_id)}</code></td><td><code>{_e(c.parent_id or '—')}</code></td>"
+        f"<td><code>{_e(c.staging_key)}</code></td><td class=n>{c.prefix_len}</td>"
+        f"<td class=n>{c.carry_len}</td><td class=n>{c.gen_len}</td><td>{_e(c.finish_reason)}</td>"
+        f"<td><code>{_digest(c.call_digest)}</code></td><td><code>{_digest(c.chain_hash)}</code></td></tr>"
+        for c in receipt.segments[segment]
+    )
+    return f"<table>{head}{body}</table>"
+
+
+def _token_text(piece: str) -> str:
+    return piece.replace("\n", "↵\n").replace("\t", "⇥\t")
+
+
+def _tokens(row: TrainingRow, pieces: Sequence[str], drift: Drift | None, box_id: str) -> str:
+    starts = {s.start: s for s in row.call_spans}
+    cut = drift.first_diff if drift is not None else None
+    out: list[str] = []
+    for i, (tid, piece) in enumerate(zip(row.input_ids, pieces, strict=True)):
+        span = starts.get(i)
+        if span is not None:
+            out.append(
+                f'<span class="cb" title="carry {span.carry_len} · gen {span.gen_len}">'
+                f"{_e(span.call_id)}</span>"
+            )
+        text = _token_text(piece)
+        classes = ["t"]
+        title = f"#{i} · id {tid}"
+        if row.loss_mask[i]:
+            p = math.exp(row.logprobs[i])
+            # Log scale: a random model's tokens sit near log(1/vocab), far from p = 1.
+            alpha = 0.12 + 0.78 * min(1.0, max(0.0, 1.0 + row.logprobs[i] / _LOGPROB_FLOOR))
+            classes.append("g hi" if alpha > 0.6 else "g")
+            style = f' style="--a:{alpha:.2f}"'
+            title += f" · logprob {row.logprobs[i]:.3f} (p={p:.2f})"
+        else:
+            classes.append("c")
+            style = ""
+        if cut is not None and i == cut:
+            classes.append("drift")
+            theirs = drift.retok_ids[i : i + 6] if drift is not None else []
+            title += f" · re-tokenising gives {theirs} here"
+        elif cut is not None and i > cut:
+            classes.append("after")
+        out.append(
+            f'<span class="{" ".join(classes)}"{style} title="{_e(title)}" data-id="{tid}" '
+            f'data-s="{_e(text)}">{_e(text)}</span>'
+        )
+    return f'<div class="tokens" id="{box_id}">{"".join(out)}</div>'
+
+
+def _trajectory(
+    n: int, row: TrainingRow, receipt: Receipt, info: dict[str, Any], pieces: Sequence[str],
+    drift: Drift | None,
+) -> str:  # fmt: skip
+    tags = [f'<span class="tag">{_e(info["behaviour"])}</span>']
+    tags.append(f'<span class="tag">terminal: {_e(receipt.terminal_selection)}</span>')
+    tags += [f'<span class="tag bad">break: {_e(c)}</span>' for c in receipt.break_causes]
+    if row.segment:
+        tags.append(f'<span class="tag">extra segment {row.segment}</span>')
+    if drift is not None and drift.first_diff is not None:
+        tags.append(f'<span class="tag bad">re-tokenising drifts at {drift.first_diff}</span>')
+    elif drift is not None:
+        tags.append('<span class="tag">re-tokenising: identical</span>')
+    box = f"tok{n}"
+    meta = (
+        f"{len(row.input_ids)} tokens ({row.num_generated} generated) · reward "
+        f"{info['reward']:.3f} · advantage {info['advantage']:+.3f} · ledger head "
+        f"{receipt.ledger_head[0]}:{_digest(receipt.ledger_head[1])}"
+    )
+    return (
+        f'<section class="traj"><h3>{_e(row.key)} {"".join(tags)} '
+        f'<button data-ids="{box}">show token ids</button></h3><div class="meta">{meta}</div>'
+        f"{_chain_table(receipt, row.segment)}{_tokens(row, pieces, drift, box)}</section>"
+    )
+
+
+def _cell(rollout: dict[str, Any], column: str) -> object:
+    value = rollout[column]
+    if column == "breaks":
+        return ", ".join(value) or "—"
+    return "—" if value is None else value
+
+
+def _rollout_table(per_rollout: Sequence[dict[str, Any]]) -> str:
+    columns = ("rollout_id", "behaviour", "calls", "status", "terminal", "segments", "breaks",
+               "reward", "advantage", "drift_at")  # fmt: skip
+    head = "".join(f"<th>{_e(c.replace('_', ' '))}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_e(_cell(r, c))}</td>" for c in columns) + "</tr>"
+        for r in per_rollout
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def render_report(
+    summary: dict[str, Any],
+    samples: Sequence[tuple[TrainingRow, Receipt, Drift | None]],
+    tokenizer: Any,
+) -> str:
+    """The whole page, as one HTML string."""
+    ro, rows, tok = summary["rollouts"], summary["rows"], summary["tokens"]
+    par, drift = summary["engine_parity"], summary["drift"]
+    cards = "".join(
+        (
+            _card("rollouts verified", f"{ro['verified']} / {ro['total']}", "ok"),
+            _card("model calls", str(summary["calls"]["total"])),
+            _card("tokens in valid rows", f"{tok['total']:,}"),
+            _card("rows valid + placeholder", f"{rows['valid']} + {rows['placeholder']}"),
+            _card(
+                "rows differing from the engine",
+                f"{par['rows_differing']} / {par['rows_checked']}",
+                "ok" if par["rows_differing"] == 0 else "warn",
+            ),
+            _card(
+                "trajectories re-tokenising would change",
+                f"{drift['trajectories_drifted']} / {drift['trajectories_checked']}",
+                "warn",
+            ),
+        )
+    )
+    tables = "".join(
+        (
+            _kv_table("Terminal selection", list(summary["terminal_selection"].items())),
+            _kv_table(
+                "Failures and breaks",
+                [(f"failure: {k}", f"{v:g}") for k, v in summary["failures"].items() if v]
+                + [
+                    (f"break: {k}", f"{v:g}")
+                    for k, v in summary["breaks"].items()
+                    if v or k == "total"
+                ],
+            ),
+            _kv_table(
+                "Checks",
+                [
+                    (
+                        "rows differing from the engine's own ids",
+                        f"{par['rows_differing']} / {par['rows_checked']}",
+                    ),
+                    ("calls compared with the engine", par["calls_checked"]),
+                    ("max |logprob - engine logprob|", f"{par['max_logprob_abs_diff']:.3g}"),
+                    (
+                        "trajectories re-tokenising changes",
+                        f"{drift['trajectories_drifted']} / {drift['trajectories_checked']}",
+                    ),
+                    (
+                        "placeholder rows with advantage ≠ 0",
+                        summary["advantages"]["placeholder_rows_nonzero"],
+                    ),
+                ],
+            ),
+            _kv_table("Timings (s)", list(summary["timings_s"].items())),
+        )
+    )
+    rollouts = _rollout_table(summary["per_rollout"])
+    info = {r["rollout_id"]: r for r in summary["per_rollout"]}
+    sections = "".join(
+        _trajectory(
+            n,
+            row,
+            receipt,
+            info[row.rollout_id],
+            [tokenizer.decode([t], skip_special_tokens=False) for t in row.input_ids],
+            d,
+        )
+        for n, (row, receipt, d) in enumerate(samples)
+    )
+    legend = (
+        '<div class="legend note">'
+        '<span><i class="sw" style="background:var(--carry)"></i>carried '
+        "(prompt, tool output, template)</span>"
+        '<span><i class="sw" style="background:rgba(37,99,235,.9)"></i>generated, logprob 0</span>'
+        '<span><i class="sw" style="background:rgba(37,99,235,.15)"></i>'
+        "generated, logprob &le; -10</span>"
+        '<span><i class="cb">c000001</i>call starts</span>'
+        '<span><i class="sw" style="outline:2px solid #d1242f"></i>'
+        "first token re-tokenising changes (wavy after it)</span></div>"
+    )
+    cfg = summary["config"]
+    return (
+        "<!doctype html><html lang=en><head><meta charset=utf-8><title>tokcap demo report</title>"
+        f"<style>{_CSS}</style></head><body><main><h1>tokcap demo</h1><div class=sub>"
+        f"{cfg['groups']} groups x {cfg['rollouts']} rollouts x {cfg['turns']} turns · segments="
+        f"{_e(cfg['segments'])} · tiny random model (its text is gibberish; its tokens are exact)"
+        f"</div><div class=cards>{cards}</div><h2>Figures</h2><div class=grid>{tables}</div>"
+        f"<h2>Rollouts</h2>{rollouts}<h2>Trajectories</h2>{legend}{sections}</main><script>{_JS}</script></body></html>"
+    )

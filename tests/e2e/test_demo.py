@@ -1,0 +1,223 @@
+"""``tokcap demo --quick`` end to end: real vLLM engine, real TransferQueue, real Ray.
+
+One demo run (``--segments all``, in a subprocess, as a user runs it) feeds the summary
+and report tests; a second run is interrupted with SIGINT to check that nothing it
+started keeps running or listening.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_TIMEOUT_S = 420
+
+
+def _demo_command(out: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "tokcap",
+        "demo",
+        "--quick",
+        "--segments",
+        "all",
+        "--out",
+        str(out),
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "COLUMNS": "120"}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("demo") / "run"
+    started = time.monotonic()
+    proc = subprocess.run(
+        _demo_command(out),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+        check=False,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, (
+        f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
+    assert elapsed < 240, f"the quick demo took {elapsed:.0f} s (budget: 4 minutes)"
+    return out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def summary(demo_run: tuple[Path, str]) -> dict[str, Any]:
+    return json.loads((demo_run[0] / "summary.json").read_text())
+
+
+def test_counts_add_up(summary: dict[str, Any]) -> None:
+    rows, ro = summary["rows"], summary["rollouts"]
+    assert rows["valid"] + rows["placeholder"] == rows["total"]
+    assert ro["verified"] + ro["poisoned"] == ro["total"] == 2 * 4
+    assert rows["verified"] == rows["valid"] > 0
+    assert summary["calls"]["total"] == 2 * 4 * 3
+    assert (
+        summary["tokens"]["generated"] + summary["tokens"]["carried"] == summary["tokens"]["total"]
+    )
+    assert sum(summary["terminal_selection"].values()) == ro["verified"]
+    assert sum(v for k, v in summary["failures"].items()) == ro["poisoned"]
+
+
+def test_interesting_paths_happened(summary: dict[str, Any]) -> None:
+    """Each group has a rewriting harness (a forest), a content witness, a declared terminal."""
+    assert summary["terminal_selection"]["content"] == 2
+    assert summary["terminal_selection"]["declared"] == 2
+    assert summary["breaks"]["total"] >= 2
+    # --segments all: each rewritten history contributes an extra row.
+    assert summary["rows"]["extra_segments"] >= 2
+
+
+def test_rows_are_exactly_what_the_engine_reported(summary: dict[str, Any]) -> None:
+    parity = summary["engine_parity"]
+    assert parity["rows_checked"] == summary["rows"]["valid"]
+    assert parity["calls_checked"] == summary["calls"]["on_chain"]
+    assert parity["rows_differing"] == 0
+    assert parity["max_logprob_abs_diff"] < 1e-6
+
+
+def test_retokenizing_would_have_drifted(summary: dict[str, Any]) -> None:
+    drift = summary["drift"]
+    assert drift["trajectories_checked"] >= 1
+    assert drift["trajectories_drifted"] >= 1
+    drifted = [r for r in summary["per_rollout"] if r["drift_at"] is not None]
+    assert drifted
+    assert all(r["drift_at"] > 0 for r in drifted)
+
+
+def test_advantages_respect_the_valid_mask(summary: dict[str, Any]) -> None:
+    assert summary["advantages"]["placeholder_rows_nonzero"] == 0
+
+
+def test_show_reprints_the_saved_summary(demo_run: tuple[Path, str]) -> None:
+    out, printed = demo_run
+    shown = subprocess.run(
+        [sys.executable, "-m", "tokcap", "show", str(out)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    for line in ("What was captured", "Checks", "Rollouts", "Timings"):
+        assert line in shown.stdout
+    assert "rows differing from the engine's own ids" in printed
+
+
+def _png_stats(path: Path) -> tuple[int, int, int]:
+    """(width, height, distinct colours in a 64x64 thumbnail)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+        colours = image.convert("RGB").resize((64, 64)).getcolors(maxcolors=64 * 64) or []
+    return width, height, len(colours)
+
+
+def test_report_renders_in_headless_chromium(demo_run: tuple[Path, str], tmp_path: Path) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is missing: bash scripts/setup.sh --with-chromium installs it"
+    report = demo_run[0] / "report.html"
+    html = report.read_text()
+    assert "http://" not in html
+    assert "https://" not in html
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            chromium, "--headless", "--no-sandbox", "--disable-gpu",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={shot}", "--window-size=1400,1800", report.as_uri(),
+        ],
+        capture_output=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert shot.stat().st_size > 20_000
+    width, height, colours = _png_stats(shot)
+    assert (width, height) == (1400, 1800)
+    assert colours > 20, "the screenshot is (nearly) one colour"
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _listening_pids() -> set[int]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return {int(p) for p in re.findall(r"pid=(\d+)", out)}
+
+
+def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
+    assert shutil.which("ss"), "ss (iproute2) is needed to check listening sockets"
+    proc = subprocess.Popen(
+        _demo_command(tmp_path / "run"),
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    log: list[str] = []
+    deadline = time.monotonic() + DEMO_TIMEOUT_S
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if "[tokcap] rollouts (harness) ..." in line:
+                break
+            assert time.monotonic() < deadline, "the demo never reached its rollouts"
+        else:
+            pytest.fail("the demo ended before its rollouts:\n" + "".join(log[-40:]))
+        started = _children(proc.pid) | {proc.pid}
+        listening = _listening_pids() & started
+        assert listening, "the demo should be serving (vLLM, Ray, TQ) by now"
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.append(rest)
+    assert proc.returncode == 130, "".join(log[-60:])
+    time.sleep(2)  # the last Ray processes notice their raylet is gone
+    still = {pid for pid in started if _alive(pid)}
+    assert not still, f"left running after Ctrl-C: {still}"
+    assert not (_listening_pids() & started)
