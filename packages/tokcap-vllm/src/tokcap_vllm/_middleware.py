@@ -27,7 +27,7 @@ from ._admission import (
 from ._api import CONTROL_PREFIX
 from ._config import GateConfig
 from ._control import ControlPlane
-from ._errors import GateError
+from ._errors import BadRequest, GateError
 from ._gate import Gate, PendingCall
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._routing import route_request
@@ -84,10 +84,14 @@ class GateMiddleware:
             await self._control(scope, receive, send)
             return
         config = self.gate.config
-        headers = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())
-        }
+        raw_headers = [
+            (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ())
+        ]
+        headers = dict(raw_headers)
         try:
+            if sum(k == config.rollout_header.lower() for k, _ in raw_headers) > 1:
+                # two rollout headers (e.g. a CRLF-split value) are ambiguous: never pick one
+                raise BadRequest("bad_rollout_id", "more than one rollout-id header")
             route = route_request(
                 scope.get("raw_path") or scope["path"].encode(),
                 scope["path"],
