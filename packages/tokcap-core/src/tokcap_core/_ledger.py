@@ -194,7 +194,8 @@ class _Draft:
             if rec.staged and rec.staged.response_id
         }
 
-    def step(self, event: Event) -> Entry:
+    def step(self, event: Event, *, known_hash: str | None = None) -> Entry:
+        """Apply ``event``; ``known_hash`` is its entry hash when the caller already computed it."""
         next_status = _ROLLOUT_TABLE[self.status].get(type(event))
         if next_status is None:
             if type(event) not in _ROLLOUT_TABLE[OPEN]:
@@ -209,7 +210,7 @@ class _Draft:
             seq=self.head_seq + 1,
             event=event,
             prev_hash=self.head_hash,
-            hash=entry_hash(self.head_hash, event),
+            hash=known_hash or entry_hash(self.head_hash, event),
         )
         # nothing below may raise: the event is legal
         if record is not None:
@@ -334,12 +335,13 @@ def replay(rollout_id: str, entries: Iterable[Entry]) -> RolloutState:
             raise VerificationError(
                 "broken_link", f"entry {entry.seq} does not link to its predecessor"
             )
-        if entry.hash != entry_hash(entry.prev_hash, entry.event):
+        computed = entry_hash(entry.prev_hash, entry.event)
+        if entry.hash != computed:
             raise VerificationError(
                 "bad_entry_hash", f"entry {entry.seq} hash does not match its content"
             )
         try:
-            draft.step(entry.event)
+            draft.step(entry.event, known_hash=computed)
         except LedgerProtocolError as e:
             raise VerificationError(
                 f"illegal_event:{e.code}", f"entry {entry.seq}: {e.message}"
