@@ -8,12 +8,15 @@ from typing import Any
 from tokcap_core import SimulatedRollout, TrainingRow, assemble_receipt, placeholder_row, reassemble
 
 
-def fresh_tq_sink() -> Any:
+def fresh_tq_sink(*, op_timeout_s: float = 60.0) -> Any:
     """A `TQSink` on partitions no other test touches (TQ outlives each test)."""
     from tokcap_tq import TQSink, TQSinkConfig
 
     tag = uuid.uuid4().hex[:12]
-    return TQSink(TQSinkConfig(staging_partition=f"stg_{tag}", training_partition=f"trn_{tag}"))
+    config = TQSinkConfig(
+        staging_partition=f"stg_{tag}", training_partition=f"trn_{tag}", op_timeout_s=op_timeout_s
+    )
+    return TQSink(config)
 
 
 def rows_of(rollout: SimulatedRollout) -> list[TrainingRow]:

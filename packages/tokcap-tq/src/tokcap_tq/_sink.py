@@ -5,12 +5,17 @@ a get of a field some keys lack returns the shared fields only, and a put over a
 overwrites it. This module turns each into the contract's error (`MissingRows`,
 ``field_mismatch``, ``conflicting_put``). Every TQ call is a native coroutine awaited on
 the caller's loop; ``clear`` runs under a shield, so a cancelled clear still completes
-and its rows never stay unreadable-but-unfreed. The conflict check before a put is per
-process: two writers racing on one key in different processes are not detected.
+and its rows never stay unreadable-but-unfreed. Every operation has a deadline
+(``op_timeout_s``): TQ's client waits forever on a dead storage unit or controller, and a
+sink must fail with a typed `SinkError` (``tq_timeout``) instead — a clear that times out
+may have left its keys unfreed, so callers that track owed keys retry it. The conflict
+check before a put is per process: two writers racing on one key in different processes
+are not detected.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -43,12 +48,21 @@ def _partition_name(instance: Any, attribute: attrs.Attribute[str], value: str) 
         )
 
 
+def _positive_seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SinkError("bad_config", f"{attribute.name} must be a positive number: {value!r}")
+    if not math.isfinite(value):
+        raise SinkError("bad_config", f"{attribute.name} must be finite: {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class TQSinkConfig:
-    """Where a `TQSink` keeps its rows: one TQ partition for staged calls, one for training rows."""
+    """Where a `TQSink` keeps its rows (one TQ partition for staged calls, one for training
+    rows) and how long any one operation may take before it fails with ``tq_timeout``."""
 
     staging_partition: str = attrs.field(default="tokcap_staging", validator=_partition_name)
     training_partition: str = attrs.field(default="tokcap_training", validator=_partition_name)
+    op_timeout_s: float = attrs.field(default=60.0, validator=_positive_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.staging_partition == self.training_partition:
@@ -65,8 +79,10 @@ class _Partition(Generic[_T]):
         encode: Callable[[Sequence[_T]], Any],
         decode: Callable[[Any], list[_T]],
         key_of: Callable[[_T], str],
+        timeout_s: float,
     ) -> None:
         self.name = name
+        self._timeout_s = timeout_s
         self._fields = list(fields)
         self._encode: Callable[[Sequence[_T]], Any] = encode
         self._decode: Callable[[Any], list[_T]] = decode
@@ -75,6 +91,13 @@ class _Partition(Generic[_T]):
     async def put(self, batch: Mapping[str, _T], what: str) -> None:
         if not batch:
             return
+        try:
+            with anyio.fail_after(self._timeout_s):
+                await self._put(batch, what)
+        except TimeoutError:
+            raise self._timeout("put", len(batch)) from None
+
+    async def _put(self, batch: Mapping[str, _T], what: str) -> None:
         held = await self._held(list(batch))
         for key, record in held.items():
             if record != batch[key]:
@@ -99,7 +122,11 @@ class _Partition(Generic[_T]):
         if not keys:
             return []
         unique = list(dict.fromkeys(keys))
-        found = await self._fetch(unique)
+        try:
+            with anyio.fail_after(self._timeout_s):
+                found = await self._fetch(unique)
+        except TimeoutError:
+            raise self._timeout("get", len(unique)) from None
         missing = tuple(k for k in unique if k not in found)
         if missing:
             raise MissingRows(
@@ -114,14 +141,24 @@ class _Partition(Generic[_T]):
             return
         unique = list(dict.fromkeys(keys))
         # No await before the shield: once clear is entered, TQ frees every key or raises.
-        with anyio.CancelScope(shield=True):
+        # The shield keeps outer cancellation out; only the sink's own deadline ends it.
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + self._timeout_s
             try:
                 await tq.async_kv_clear(keys=unique, partition_id=self.name)
             except (RuntimeError, ValueError, TypeError) as e:
                 raise SinkError(
                     "tq_clear_failed", f"clear of {len(unique)} keys in {self.name}: {e}"
                 ) from e
+        if scope.cancelled_caught:
+            raise self._timeout("clear", len(unique))
         await anyio.lowlevel.checkpoint_if_cancelled()
+
+    def _timeout(self, op: str, count: int) -> SinkError:
+        return SinkError(
+            "tq_timeout",
+            f"{op} of {count} keys in {self.name} got no answer in {self._timeout_s} s",
+        )
 
     async def keys(self) -> list[str]:
         listing = await tq.async_kv_list(partition_id=self.name)
@@ -176,6 +213,7 @@ class TQSink:
             encode_staged,
             decode_staged,
             lambda c: c.key,
+            self.config.op_timeout_s,
         )
         self._training: _Partition[TrainingRow] = _Partition(
             self.config.training_partition,
@@ -183,6 +221,7 @@ class TQSink:
             encode_rows,
             decode_rows,
             lambda r: r.key,
+            self.config.op_timeout_s,
         )
 
     @classmethod
