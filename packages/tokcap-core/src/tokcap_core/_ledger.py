@@ -21,6 +21,7 @@ from ._digest import LEDGER_DOMAIN, Canon, chain_hash, genesis_hash
 from ._errors import LedgerProtocolError, VerificationError
 from ._events import Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared
 from ._ids import call_id_for, validate_rollout_id
+from ._sentinel import Sentinel
 
 __all__ = [
     "ADMITTED",
@@ -41,24 +42,11 @@ __all__ = [
 ]
 
 
-class _Sentinel:
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __repr__(self) -> str:
-        return self._name
-
-    def __reduce__(self) -> str:
-        return self._name  # pickles as the module-level singleton
-
-
-class CallState(_Sentinel):
+class CallState(Sentinel):
     """A call's state: `ADMITTED`, `STAGED` or `FAILED` (compare with ``is``)."""
 
 
-class RolloutStatus(_Sentinel):
+class RolloutStatus(Sentinel):
     """A rollout's status: `OPEN` or `CLOSED` (compare with ``is``)."""
 
 

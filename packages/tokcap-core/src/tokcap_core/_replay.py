@@ -19,21 +19,11 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from tokcap_core._errors import ReplaySlotError
+from tokcap_core._sentinel import Sentinel
 
 
-class SlotState:
+class SlotState(Sentinel):
     """A slot state sentinel; compare with ``is``. Pickles back to the same object."""
-
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __repr__(self) -> str:
-        return self._name
-
-    def __reduce__(self) -> str:
-        return self._name
 
 
 RESERVED: Final = SlotState("RESERVED")
