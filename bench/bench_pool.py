@@ -28,6 +28,10 @@ import tempfile
 import time
 from typing import Any
 
+# Loopback only and no ~/.ray/auth_token, as tokcap_tq.local_tq does (read when ray imports).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 import ray
 
 from tokcap_core import (
