@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import anyio
@@ -15,7 +16,6 @@ from tests.vllm._helpers import (
     events,
 )
 from tokcap_core import Admitted, Staged
-import itertools
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
