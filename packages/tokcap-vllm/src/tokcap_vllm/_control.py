@@ -63,6 +63,7 @@ from ._errors import (
 from ._gate import Gate
 from ._persist import LedgerFileError
 from ._prom import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ._wire import read_body
 
 __all__ = ["ControlPlane"]
 
@@ -292,20 +293,9 @@ def _one(params: dict[str, list[str]], name: str) -> str | None:
 
 
 async def _body(receive: Receive, kind: type[_Body]) -> _Body:
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("client_disconnected", "the client went away while sending")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > _MAX_BODY:
-            raise BadRequest("body_too_large", f"control bodies are at most {_MAX_BODY} bytes")
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            break
+    raw = await read_body(receive, _MAX_BODY)
     try:
-        return msgspec.json.decode(b"".join(parts), type=kind)
+        return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:
         raise InvalidBody("bad_body", f"invalid body: {e}") from e
     except msgspec.DecodeError as e:

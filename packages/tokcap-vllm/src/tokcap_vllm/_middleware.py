@@ -31,7 +31,14 @@ from ._errors import BadRequest, GateError
 from ._gate import Gate, PendingCall
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._routing import route_request
-from ._wire import ChatBody, CompletionBody, ResponseObserver, decode_body, error_body
+from ._wire import (
+    ChatBody,
+    CompletionBody,
+    ResponseObserver,
+    decode_body,
+    error_body,
+    read_body,
+)
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
@@ -144,7 +151,7 @@ class GateMiddleware:
         kind: str,
         headers: dict[str, str],
     ) -> None:
-        body = await _read_body(receive, self.gate.config.max_body_bytes)
+        body = await read_body(receive, self.gate.config.max_body_bytes)
         parsed = decode_body(body, kind)
         host = self._capture_host(scope)
         rollout = self.gate.rollout_for_call(rollout_id)
@@ -286,23 +293,6 @@ class GateMiddleware:
             cum_text=cum_text,
             conversation_fp=conversation_fp,
         )
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise GateError("client_disconnected", "the client went away while sending its request")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            from ._errors import BadRequest
-
-            raise BadRequest("body_too_large", f"request body over {limit} bytes")
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

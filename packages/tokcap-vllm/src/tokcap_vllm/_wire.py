@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
@@ -171,3 +172,21 @@ class ResponseObserver:
                 fn = tool.function or {}
                 slot["name"] += fn.get("name") or ""
                 slot["arguments"] += fn.get("arguments") or ""
+
+
+async def read_body(
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], limit: int
+) -> bytes:
+    """The whole ASGI request body; `BadRequest` if it exceeds ``limit`` or the client leaves."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadRequest("client_disconnected", "the client went away while sending")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest("body_too_large", f"request body over {limit} bytes")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
