@@ -1,0 +1,178 @@
+"""One policy-gradient step on captured rows, with a parity report and the batch's staleness.
+
+A step: collate the rows, recompute every token's logprob with the model (one forward
+pass, with gradients), compare those pre-update logprobs with the engine's
+(`tokcap_core.logprob_parity`: K3 ~ 1e-14 in fp32 when the engine holds the trainer's
+weights, so a large value means the last push did not land), take the clipped
+token-level loss against the engine's logprobs, step the optimizer, bump the version.
+The trainer's ``version`` names the weights it holds; push them to the engine under
+that version (`weights`), so the rows sampled next carry it and staleness stays 0 in a
+synchronous loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokcap_core import ConfigError, LogprobParity, TrainingRow, logprob_parity
+
+from ._batch import TrainInputError, collate
+from ._logprobs import token_logprobs
+from ._loss import policy_loss
+
+__all__ = ["StepReport", "TrainConfig", "Trainer", "staleness"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """Loss and step settings; see `policy_loss` and `token_logprobs`."""
+
+    temperature: float = 1.0
+    """The sampling temperature the engine used (its logprobs must be ``processed_logprobs``)."""
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    """Defaults to ``clip_low``."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient's global norm; None: no clipping."""
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "temperature": self.temperature,
+            "clip_low": self.clip_low,
+            "clip_high": self.clip_high,
+            "max_grad_norm": self.max_grad_norm,
+        }
+        for name, value in checks.items():
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"bad_{name}", f"{name} must be finite and > 0: {value!r}")
+        if self.clip_low >= 1:
+            raise ConfigError("bad_clip_low", f"clip_low must be < 1: {self.clip_low!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepReport:
+    """What one `Trainer.step` did."""
+
+    version: int
+    """The trainer's weight version after the step (push the weights under it)."""
+    loss: float
+    parity: LogprobParity
+    """The pre-update recompute against the engine's logprobs, over the loss tokens."""
+    staleness_max: int | None
+    """Version before the step minus the oldest version that sampled a row (None: no valid row)."""
+    rows_valid: int
+    rows_placeholder: int
+    tokens: int
+    clip_fraction: float
+    ratio_max: float
+    grad_norm: float | None
+    """The gradient's global norm before clipping (None: no step was taken)."""
+
+
+def staleness(rows: Sequence[TrainingRow], version: int) -> int | None:
+    """``version`` minus the oldest ``weight_version_min`` of the valid rows (None if none)."""
+    oldest = [
+        row.weight_version_min
+        for row in rows
+        if row.sample_mask and row.weight_version_min is not None
+    ]
+    return version - min(oldest) if oldest else None
+
+
+class Trainer:
+    """A model, its optimizer and the version of the weights it holds.
+
+    The model must be a transformers causal LM (``model(input_ids=..., attention_mask=...)
+    .logits``) without dropout (eval mode), in the dtype the engine runs (fp32 on CPU), or
+    parity is lost. ``version`` starts at the version the engine serves.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        config: TrainConfig | None = None,
+        version: int = 0,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.config = TrainConfig() if config is None else config
+        self.version = version
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (the batch is collated there)."""
+        return next(self.model.parameters()).device
+
+    def step(self, rows: Sequence[TrainingRow], advantages_N: Sequence[float]) -> StepReport:
+        """One optimizer step on ``rows`` with one advantage per row (0.0 for placeholders).
+
+        A batch without a loss token (all placeholders) takes no step and keeps the
+        version. Raises `TrainInputError` (``no_rows``, ``advantages_mismatch``,
+        ``non_finite_advantage``).
+        """
+        if len(advantages_N) != len(rows):
+            raise TrainInputError(
+                "advantages_mismatch", f"{len(advantages_N)} advantages for {len(rows)} rows"
+            )
+        if not all(math.isfinite(a) for a in advantages_N):
+            raise TrainInputError("non_finite_advantage", "every advantage must be finite")
+        config = self.config
+        batch = collate(rows, pad_token_id=config.pad_token_id, device=self.device)
+        logprobs = token_logprobs(self.model, batch, temperature=config.temperature)
+        pre_update = logprobs.detach().cpu()
+        parity = logprob_parity(
+            [row.logprobs for row in rows],
+            [pre_update[i, : len(row.input_ids)].tolist() for i, row in enumerate(rows)],
+            [row.loss_mask for row in rows],
+            valid_N=[row.sample_mask for row in rows],
+        )
+        advantages = torch.tensor(advantages_N, dtype=torch.float32, device=self.device)
+        loss, stats = policy_loss(
+            logprobs,
+            batch.engine_logprobs_B_T,
+            advantages,
+            batch.loss_mask_B_T,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+        )
+        grad_norm = self._update(loss) if stats.tokens else None
+        valid = int(batch.sample_mask_B.sum())
+        report = StepReport(
+            version=self.version + (grad_norm is not None),
+            loss=float(loss.detach()),
+            parity=parity,
+            staleness_max=staleness(rows, self.version),
+            rows_valid=valid,
+            rows_placeholder=len(rows) - valid,
+            tokens=stats.tokens,
+            clip_fraction=stats.clip_fraction,
+            ratio_max=stats.ratio_max,
+            grad_norm=grad_norm,
+        )
+        self.version = report.version
+        return report
+
+    def _update(self, loss: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        # An infinite bound measures the norm and scales every gradient by exactly 1.0.
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)
+        self.optimizer.step()
+        return float(norm)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The full state dict to push, detached: tied weights (``lm_head.weight``) included.
+
+        ``named_parameters()`` would omit a tied ``lm_head.weight``; an engine that keeps
+        a packed copy of it (vLLM on CPU) then serves a stale head. Do not step the
+        optimizer until the push that reads these tensors has returned.
+        """
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
