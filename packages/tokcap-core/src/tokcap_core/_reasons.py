@@ -19,6 +19,7 @@ __all__ = [
     "NOT_CLOSED",
     "NO_TERMINAL",
     "PARENT_UNRESOLVED",
+    "PEER_POISONED",
     "REASSEMBLY_FAILED",
     "STAGE_FAILED",
     "UNCOMMITTED_CALL",
@@ -57,6 +58,9 @@ REASSEMBLY_FAILED: Final = "reassembly_failed"
 """Staged rows did not verify against the receipt (detail: the error code)."""
 MANIFEST_INVALID: Final = "manifest_invalid"
 """The rollout's manifest could not be fetched, decoded or verified (detail: the code)."""
+PEER_POISONED: Final = "peer_poisoned"
+"""A peer's capture (e.g. NeMo-Gym) poisoned the rollout for a reason outside this set
+(detail: the peer's own reason code, kept verbatim)."""
 UNKNOWN_REASON: Final = "unknown"
 """The bucket of a reason string outside the closed set."""
 
@@ -75,6 +79,7 @@ FAILURE_BUCKETS: Final[tuple[str, ...]] = (
     MISSING_ROWS,
     REASSEMBLY_FAILED,
     MANIFEST_INVALID,
+    PEER_POISONED,
 )
 """Every failure bucket, in a stable order (metrics may use it as their key set)."""
 
