@@ -9,15 +9,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tokcap_core import (
-    Admitted,
-    Closed,
-    Failed,
-    Ledger,
-    Witnesses,
-    encode_manifest,
-    manifest_of,
-)
+from tokcap_core import Ledger
+from tokcap_core.ledger import Admitted, Closed, Failed, Witnesses, encode_manifest, manifest_of
 
 EXAMPLES = resources.files("tokcap_core").joinpath("examples")
 
@@ -121,3 +114,149 @@ def test_golden_exits_0() -> None:
     result = cli("golden")
     assert result.returncode == 0
     assert result.stdout.startswith("golden vectors OK")
+
+
+# ---- --format gym / gym-record -------------------------------------------------------
+
+
+def gym_files(tmp_path: Path, receipt: Any, snapshots: Any) -> tuple[Path, Path]:
+    receipt_path, staged_path = tmp_path / "receipt.json", tmp_path / "snapshots.json"
+    receipt_path.write_text(json.dumps(receipt))
+    staged_path.write_text(json.dumps(snapshots))
+    return receipt_path, staged_path
+
+
+def test_a_gym_capture_verifies_with_the_row_printed(tmp_path: Path) -> None:
+    from tests.core.interop.gymkit import capture_json, worked_example
+
+    receipt_path, staged_path = gym_files(tmp_path, *capture_json(worked_example()))
+    result = cli("verify", "--format", "gym", receipt_path, "--staged", staged_path)
+    assert result.returncode == 0, result.stderr
+    doc = report(result)
+    assert doc["receipt"]["status"] == "verified"
+    assert doc["receipt"]["terminal_call_id"] == "c2"
+    assert doc["receipt"]["failure_reason"] is None
+    assert doc["receipt"]["gym_reason"] is None
+    assert doc["row"]["token_ids"] == [10, 11, 12, 13, 20, 21, 22]
+    assert doc["row"]["loss_mask"] == [0, 0, 1, 1, 0, 1, 1]
+    assert len(doc["row"]["logprobs"]) == 7
+    assert doc["row"]["weight_versions"] == [3, 4]
+
+
+def test_gym_snapshots_may_be_json_lines(tmp_path: Path) -> None:
+    from tests.core.interop.gymkit import capture_json, worked_example
+
+    receipt, snapshots = capture_json(worked_example())
+    receipt_path, staged_path = gym_files(tmp_path, receipt, [])
+    staged_path.write_text("".join(json.dumps(s) + "\n" for s in snapshots))
+    assert cli("verify", "--format", "gym", receipt_path, "--staged", staged_path).returncode == 0
+
+
+def test_a_poisoned_gym_receipt_exits_1_with_gyms_reason(tmp_path: Path) -> None:
+    from tests.core.interop.gymkit import capture_json, worked_example
+
+    capture = worked_example(poisoned=True, failure_reason="worker_capture_failed")
+    receipt_path, staged_path = gym_files(tmp_path, *capture_json(capture))
+    result = cli("verify", "--format", "gym", receipt_path, "--staged", staged_path)
+    assert result.returncode == 1
+    doc = report(result)
+    assert doc["receipt"]["status"] == "poisoned"
+    assert doc["receipt"]["gym_reason"] == "worker_capture_failed"
+    assert doc["receipt"]["failure_reason"] == "stage_failed:worker_capture_failed"
+    assert doc["row"]["loss_mask"] == [0]
+
+
+def test_a_tampered_gym_capture_exits_3_with_gyms_code(tmp_path: Path) -> None:
+    from tests.core.interop.gymkit import capture_json, worked_example
+
+    receipt, snapshots = capture_json(worked_example())
+    receipt["manifest"][1]["weight_version"] += 1
+    result = cli("verify", "--format", "gym", *gym_files(tmp_path, receipt, snapshots)[:1],
+                 "--staged", tmp_path / "snapshots.json")  # fmt: skip
+    assert result.returncode == 3
+    assert report(result)["error"]["code"] == "wrong_weight_version"
+    receipt, snapshots = capture_json(worked_example())
+    snapshots[1]["token_ids_delta"][0] += 1
+    receipt_path, staged_path = gym_files(tmp_path, receipt, snapshots)
+    result = cli("verify", "--format", "gym", receipt_path, "--staged", staged_path)
+    assert result.returncode == 3
+    assert report(result)["error"]["code"] == "corrupt_digest"
+
+
+def test_every_tamper_of_a_gym_capture_is_rejected_through_the_cli(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """In process (the same ``main`` the console script runs), one exit code per tamper."""
+    from tests.core.interop.gymkit import (
+        capture_json,
+        list_tampers,
+        outcome,
+        tampers,
+        vocabulary,
+        worked_example,
+    )
+    from tests.core.interop.tamper_rules import classify
+    from tokcap_core._cli import main
+
+    receipt, snapshots = capture_json(worked_example())
+    base = outcome(receipt, snapshots)
+    stranger = worked_example("other").snapshots[0].to_json()
+    cases: list[tuple[str, Any, Any, str]] = []
+    for path, doc in tampers(receipt, vocabulary(receipt)):
+        kind = classify(path, receipt, base, outcome(doc, snapshots), in_receipt=True)
+        cases.append((str(path), doc, snapshots, kind))
+    for path, doc in tampers(snapshots, vocabulary(receipt)):
+        kind = classify(path, snapshots, base, outcome(receipt, doc), in_receipt=False)
+        cases.append((str(path), receipt, doc, kind))
+    cases.extend(
+        (label, receipt, docs, "detected") for label, docs in list_tampers(snapshots, stranger)
+    )
+    rejected = 0
+    for label, receipt_doc, snapshot_docs, kind in cases:
+        receipt_path, staged_path = gym_files(tmp_path, receipt_doc, snapshot_docs)
+        code = main(["verify", "--format", "gym", str(receipt_path), "--staged", str(staged_path)])
+        capsys.readouterr()
+        if kind == "detected":
+            assert code in (1, 3), label
+            rejected += 1
+        else:
+            assert code == 0, label
+    assert rejected > 150
+
+
+def test_gym_record_checks_one_record(tmp_path: Path) -> None:
+    from tests.core.interop.gymkit import worked_example
+
+    record = worked_example().snapshots[1].to_json()
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(record))
+    result = cli("verify", "--format", "gym-record", path)
+    assert result.returncode == 0, result.stderr
+    assert report(result)["record"]["staging_key"] == "g7_r0/c2"
+    assert report(result)["record"]["digest_verified"] is True
+    record["generation_log_probs_delta"][1] = -0.5
+    path.write_text(json.dumps(record))
+    result = cli("verify", "--format", "gym-record", path)
+    assert result.returncode == 3
+    assert report(result)["error"]["code"] == "corrupt_digest"
+    record["schema_version"] = 9
+    path.write_text(json.dumps(record))
+    assert report(cli("verify", "--format", "gym-record", path))["error"]["code"] == (
+        "unsupported_schema"
+    )
+
+
+def test_gym_usage_errors_exit_2_and_missing_files_4(tmp_path: Path) -> None:
+    some = tmp_path / "x.json"
+    some.write_text("{}")
+    assert cli("verify", "--format", "gym", some).returncode == 2
+    assert cli("verify", "--format", "gym-record", some, "--staged", some).returncode == 2
+    assert (
+        cli("verify", "--format", "gym", some, "--staged", some, "--segments", "all").returncode
+        == 2
+    )
+    assert cli("verify", "--format", "nemo", some).returncode == 2
+    missing = cli("verify", "--format", "gym", tmp_path / "gone.json", "--staged", some)
+    assert missing.returncode == 4
+    assert "gone.json" in missing.stderr
+    assert cli("verify", "--format", "gym", some, "--staged", some).returncode == 3

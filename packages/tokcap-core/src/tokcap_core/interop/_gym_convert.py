@@ -7,7 +7,9 @@ with its weight version, routes from each call's verified extras. Gym stores rou
 call in ``extras["routed_experts"]`` (an ``nrlre1`` envelope or nested lists), aligned to
 the call's delta; a call's fragment is used as Gym's consumers use it: whole when it
 covers carry and generation, its last generated rows when it covers at least those,
-otherwise (or when the extras were not sent) the span is unknown (-1).
+otherwise the span is unknown (-1). A chain call whose extras digest commits to extras
+that were not sent (a base snapshot) is ``extras_not_loaded``: the row would silently
+lose what they hold; `linearize_gym_rollout` alone never reads extras.
 
 Two optional extras keys, written by `export_gym_capture` and ignored by Gym, make a
 tokcap capture survive the trip: ``tokcap_finish_reason`` (``"length"`` marks the row
@@ -40,6 +42,7 @@ from .._routes import (
     widen,
 )
 from .._rows import CallSpan, TrainingRow, placeholder_row
+from ._gym_digest import EMPTY_EXTRAS_DIGEST
 from ._gym_errors import GymConversionError, gym_failure_reason
 from ._gym_records import GymReceipt, GymStagedRecord
 from ._gym_verify import GymLinearizedRow, linearize_gym_rollout
@@ -87,7 +90,7 @@ def verify_gym_rollout(
     A receipt Gym marks failed or poisoned gives a poisoned result (no snapshot is read);
     its reason maps onto tokcap's buckets (`gym_failure_reason`). Data that fails Gym's
     verifier raises `GymVerificationError` (Gym's code); a verified row tokcap cannot
-    hold raises `GymConversionError`.
+    hold, or one whose committed extras were not sent, raises `GymConversionError`.
     """
     base: dict[str, Any] = {
         "rollout_id": receipt.rollout_id,
@@ -114,6 +117,12 @@ def verify_gym_rollout(
         return GymVerification(receipt=poisoned, row=row, gym_reason=gym_reason, linearized=None)
     linearized = linearize_gym_rollout(receipt, snapshots)
     by_id = {s.model_call_id: s for s in snapshots}
+    for call_id in linearized.model_call_ids:
+        snapshot = by_id[call_id]
+        if not snapshot.extras_loaded and snapshot.extras_digest != EMPTY_EXTRAS_DIGEST:
+            raise GymConversionError(
+                "extras_not_loaded", f"{call_id}: committed extras were not sent with the record"
+            )
     records = {r.model_call_id: r for r in receipt.manifest}
     segment = tuple(
         ReceiptCall(
