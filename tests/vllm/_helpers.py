@@ -32,6 +32,8 @@ VLLM_ARGS = [
     "--trust-request-chat-template",
     "--max-num-seqs",
     "128",
+    "--worker-extension-cls",
+    "tokcap_vllm.WeightSyncWorker",
 ]
 """vLLM options of every test server (the CPU engine, fast start)."""
 

@@ -70,6 +70,12 @@ from ._metrics import (
     failure_counts,
     terminal_selection_breakdown,
 )
+from ._parity import (
+    LogprobParity,
+    logprob_parity,
+    sequence_ratio_mask,
+    truncated_importance_weights,
+)
 from ._policy import (
     TOO_FEW_VALID,
     UNKNOWN_OUTCOME,
@@ -190,6 +196,7 @@ __all__ = [
     "InvalidStagedCall",
     "Ledger",
     "LedgerProtocolError",
+    "LogprobParity",
     "Manifest",
     "ManifestError",
     "ManifestSource",
@@ -248,6 +255,7 @@ __all__ = [
     "grpo",
     "initial_state",
     "logprob_array",
+    "logprob_parity",
     "make_reason",
     "manifest_of",
     "masked_mean",
@@ -261,6 +269,7 @@ __all__ = [
     "replay",
     "rloo",
     "routes_from_rows",
+    "sequence_ratio_mask",
     "simulate_rollout",
     "staged_from_json",
     "staged_to_json",
@@ -268,6 +277,7 @@ __all__ = [
     "terminal_selection_breakdown",
     "token_array",
     "training_key",
+    "truncated_importance_weights",
     "unknown_routes",
     "unknown_rows",
     "validate_call_id",
