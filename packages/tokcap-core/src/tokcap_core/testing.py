@@ -1,6 +1,12 @@
-"""Hypothesis strategies for tokcap data, shared by tokcap's tests and by users' own.
+"""Hypothesis strategies and the conformance kit, for tokcap's tests and for users' own.
 
-Importing this module imports hypothesis (a test dependency, not a runtime one);
+- strategies: `rollout_ids`, `simulated_rollouts`, `staged_calls`, `manifests`, `entries`;
+- the sink kit: `SinkConformance` (subclass it as a pytest ``Test...`` class with an async
+  ``make_sink``) or the ``check_*`` functions / `SINK_CHECKS` on any async sink factory;
+- the format kit: `check_capture_format` on an implementation's ``(manifest, staged)``
+  samples (or, with ``verify=``, another verifier on `golden_samples`).
+
+Importing this module imports hypothesis (``pip install "tokcap-core[testing]"``);
 ``import tokcap_core`` alone never does.
 """
 
@@ -11,14 +17,60 @@ from typing import Any
 try:
     from hypothesis import strategies as st
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError('tokcap_core.testing needs hypothesis: pip install "hypothesis"') from e
+    raise ImportError(
+        'tokcap_core.testing needs hypothesis: pip install "tokcap-core[testing]"'
+    ) from e
 
+from ._conformance_format import (
+    FormatReport,
+    Sample,
+    check_capture_format,
+    golden_samples,
+    single_field_tampers,
+    tokcap_irrelevant,
+    verify_tokcap_sample,
+)
+from ._conformance_sink import (
+    SINK_CHECKS,
+    SinkConformance,
+    SinkFactory,
+    check_clears,
+    check_concurrency,
+    check_conflicting_puts,
+    check_idempotent_puts,
+    check_put_get_round_trip,
+    check_strict_gets,
+    check_training_rows,
+)
 from ._ledger import Entry
 from ._manifest import Manifest
 from ._simulate import SimulatedRollout, simulate_rollout
 from ._staged import StagedCall
 
-__all__ = ["entries", "manifests", "rollout_ids", "simulated_rollouts", "staged_calls"]
+__all__ = [
+    "SINK_CHECKS",
+    "FormatReport",
+    "Sample",
+    "SinkConformance",
+    "SinkFactory",
+    "check_capture_format",
+    "check_clears",
+    "check_concurrency",
+    "check_conflicting_puts",
+    "check_idempotent_puts",
+    "check_put_get_round_trip",
+    "check_strict_gets",
+    "check_training_rows",
+    "entries",
+    "golden_samples",
+    "manifests",
+    "rollout_ids",
+    "simulated_rollouts",
+    "single_field_tampers",
+    "staged_calls",
+    "tokcap_irrelevant",
+    "verify_tokcap_sample",
+]
 
 
 def rollout_ids() -> st.SearchStrategy[str]:
