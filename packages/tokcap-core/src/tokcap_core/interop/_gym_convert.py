@@ -57,8 +57,11 @@ __all__ = [
 ]
 
 ROUTED_EXPERTS_KEY: Final = "routed_experts"
+"""The extras key Gym's adapters put a call's routed experts under."""
 TOKCAP_FINISH_REASON_KEY: Final = "tokcap_finish_reason"
+"""An extras key tokcap's export adds (Gym ignores it): the call's finish reason."""
 TOKCAP_PREFILL_ROUTE_KEY: Final = "tokcap_prefill_route"
+"""An extras key tokcap's export adds: a child's leading route row (backfills its parent)."""
 GYM_UNKNOWN_FINISH: Final = "unknown"
 """The finish reason of a Gym call whose extras do not record one."""
 _WIDTH: Final = {"int8": 0, "int16": 1, "int32": 2}

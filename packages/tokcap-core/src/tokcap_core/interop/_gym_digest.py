@@ -41,7 +41,9 @@ __all__ = [
 GYM_SCHEMA_VERSIONS: Final[tuple[int, ...]] = (2, 3)
 """Staged schema versions read and written (3 differs from 2 only in the schema byte)."""
 GYM_DIGEST_VERSION: Final = 2
+"""The staged-call digest version read and written."""
 GYM_EXTRAS_DIGEST_VERSION: Final = 1
+"""The extras digest version read and written."""
 
 _CALL_DOMAIN: Final = b"nemo-gym-staging-call-v2"
 _EXTRAS_DOMAIN: Final = b"nemo-gym-staging-extras-v1"

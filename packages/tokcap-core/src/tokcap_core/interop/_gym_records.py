@@ -53,6 +53,7 @@ GYM_TERMINAL_SELECTIONS: Final[tuple[str, ...]] = (
     "content",
     "heuristic",
 )
+"""How a Gym receipt's terminal may have been selected (Gym 0.7 vocabulary)."""
 _MODES: Final = ("text", "token_in")
 
 
