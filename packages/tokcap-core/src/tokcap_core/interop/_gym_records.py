@@ -1,10 +1,9 @@
 """Gym's wire records: staged call records, manifest call records, receipts, manifests.
 
 Frozen dataclasses that validate in their constructor as Gym's pydantic models do
-(``extra="forbid"``, strict types, a staged record's digest recomputed from its fields),
-and strict JSON readers/writers that give the same JSON as Gym's
-``model_dump(mode="json")``. Readers require the version triple (a reader of schema 2
-and 3 cannot default it); every other field Gym defaults may be omitted. A call record
+(``extra="forbid"``, strict types, a staged record's digest recomputed from its fields);
+``to_json`` gives the same JSON as Gym's ``model_dump(mode="json")`` (the strict readers
+live in ``_gym_decode``). A call record
 may carry ``logical_request_id``, an optional correlation header some Gym versions add;
 it is read, kept, written back only when set, and bound by no digest.
 
@@ -15,33 +14,26 @@ an ``extras`` key (an object or null), the extras must hash to ``extras_digest``
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
 
 from ._gym_digest import (
-    EMPTY_EXTRAS_DIGEST,
     check_versions,
     compute_extras_digest,
     compute_staging_digest,
     is_hex_digest,
 )
 from ._gym_errors import GymFormatError
-from ._gym_json import FieldReader, load_json, load_json_lines
 
 __all__ = [
+    "GYM_MODES",
     "GYM_TERMINAL_SELECTIONS",
     "GymCallRecord",
     "GymManifest",
     "GymManifestFailure",
     "GymReceipt",
     "GymStagedRecord",
-    "decode_gym_manifest",
-    "decode_gym_receipt",
-    "decode_gym_snapshots",
-    "decode_gym_staged_record",
-    "encode_gym_json",
     "gym_staging_key",
 ]
 
@@ -54,7 +46,8 @@ GYM_TERMINAL_SELECTIONS: Final[tuple[str, ...]] = (
     "heuristic",
 )
 """How a Gym receipt's terminal may have been selected (Gym 0.7 vocabulary)."""
-_MODES: Final = ("text", "token_in")
+GYM_MODES: Final = ("text", "token_in")
+"""Gym's capture modes: a root is ``text``, a child ``token_in``."""
 
 
 def gym_staging_key(rollout_id: str, model_call_id: str) -> str:
@@ -80,8 +73,8 @@ def _check_shape(record: GymStagedRecord | GymCallRecord) -> None:
         value = getattr(record, name)
         if type(value) is not int or not 0 <= value < 2**64:
             raise _bad("out_of_range", f"{name} must be an unsigned 64-bit integer")
-    if record.mode not in _MODES:
-        raise _bad("bad_mode", f"mode must be one of {_MODES}, got {record.mode!r}")
+    if record.mode not in GYM_MODES:
+        raise _bad("bad_mode", f"mode must be one of {GYM_MODES}, got {record.mode!r}")
     root = record.parent_call_id is None
     if root != (record.prev_len == 0) or root != (record.mode == "text"):
         raise _bad("root_child_mismatch", "a root is text-mode with prev_len 0; a child token_in")
@@ -329,156 +322,3 @@ class GymManifest:
             "records": [r.to_json() for r in self.records],
             "failures": [f.to_json() for f in self.failures],
         }
-
-
-def _versions(fields: FieldReader) -> dict[str, int]:
-    return {
-        "schema_version": fields.version("schema_version"),
-        "digest_version": fields.version("digest_version"),
-        "extras_digest_version": fields.version("extras_digest_version"),
-    }
-
-
-def staged_record_from_json(obj: object) -> GymStagedRecord:
-    """Strictly read one staged record (an object already parsed from JSON)."""
-    fields = FieldReader(obj, "staged record")
-    versions = _versions(fields)
-    loaded = fields.has("extras")
-    extras = fields.raw("extras", default=None)
-    if extras is not None and not isinstance(extras, dict):
-        raise _bad("wrong_type", "staged record.extras must be an object or null")
-    record = GymStagedRecord(
-        **versions,
-        rollout_id=fields.identifier("rollout_id"),
-        model_call_id=fields.identifier("model_call_id"),
-        parent_call_id=fields.identifier("parent_call_id", null=True, default=None),
-        mode=fields.choice("mode", _MODES),
-        prev_len=fields.uint("prev_len"),
-        delta_len=fields.uint("delta_len"),
-        cum_len=fields.uint("cum_len"),
-        weight_version=fields.uint("weight_version"),
-        digest=fields.hexdigest("digest"),
-        token_ids_delta=fields.int_column("token_ids_delta"),
-        token_mask_delta=fields.float_column("token_mask_delta"),
-        generation_log_probs_delta=fields.float_column("generation_log_probs_delta"),
-        extras_digest=fields.hexdigest("extras_digest", default=EMPTY_EXTRAS_DIGEST),
-        chain_hash=fields.hexdigest("chain_hash"),
-        cumulative_hash=fields.hexdigest("cumulative_hash"),
-        extras=extras,
-        extras_loaded=loaded,
-    )
-    fields.finish()
-    return record
-
-
-def call_record_from_json(obj: object) -> GymCallRecord:
-    """Strictly read one manifest call record."""
-    fields = FieldReader(obj, "call record")
-    record = GymCallRecord(
-        **_versions(fields),
-        model_call_id=fields.identifier("model_call_id"),
-        parent_call_id=fields.identifier("parent_call_id", null=True, default=None),
-        prev_len=fields.uint("prev_len"),
-        delta_len=fields.uint("delta_len"),
-        cum_len=fields.uint("cum_len"),
-        weight_version=fields.uint("weight_version"),
-        digest=fields.hexdigest("digest"),
-        extras_digest=fields.hexdigest("extras_digest"),
-        staging_key=fields.identifier("staging_key"),
-        mode=fields.choice("mode", _MODES, default="token_in"),
-        chain_hash=fields.hexdigest("chain_hash"),
-        cumulative_hash=fields.hexdigest("cumulative_hash"),
-        response_id=fields.identifier("response_id"),
-        admitted_at=fields.number("admitted_at", null=True, default=None),
-        output_fingerprint=fields.hexdigest("output_fingerprint", null=True, default=None),
-        continuation_fingerprint=fields.hexdigest(
-            "continuation_fingerprint", null=True, default=None
-        ),
-        fingerprint_version=fields.uint("fingerprint_version", default=0),
-        logical_request_id=fields.identifier("logical_request_id", null=True, default=None),
-    )
-    fields.finish()
-    return record
-
-
-def receipt_from_json(obj: object) -> GymReceipt:
-    """Strictly read a ``RolloutReceipt`` object."""
-    fields = FieldReader(obj, "receipt")
-    receipt = GymReceipt(
-        **_versions(fields),
-        rollout_id=fields.identifier("rollout_id"),
-        reward=fields.number("reward", null=True, default=None),
-        terminal_model_call_id=fields.identifier("terminal_model_call_id", null=True, default=None),
-        manifest=fields.items("manifest", call_record_from_json, default=()),
-        capture_poisoned=fields.boolean("capture_poisoned", default=False),
-        failure_reason=fields.text("failure_reason", null=True, default=None),
-        terminal_selection=fields.choice(
-            "terminal_selection", GYM_TERMINAL_SELECTIONS, null=True, default=None
-        ),
-        terminal_attribution_reason=fields.text(
-            "terminal_attribution_reason", null=True, default=None
-        ),
-    )
-    fields.finish()
-    return receipt
-
-
-def _failure_from_json(obj: object) -> GymManifestFailure:
-    fields = FieldReader(obj, "manifest failure")
-    failure = GymManifestFailure(
-        schema_version=fields.version("schema_version"),
-        model_call_id=fields.identifier("model_call_id"),
-        reason=fields.identifier("reason"),
-    )
-    fields.finish()
-    check_versions(failure.schema_version, 2, 1)
-    return failure
-
-
-def manifest_from_json(obj: object) -> GymManifest:
-    """Strictly read a ``RolloutManifest`` object (the control plane's body)."""
-    fields = FieldReader(obj, "manifest")
-    manifest = GymManifest(
-        schema_version=fields.version("schema_version"),
-        rollout_id=fields.identifier("rollout_id"),
-        records=fields.items("records", call_record_from_json, default=()),
-        failures=fields.items("failures", _failure_from_json, default=()),
-    )
-    fields.finish()
-    check_versions(manifest.schema_version, 2, 1)
-    return manifest
-
-
-def decode_gym_staged_record(data: bytes | str) -> GymStagedRecord:
-    """Read one staged record from JSON text; `GymFormatError` on any deviation."""
-    return staged_record_from_json(load_json(data))
-
-
-def decode_gym_snapshots(data: bytes | str) -> list[GymStagedRecord]:
-    """Read staged records from a JSON array or from JSON Lines (one record a line)."""
-    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
-    if text.lstrip().startswith("["):
-        doc = load_json(data)
-        if not isinstance(doc, list):  # pragma: no cover - a leading '[' parses to a list
-            raise _bad("wrong_type", "snapshots must be a JSON array")
-        return [staged_record_from_json(item) for item in doc]
-    return [staged_record_from_json(item) for item in load_json_lines(data)]
-
-
-def decode_gym_receipt(data: bytes | str) -> GymReceipt:
-    """Read a ``RolloutReceipt`` from JSON text."""
-    return receipt_from_json(load_json(data))
-
-
-def decode_gym_manifest(data: bytes | str) -> GymManifest:
-    """Read a ``RolloutManifest`` (the control plane's manifest body) from JSON text."""
-    return manifest_from_json(load_json(data))
-
-
-def encode_gym_json(value: Any) -> bytes:
-    """Compact JSON of a record, receipt, manifest or a list of them (``-0.0`` kept)."""
-    if isinstance(value, (list, tuple)):
-        value = [v.to_json() for v in value]
-    elif hasattr(value, "to_json"):
-        value = value.to_json()
-    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8")

@@ -22,6 +22,13 @@ from ._gym_convert import (
     GymVerification,
     verify_gym_rollout,
 )
+from ._gym_decode import (
+    decode_gym_manifest,
+    decode_gym_receipt,
+    decode_gym_snapshots,
+    decode_gym_staged_record,
+    encode_gym_json,
+)
 from ._gym_digest import (
     EMPTY_EXTRAS_DIGEST,
     GYM_DIGEST_VERSION,
@@ -55,11 +62,6 @@ from ._gym_records import (
     GymManifestFailure,
     GymReceipt,
     GymStagedRecord,
-    decode_gym_manifest,
-    decode_gym_receipt,
-    decode_gym_snapshots,
-    decode_gym_staged_record,
-    encode_gym_json,
     gym_staging_key,
 )
 from ._gym_verify import GymLinearizedRow, linearize_gym_rollout, select_gym_terminal
