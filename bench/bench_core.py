@@ -17,16 +17,8 @@ import random
 import time
 from array import array
 
-from tokcap_core import (
-    Admitted,
-    Closed,
-    Ledger,
-    Staged,
-    StagedCall,
-    TerminalDeclared,
-    chain_hash,
-    replay,
-)
+from tokcap_core import Ledger, StagedCall
+from tokcap_core.ledger import Admitted, Closed, Staged, TerminalDeclared, chain_hash, replay
 
 
 def _events_for(rollout_id: str, calls: int, rng: random.Random) -> list:  # type: ignore[type-arg]

@@ -34,16 +34,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray
 
-from tokcap_core import (
-    MemorySink,
-    ReassemblyRequest,
-    StagedCall,
-    assemble_receipt,
-    on_chain_keys,
-    reassemble_group,
-    simulate_rollout,
-    verify_manifest,
-)
+from tokcap_core import MemorySink, ReassemblyRequest, StagedCall, assemble_receipt, verify_manifest
+from tokcap_core.rows import on_chain_keys, reassemble_group
+from tokcap_core.simulate import simulate_rollout
 from tokcap_ray import ActorSink, ReassemblerPool, step_metrics
 
 Workload = tuple[list[ReassemblyRequest], dict[str, StagedCall]]

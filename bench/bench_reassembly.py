@@ -31,18 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokcap_core import (
-    Admitted,
-    Closed,
-    Ledger,
-    Receipt,
-    Staged,
-    StagedCall,
-    TerminalDeclared,
-    assemble_receipt,
-    reassemble,
-    replay,
-)
+from tokcap_core import Ledger, Receipt, StagedCall, assemble_receipt, reassemble
+from tokcap_core.ledger import Admitted, Closed, Staged, TerminalDeclared, replay
 
 REPO = Path(__file__).resolve().parent.parent
 SPLIT_RATES = (0.0, 0.001, 0.005, 0.02)

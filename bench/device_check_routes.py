@@ -25,7 +25,8 @@ def main() -> int:
     import openai
 
     from tokcap._tiny import build_tiny_model
-    from tokcap_core import assemble_receipt, manifest_of, reassemble, verify_manifest
+    from tokcap_core import assemble_receipt, reassemble, verify_manifest
+    from tokcap_core.ledger import manifest_of
     from tokcap_vllm import InProcessServer
 
     model = str(build_tiny_model(Path("/tmp/tokcap-tiny/moe"), kind="moe"))

@@ -126,7 +126,7 @@ async def _custody(server: Any, responses: dict[str, list[str]], turns: int) -> 
     """Close, fetch receipts, compare with what the harness saw; release and clear."""
     import anyio
 
-    from tokcap_core import Staged
+    from tokcap_core.ledger import Staged
     from tokcap_vllm import ControlPlaneClient
 
     gate = server.gate
@@ -199,7 +199,7 @@ async def _custody(server: Any, responses: dict[str, list[str]], turns: int) -> 
 
 
 async def _staged_keys(gate: Any) -> list[str]:
-    return list(gate.sink.staged_keys())
+    return list(await gate.sink.staged_keys())
 
 
 async def _rollouts(gate: Any) -> dict[str, str]:

@@ -57,8 +57,8 @@ def test_core_wheel_works_alone_in_a_clean_environment(
     check = _run(
         python,
         "-c",
-        "import importlib.util, tokcap_core;"
-        "n = tokcap_core.assert_golden_vectors();"
+        "import importlib.util, tokcap_core.golden;"
+        "n = tokcap_core.golden.assert_golden_vectors();"
         "heavy = ('torch', 'numpy', 'msgspec', 'attrs');"
         "absent = [m for m in heavy if importlib.util.find_spec(m)];"
         "print(n, absent)",

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokcap_core import Manifest, Staged, TrainingRow
+from tokcap_core import Manifest, TrainingRow
+from tokcap_core.ledger import Staged
 
 from ._harness import EngineCall, Episode
 

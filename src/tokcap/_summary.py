@@ -10,13 +10,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tokcap_core import (
-    TERMINAL_SELECTIONS,
-    break_cause_counts,
-    calls_per_rollout,
-    failure_counts,
-    masked_mean,
-)
+from tokcap_core import masked_mean
+from tokcap_core.metrics import break_cause_counts, calls_per_rollout, failure_counts
+from tokcap_core.receipts import TERMINAL_SELECTIONS
 
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
     from ._checks import Drift, Parity

@@ -13,20 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokcap_core import (
-    ZERO_HASH,
-    Admitted,
-    InvalidStagedCall,
-    Routes,
-    StagedCall,
-    chain_hash,
-    compute_call_digest,
-    entry_hash,
-    genesis_hash,
-    logprob_array,
-    routes_from_rows,
-    token_array,
-)
+from tokcap_core import StagedCall
+from tokcap_core.errors import InvalidStagedCall
+from tokcap_core.ledger import ZERO_HASH, Admitted, chain_hash, entry_hash, genesis_hash
+from tokcap_core.routes import Routes, routes_from_rows
+from tokcap_core.staged import compute_call_digest, logprob_array, token_array
 from tokcap_core.testing import staged_calls
 
 ROUTE_MAX = {"int8": 2**7 - 1, "int16": 2**15 - 1, "int32": 2**31 - 1}

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tokcap_core import VerificationError, assert_golden_vectors
+from tokcap_core import VerificationError
+from tokcap_core.golden import assert_golden_vectors
 
 
 def shipped() -> dict[str, Any]:

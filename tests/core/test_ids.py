@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokcap_core import (
-    InvalidId,
-    TokcapError,
+from tokcap_core import InvalidId, TokcapError
+from tokcap_core.ids import (
     call_id_for,
     parse_staging_key,
     staging_key,

@@ -11,6 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokcap_core import (
+    Entry,
+    Ledger,
+    LedgerProtocolError,
+    Manifest,
+    VerificationError,
+    decode_manifest,
+    verify_manifest,
+)
+from tokcap_core.errors import ManifestError
+from tokcap_core.ids import call_id_for
+from tokcap_core.ledger import (
     ADMITTED,
     CLOSED,
     FAILED,
@@ -19,32 +30,22 @@ from tokcap_core import (
     Admitted,
     CallState,
     Closed,
-    Entry,
     Event,
     Failed,
-    Ledger,
-    LedgerProtocolError,
-    Manifest,
-    ManifestError,
     Poisoned,
     RolloutState,
     RolloutStatus,
-    SimulatedRollout,
     Staged,
     TerminalDeclared,
-    VerificationError,
     apply,
-    call_id_for,
     chain_hash,
-    decode_manifest,
     encode_manifest,
     entry_hash,
     genesis_hash,
     manifest_of,
     replay,
-    simulate_rollout,
-    verify_manifest,
 )
+from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 from tokcap_core.testing import simulated_rollouts
 
 C1, C2, C3 = call_id_for(1), call_id_for(2), call_id_for(3)

@@ -9,15 +9,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 
-from tokcap_core import (
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    ManifestError,
-    VerificationError,
-    decode_manifest,
-    encode_manifest,
-    simulate_rollout,
-)
+from tokcap_core import Manifest, VerificationError, decode_manifest
+from tokcap_core.errors import ManifestError
+from tokcap_core.ledger import MAX_MANIFEST_BYTES, encode_manifest
+from tokcap_core.simulate import simulate_rollout
 from tokcap_core.testing import manifests
 
 Doc = dict[str, Any]

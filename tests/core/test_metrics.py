@@ -8,22 +8,17 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokcap_core import (
-    BREAK_CAUSES,
-    FAILURE_BUCKETS,
-    TERMINAL_SELECTIONS,
-    UNKNOWN_REASON,
-    Receipt,
-    assemble_receipt,
-    simulate_rollout,
-    verify_manifest,
-)
+from tokcap_core import Receipt, assemble_receipt, verify_manifest
 from tokcap_core._metrics import (
     break_cause_counts,
     calls_per_rollout,
     failure_counts,
     terminal_selection_breakdown,
 )
+from tokcap_core.ledger import BREAK_CAUSES
+from tokcap_core.reasons import FAILURE_BUCKETS, UNKNOWN_REASON
+from tokcap_core.receipts import TERMINAL_SELECTIONS
+from tokcap_core.simulate import simulate_rollout
 from tokcap_core.testing import simulated_rollouts
 
 

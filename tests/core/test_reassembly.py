@@ -19,26 +19,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokcap_core import (
-    Admitted,
-    Closed,
-    InvalidStagedCall,
     Ledger,
     ReassemblyError,
     Receipt,
-    Routes,
-    SimulatedRollout,
-    Staged,
     StagedCall,
-    TerminalDeclared,
     TrainingRow,
     VerificationError,
     assemble_receipt,
     placeholder_row,
     reassemble,
-    routes_from_rows,
-    simulate_rollout,
-    unknown_rows,
 )
+from tokcap_core.errors import InvalidStagedCall
+from tokcap_core.ledger import Admitted, Closed, Staged, TerminalDeclared
+from tokcap_core.routes import Routes, routes_from_rows, unknown_rows
+from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 from tokcap_core.testing import simulated_rollouts
 
 BIG = 1 << 20

@@ -7,6 +7,24 @@ import json
 import pytest
 
 from tokcap_core import (
+    Ledger,
+    Receipt,
+    StagedCall,
+    VerificationError,
+    assemble_receipt,
+    verify_manifest,
+)
+from tokcap_core.ids import staging_key
+from tokcap_core.ledger import (
+    Admitted,
+    Closed,
+    Failed,
+    Poisoned,
+    Staged,
+    TerminalDeclared,
+    Witnesses,
+)
+from tokcap_core.reasons import (
     AMBIGUOUS_TERMINAL,
     DECLARED_TERMINAL_MISSING,
     NO_TERMINAL,
@@ -14,22 +32,8 @@ from tokcap_core import (
     UNCOMMITTED_CALL,
     WITNESS_DISAGREEMENT,
     WITNESS_UNMATCHED,
-    Admitted,
-    Closed,
-    Failed,
-    Ledger,
-    Poisoned,
-    Receipt,
-    Staged,
-    StagedCall,
-    TerminalDeclared,
-    VerificationError,
-    Witnesses,
-    assemble_receipt,
-    simulate_rollout,
-    staging_key,
-    verify_manifest,
 )
+from tokcap_core.simulate import simulate_rollout
 
 
 class Builder:

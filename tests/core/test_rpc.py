@@ -12,14 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokcap_core import (
-    InvalidId,
-    MetadataViolation,
-    Receipt,
-    assemble_receipt,
-    simulate_rollout,
-    verify_manifest,
-)
+from tokcap_core import InvalidId, Receipt, assemble_receipt, verify_manifest
 from tokcap_core._rpc import (
     FORBIDDEN_KEYS,
     MAX_METADATA_DEPTH,
@@ -28,6 +21,8 @@ from tokcap_core._rpc import (
     ReassemblyRequest,
     assert_metadata_only,
 )
+from tokcap_core.errors import MetadataViolation
+from tokcap_core.simulate import simulate_rollout
 
 
 def receipt_of(rollout_id: str, *, seed: int = 0, **kwargs: Any) -> Receipt:

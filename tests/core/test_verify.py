@@ -10,20 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokcap_core import (
-    Closed,
     Ledger,
     Receipt,
-    Routes,
-    SimulatedRollout,
     StagedCall,
     VerificationError,
-    Witnesses,
     assemble_receipt,
-    chain_hash,
-    simulate_rollout,
     verify_manifest,
     verify_staged,
 )
+from tokcap_core.ledger import Closed, Witnesses, chain_hash
+from tokcap_core.routes import Routes
+from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 from tokcap_core.testing import simulated_rollouts
 
 

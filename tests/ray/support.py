@@ -12,19 +12,15 @@ from collections.abc import Mapping, Sequence
 import anyio
 
 from tokcap_core import (
-    Admitted,
-    Closed,
-    Failed,
     Ledger,
     ReassemblyRequest,
     StagedCall,
     TrainingRow,
-    Witnesses,
     assemble_receipt,
-    manifest_of,
-    simulate_rollout,
     verify_manifest,
 )
+from tokcap_core.ledger import Admitted, Closed, Failed, Witnesses, manifest_of
+from tokcap_core.simulate import simulate_rollout
 from tokcap_ray import ActorSink
 
 Kind = str  # "ok" | "forest" | "poisoned" | "tampered" | "missing"

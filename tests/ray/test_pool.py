@@ -17,13 +17,8 @@ import pytest
 import ray
 
 from tests.ray.support import ScriptedSink, make_group
-from tokcap_core import (
-    FinalizedGroup,
-    MemorySink,
-    ReassemblyRequest,
-    StagedCall,
-    reassemble_group,
-)
+from tokcap_core import FinalizedGroup, MemorySink, ReassemblyRequest, StagedCall
+from tokcap_core.rows import reassemble_group
 from tokcap_ray import TIMING_KEYS, ActorSink, ReassemblerPool, step_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.usefixtures("ray_cluster")]

@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from tests.ray.support import make_group
-from tokcap_core import reassemble_group
+from tokcap_core.rows import reassemble_group
 from tokcap_ray import ReassemblerPool
 
 pytestmark = [

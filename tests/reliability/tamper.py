@@ -30,27 +30,21 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tokcap_core import (
-    FINISH_REASONS,
     Entry,
     Manifest,
     Receipt,
-    SimulatedRollout,
     StagedCall,
     TokcapError,
-    Witnesses,
     assemble_receipt,
-    chain_hash,
     decode_manifest,
-    encode_manifest,
-    entry_hash,
-    genesis_hash,
     reassemble,
-    simulate_rollout,
-    unknown_routes,
     verify_manifest,
     verify_staged,
-    widen,
 )
+from tokcap_core.ledger import Witnesses, chain_hash, encode_manifest, entry_hash, genesis_hash
+from tokcap_core.routes import unknown_routes, widen
+from tokcap_core.simulate import SimulatedRollout, simulate_rollout
+from tokcap_core.staged import FINISH_REASONS
 
 DETECTED: Final = "detected"
 REFUSED: Final = "refused"

@@ -24,24 +24,22 @@ from hypothesis import strategies as st
 
 from tests.reliability.conftest import FUZZ_TIMEOUT_S, fuzz_settings
 from tokcap_core import (
-    ENVELOPE_PREFIX,
-    MAX_MANIFEST_BYTES,
-    SimulatedRollout,
     StagedCall,
     TokcapError,
     assemble_receipt,
     decode_manifest,
-    decode_routes,
-    decode_staged_calls,
-    encode_manifest,
-    encode_routes,
-    encode_staged_calls,
     reassemble,
-    simulate_rollout,
-    staged_from_json,
-    staged_to_json,
     verify_manifest,
     verify_staged,
+)
+from tokcap_core.ledger import MAX_MANIFEST_BYTES, encode_manifest
+from tokcap_core.routes import ENVELOPE_PREFIX, decode_routes, encode_routes
+from tokcap_core.simulate import SimulatedRollout, simulate_rollout
+from tokcap_core.staged import (
+    decode_staged_calls,
+    encode_staged_calls,
+    staged_from_json,
+    staged_to_json,
 )
 from tokcap_core.testing import simulated_rollouts
 

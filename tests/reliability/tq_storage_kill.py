@@ -40,7 +40,7 @@ async def _main(deadline_s: float, ops: list[str]) -> dict[str, object]:
     import ray
 
     from tests.tq.support import fresh_tq_sink
-    from tokcap_core import simulate_rollout
+    from tokcap_core.simulate import simulate_rollout
 
     sink = fresh_tq_sink(op_timeout_s=max(deadline_s / 2, 0.5))
     calls = [c for i in range(4) for c in simulate_rollout(f"kill{i}", seed=i, turns=2).calls]

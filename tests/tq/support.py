@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from tokcap_core import SimulatedRollout, TrainingRow, assemble_receipt, placeholder_row, reassemble
+from tokcap_core import TrainingRow, assemble_receipt, placeholder_row, reassemble
+from tokcap_core.simulate import SimulatedRollout
 
 
 def fresh_tq_sink(*, op_timeout_s: float = 60.0) -> Any:

@@ -9,13 +9,9 @@ import anyio
 import pytest
 
 from tests.tq.support import fresh_tq_sink, rows_of
-from tokcap_core import (
-    FinalizedGroup,
-    ReplaySlotError,
-    SimulatedRollout,
-    assemble_receipt,
-    simulate_rollout,
-)
+from tokcap_core import FinalizedGroup, assemble_receipt
+from tokcap_core.errors import ReplaySlotError
+from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("tq_cluster")]
 

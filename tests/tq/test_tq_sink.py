@@ -14,7 +14,8 @@ import anyio
 import pytest
 
 from tests.tq.support import fresh_tq_sink
-from tokcap_core import MissingRows, SinkError, StagedCall, simulate_rollout
+from tokcap_core import MissingRows, SinkError, StagedCall
+from tokcap_core.simulate import simulate_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("tq_cluster")]
 

@@ -7,14 +7,8 @@ from typing import Any
 
 import openai
 
-from tokcap_core import (
-    StagedCall,
-    TrainingRow,
-    assemble_receipt,
-    manifest_of,
-    reassemble,
-    verify_manifest,
-)
+from tokcap_core import StagedCall, TrainingRow, assemble_receipt, reassemble, verify_manifest
+from tokcap_core.ledger import manifest_of
 from tokcap_vllm import ControlPlaneClient, InProcessServer
 
 CONTROL_TOKEN = "tokcap-test-token-" + secrets.token_hex(12)

@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from tests.vllm._helpers import CONTROL_TOKEN, client, control
-from tokcap_core import ManifestError, Receipt, encode_manifest, manifest_of, reassemble
+from tokcap_core import Receipt, reassemble
+from tokcap_core.errors import ManifestError
+from tokcap_core.ledger import encode_manifest, manifest_of
 from tokcap_vllm import (
     ControlAuthError,
     ControlConflict,

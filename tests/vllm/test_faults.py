@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from tests.vllm._helpers import client, control
-from tokcap_core import Closed
+from tokcap_core.ledger import Closed
 from tokcap_vllm import ControlConflict, InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -15,7 +15,7 @@ from tests.vllm._helpers import (
     close_and_reassemble,
     events,
 )
-from tokcap_core import Admitted, Staged
+from tokcap_core.ledger import Admitted, Staged
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from tests.vllm._helpers import client, close_and_reassemble, events
-from tokcap_core import Admitted, Failed, Staged
+from tokcap_core.ledger import Admitted, Failed, Staged
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -131,7 +131,7 @@ def test_client_disconnect_mid_stream_is_uncommitted_and_not_staged(server) -> N
     (failed,) = [e for e in evs if isinstance(e, Failed)]
     assert not failed.served
     assert failed.reason.startswith("uncommitted_call")
-    assert not [k for k in server.gate.sink.staged_keys() if k.startswith("drop-1/")]
+    assert not [k for k in server.call(server.gate.sink.staged_keys) if k.startswith("drop-1/")]
 
 
 def test_retry_with_the_same_idempotency_key_returns_the_committed_call(server) -> None:  # type: ignore[no-untyped-def]

@@ -22,15 +22,9 @@ import openai
 import pytest
 
 from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS
-from tokcap_core import (
-    Closed,
-    Poisoned,
-    assemble_receipt,
-    encode_manifest,
-    manifest_of,
-    simulate_rollout,
-    verify_manifest,
-)
+from tokcap_core import assemble_receipt, verify_manifest
+from tokcap_core.ledger import Closed, Poisoned, encode_manifest, manifest_of
+from tokcap_core.simulate import simulate_rollout
 from tokcap_vllm import (
     CONTROL_TOKEN_ENV,
     LEDGER_PATH_ENV,

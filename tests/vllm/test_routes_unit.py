@@ -15,7 +15,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from tokcap_core import assemble_receipt, manifest_of, reassemble, verify_manifest
+from tokcap_core import assemble_receipt, reassemble, verify_manifest
+from tokcap_core.ledger import manifest_of
 from tokcap_vllm import CaptureHost, Gate
 from tokcap_vllm._admission import ChatPlan
 from tokcap_vllm._host import CURRENT_TICKET, Ticket

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.vllm._helpers import CONTROL_TOKEN, client, control
-from tokcap_core import ManifestError, decode_manifest
+from tokcap_core import decode_manifest
+from tokcap_core.errors import ManifestError
 from tokcap_vllm import ControlPlane, ControlPlaneClient, Gate, GateConfig, InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -332,7 +333,7 @@ def test_the_client_stops_reading_a_manifest_at_its_bound() -> None:
 
 def test_the_gate_refuses_to_serve_a_manifest_over_its_bound() -> None:
     """``GateConfig.max_manifest_bytes``: 413 ``manifest_too_large``, never a truncated manifest."""
-    from tokcap_core import simulate_rollout
+    from tokcap_core.simulate import simulate_rollout
 
     gate = Gate(GateConfig(control_token=CONTROL_TOKEN, max_manifest_bytes=600))
     rollout = gate.rollout_for_call("sec-big")

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._errors import ReassemblyError
+from ._ids import StagingKey, TrainingKey
 from ._metrics import failure_counts, terminal_selection_breakdown
 from ._reasons import MISSING_ROWS, REASSEMBLY_FAILED, make_reason
 from ._reassembly import reassemble
@@ -26,11 +27,11 @@ __all__ = ["GroupResult", "on_chain_keys", "reassemble_group"]
 class GroupResult:
     """The rows to publish (by training key, request order) and the group's summary."""
 
-    rows: dict[str, TrainingRow]
+    rows: dict[TrainingKey, TrainingRow]
     finalized: FinalizedGroup
 
 
-def on_chain_keys(request: ReassemblyRequest) -> list[str]:
+def on_chain_keys(request: ReassemblyRequest) -> list[StagingKey]:
     """Staging keys of every call in every segment of the request's verified receipts."""
     return [
         call.staging_key for r in request.receipts if r.ok for seg in r.segments for call in seg
@@ -39,7 +40,7 @@ def on_chain_keys(request: ReassemblyRequest) -> list[str]:
 
 def reassemble_group(
     request: ReassemblyRequest,
-    staged: Mapping[str, StagedCall],
+    staged: Mapping[StagingKey, StagedCall],
     *,
     staging_cleared: bool,
     extra_metrics: Mapping[str, float] | None = None,
@@ -64,7 +65,7 @@ def reassemble_group(
                 MISSING_ROWS if e.code == "missing_call" else make_reason(REASSEMBLY_FAILED, e.code)
             )
     like = next((rows[0] for rows in per_rollout if not isinstance(rows, str)), None)
-    out: dict[str, TrainingRow] = {}
+    out: dict[TrainingKey, TrainingRow] = {}
     failures: list[tuple[str, str]] = []
     for rollout_id, reward, result in zip(
         request.rollout_ids, request.rewards, per_rollout, strict=True

@@ -369,6 +369,11 @@ class Ledger:
         return self._snapshot
 
     @property
+    def status(self) -> RolloutStatus:
+        """`OPEN` or `CLOSED` (cheap: no snapshot is taken)."""
+        return self._draft.status
+
+    @property
     def entries(self) -> tuple[Entry, ...]:
         """Every entry so far, in order."""
         return tuple(self._entries)

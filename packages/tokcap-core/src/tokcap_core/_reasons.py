@@ -13,7 +13,10 @@ __all__ = [
     "DECLARED_TERMINAL_MISSING",
     "ENGINE_FAILED",
     "FAILURE_BUCKETS",
+    "GATE_FAILED",
     "GATE_RESTARTED",
+    "LEDGER_REFUSED",
+    "LEDGER_WRITE_FAILED",
     "MANIFEST_INVALID",
     "MISSING_ROWS",
     "NOT_CLOSED",
@@ -58,6 +61,15 @@ REASSEMBLY_FAILED: Final = "reassembly_failed"
 """Staged rows did not verify against the receipt (detail: the error code)."""
 MANIFEST_INVALID: Final = "manifest_invalid"
 """The rollout's manifest could not be fetched, decoded or verified (detail: the code)."""
+LEDGER_REFUSED: Final = "ledger_refused"
+"""The gate's ledger refused a served call's commit (detail: the ledger's code, e.g.
+``duplicate_response_id``); the call is failed and its rollout alone poisoned."""
+LEDGER_WRITE_FAILED: Final = "ledger_write_failed"
+"""The gate's ledger file could not record one of the rollout's entries (detail: errno
+name); its rollout alone is poisoned."""
+GATE_FAILED: Final = "gate_failed"
+"""An unexpected failure inside the gate while capturing one of the rollout's calls
+(detail: the error's code or type), contained to that rollout."""
 PEER_POISONED: Final = "peer_poisoned"
 """A peer's capture (e.g. NeMo-Gym) poisoned the rollout for a reason outside this set
 (detail: the peer's own reason code, kept verbatim)."""
@@ -79,6 +91,9 @@ FAILURE_BUCKETS: Final[tuple[str, ...]] = (
     MISSING_ROWS,
     REASSEMBLY_FAILED,
     MANIFEST_INVALID,
+    LEDGER_REFUSED,
+    LEDGER_WRITE_FAILED,
+    GATE_FAILED,
     PEER_POISONED,
 )
 """Every failure bucket, in a stable order (metrics may use it as their key set)."""

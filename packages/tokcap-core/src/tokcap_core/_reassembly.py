@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from ._errors import ReassemblyError, RoutesError, VerificationError
+from ._ids import StagingKey
 from ._receipt import Receipt
 from ._routes import Routes, concat_routes, unknown_rows
 from ._rows import CallSpan, TrainingRow
@@ -27,7 +28,7 @@ __all__ = ["reassemble"]
 
 def reassemble(
     receipt: Receipt,
-    staged: Mapping[str, StagedCall] | Iterable[StagedCall],
+    staged: Mapping[StagingKey, StagedCall] | Iterable[StagedCall],
     *,
     max_seq_len: int,
     reward: float | None = None,

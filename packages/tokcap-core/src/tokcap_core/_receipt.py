@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
 from ._errors import VerificationError
-from ._ids import staging_key
+from ._ids import StagingKey, staging_key
 from ._ledger import ADMITTED, CLOSED, FAILED, STAGED, CallRecord, RolloutState
 from ._reasons import (
     AMBIGUOUS_TERMINAL,
@@ -61,7 +61,7 @@ class ReceiptCall:
     """One call of a segment, as the ledger committed it (token-free)."""
 
     call_id: str
-    staging_key: str
+    staging_key: StagingKey
     parent_id: str | None
     prefix_len: int
     carry_len: int
@@ -89,7 +89,7 @@ class Receipt:
     segments: tuple[tuple[ReceiptCall, ...], ...]
     ledger_head: tuple[int, str]
     reward: float | None
-    sink_keys: tuple[str, ...]
+    sink_keys: tuple[StagingKey, ...]
     """Staging keys of every admitted call (on-chain or not): what cleanup must clear."""
     break_causes: tuple[str, ...]
     """Why each non-first root started (one entry per break)."""

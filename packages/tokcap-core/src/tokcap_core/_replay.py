@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Final, TypeVar
 
-from tokcap_core._errors import ReplaySlotError
-from tokcap_core._sentinel import Sentinel
+from ._errors import ReplaySlotError
+from ._ids import StagingKey, TrainingKey
+from ._sentinel import Sentinel
+
+__all__ = ["READY", "RESERVED", "ClearPlan", "ReplaySlots", "Slot", "SlotState"]
 
 
 class SlotState(Sentinel):
@@ -51,7 +54,10 @@ _REFUSALS: Final[dict[SlotState, dict[str, str]]] = {
 }
 
 
-def _check_keys(keys: Sequence[str], what: str) -> tuple[str, ...]:
+_Key = TypeVar("_Key", bound=str)
+
+
+def _check_keys(keys: Sequence[_Key], what: str) -> tuple[_Key, ...]:
     if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
         raise ReplaySlotError("bad_argument", f"{what} must be a sequence of non-empty str")
     out = tuple(keys)
@@ -64,8 +70,8 @@ def _check_keys(keys: Sequence[str], what: str) -> tuple[str, ...]:
 class ClearPlan:
     """Sink keys the caller now owns and must clear, each handed out exactly once."""
 
-    training_keys: tuple[str, ...] = ()
-    staging_keys: tuple[str, ...] = ()
+    training_keys: tuple[TrainingKey, ...] = ()
+    staging_keys: tuple[StagingKey, ...] = ()
 
     def __post_init__(self) -> None:
         _check_keys(self.training_keys, "training_keys")
@@ -81,7 +87,7 @@ class Slot:
     weight_version: int
     target_step: int
     state: SlotState
-    training_keys: tuple[str, ...] = ()
+    training_keys: tuple[TrainingKey, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_id, str) or not self.group_id:
@@ -127,7 +133,9 @@ class ReplaySlots:
             raise ReplaySlotError(_REFUSALS[state][op], f"{op} of {group_id!r} in state {state}")
         return next_state
 
-    def _staging_keys(self, slot: Slot, staging_keys: Sequence[str]) -> tuple[str, ...]:
+    def _staging_keys(
+        self, slot: Slot, staging_keys: Sequence[StagingKey]
+    ) -> tuple[StagingKey, ...]:
         keys = _check_keys(staging_keys, "staging_keys")
         for key in keys:
             if key.partition("/")[0] not in slot.rollout_ids:
@@ -160,7 +168,11 @@ class ReplaySlots:
         return slot
 
     def commit_finalized(
-        self, group_id: str, *, training_keys: Sequence[str], staging_keys: Sequence[str]
+        self,
+        group_id: str,
+        *,
+        training_keys: Sequence[TrainingKey],
+        staging_keys: Sequence[StagingKey],
     ) -> ClearPlan:
         """RESERVED → READY once the group's training rows are published.
 
@@ -181,7 +193,7 @@ class ReplaySlots:
         self._held_training.update(training)
         return ClearPlan(staging_keys=staging)
 
-    def abort(self, group_id: str, *, staging_keys: Sequence[str]) -> ClearPlan:
+    def abort(self, group_id: str, *, staging_keys: Sequence[StagingKey]) -> ClearPlan:
         """Drop a RESERVED slot (reassembly failed or was abandoned).
 
         Returns the group's still-staged rows for the caller to clear.

@@ -23,6 +23,22 @@ from dataclasses import dataclass
 
 from tokcap_core._errors import RoutesError
 
+__all__ = [
+    "ENVELOPE_PREFIX",
+    "UNKNOWN_EXPERT",
+    "Routes",
+    "align_routes",
+    "backfill_missing_rows",
+    "concat_routes",
+    "decode_routes",
+    "dtype_for_experts",
+    "encode_routes",
+    "routes_from_rows",
+    "unknown_routes",
+    "unknown_rows",
+    "widen",
+]
+
 ENVELOPE_PREFIX = "nrlre1"
 UNKNOWN_EXPERT = -1
 

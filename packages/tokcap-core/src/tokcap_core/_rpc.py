@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Final, Literal, TypeAlias
 
 from ._errors import InvalidId, MetadataViolation, TokcapError
-from ._ids import validate_rollout_id
+from ._ids import StagingKey, TrainingKey, validate_rollout_id
 from ._receipt import Receipt
 from ._routes import Routes
 from ._staged import StagedCall
@@ -255,7 +255,7 @@ class ReassemblyRequest:
         assert_metadata_only(self)
 
     @property
-    def staging_keys(self) -> tuple[str, ...]:
+    def staging_keys(self) -> tuple[StagingKey, ...]:
         """Every admitted call's staging key (on-chain or not), receipt by receipt."""
         return tuple(key for receipt in self.receipts for key in receipt.sink_keys)
 
@@ -276,9 +276,9 @@ class FinalizedGroup:
     rollout_ids: tuple[str, ...]
     valid_row_count: int
     total_row_count: int
-    training_keys: tuple[str, ...]
+    training_keys: tuple[TrainingKey, ...]
     """One key per published row, placeholders included."""
-    staging_keys: tuple[str, ...]
+    staging_keys: tuple[StagingKey, ...]
     staging_cleared: bool
     """Whether the reassembler already cleared ``staging_keys``."""
     weight_version_min: int | None

@@ -22,7 +22,7 @@ from typing import Final
 
 from ._digest import CALL_DOMAIN, Canon, chain_hash
 from ._errors import InvalidStagedCall, RoutesError
-from ._ids import staging_key, validate_call_id, validate_rollout_id
+from ._ids import StagingKey, staging_key, validate_call_id, validate_rollout_id
 from ._routes import Routes, align_routes
 
 __all__ = ["FINISH_REASONS", "StagedCall", "compute_call_digest", "logprob_array", "token_array"]
@@ -131,7 +131,7 @@ class StagedCall:
         return self.prefix_len + self.carry_len + self.gen_len
 
     @property
-    def key(self) -> str:
+    def key(self) -> StagingKey:
         """This call's staging key, ``"{rollout_id}/{call_id}"``."""
         return staging_key(self.rollout_id, self.call_id)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from ._digest import chain_hash
 from ._errors import VerificationError
+from ._ids import StagingKey
 from ._receipt import Receipt, ReceiptCall
 from ._staged import StagedCall
 
@@ -19,7 +20,7 @@ __all__ = ["verify_staged"]
 
 
 def verify_staged(
-    receipt: Receipt, staged_calls: Mapping[str, StagedCall] | Iterable[StagedCall]
+    receipt: Receipt, staged_calls: Mapping[StagingKey, StagedCall] | Iterable[StagedCall]
 ) -> list[list[StagedCall]]:
     """Check staged calls against ``receipt``; return them per segment, root first.
 

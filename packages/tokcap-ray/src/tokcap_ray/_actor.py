@@ -22,16 +22,10 @@ from typing import Any, TypeAlias
 
 import anyio
 
-from tokcap_core import (
-    FinalizedGroup,
-    MissingRows,
-    ReassemblyRequest,
-    StagedCall,
-    TokenSink,
-    assert_metadata_only,
-    on_chain_keys,
-    reassemble_group,
-)
+from tokcap_core import FinalizedGroup, MissingRows, ReassemblyRequest, StagedCall, TokenSink
+from tokcap_core.ids import StagingKey
+from tokcap_core.rows import on_chain_keys, reassemble_group
+from tokcap_core.rpc import assert_metadata_only
 
 from ._await import await_ref
 from ._progress import GroupRecord, RecordState
@@ -176,7 +170,7 @@ class RolloutReassemblerActor:
         await self._record(request.group_id, "published", recorded)
         return recorded
 
-    async def _fetch(self, keys: list[str]) -> tuple[dict[str, StagedCall], int]:
+    async def _fetch(self, keys: list[StagingKey]) -> tuple[dict[StagingKey, StagedCall], int]:
         """All staged rows of ``keys`` in one batch, or the present ones and the missing count."""
         try:
             calls = await self._sink.get(keys)

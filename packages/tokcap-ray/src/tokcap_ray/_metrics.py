@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokcap_core import TERMINAL_SELECTIONS, FinalizedGroup
+from tokcap_core import FinalizedGroup
+from tokcap_core.receipts import TERMINAL_SELECTIONS
 
 __all__ = ["step_metrics"]
 

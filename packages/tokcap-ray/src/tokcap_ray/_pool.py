@@ -37,7 +37,8 @@ import ray
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from ray.exceptions import RayActorError, RayTaskError
 
-from tokcap_core import FinalizedGroup, ReassemblyRequest, assert_metadata_only
+from tokcap_core import FinalizedGroup, ReassemblyRequest
+from tokcap_core.rpc import assert_metadata_only
 
 from ._actor import RolloutReassemblerActor, SinkFactory
 from ._await import await_ref

@@ -17,6 +17,7 @@ import ray
 from ray.exceptions import RayTaskError
 
 from tokcap_core import MemorySink, StagedCall, TrainingRow
+from tokcap_core.ids import StagingKey, TrainingKey
 
 from ._await import await_ref
 
@@ -33,33 +34,33 @@ class SinkActor:
         """See `MemorySink.put`."""
         await self._sink.put(calls)
 
-    async def get(self, keys: Sequence[str]) -> list[StagedCall]:
+    async def get(self, keys: Sequence[StagingKey]) -> list[StagedCall]:
         """See `MemorySink.get`."""
         return await self._sink.get(keys)
 
-    async def clear(self, keys: Sequence[str]) -> None:
+    async def clear(self, keys: Sequence[StagingKey]) -> None:
         """See `MemorySink.clear`."""
         await self._sink.clear(keys)
 
-    async def publish(self, rows: Mapping[str, TrainingRow]) -> None:
+    async def publish(self, rows: Mapping[TrainingKey, TrainingRow]) -> None:
         """See `MemorySink.publish`."""
         await self._sink.publish(rows)
 
-    async def fetch(self, keys: Sequence[str]) -> list[TrainingRow]:
+    async def fetch(self, keys: Sequence[TrainingKey]) -> list[TrainingRow]:
         """See `MemorySink.fetch`."""
         return await self._sink.fetch(keys)
 
-    async def clear_rows(self, keys: Sequence[str]) -> None:
+    async def clear_rows(self, keys: Sequence[TrainingKey]) -> None:
         """See `MemorySink.clear_rows`."""
         await self._sink.clear_rows(keys)
 
-    async def staged_keys(self) -> list[str]:
+    async def staged_keys(self) -> list[StagingKey]:
         """Every staging key held."""
-        return self._sink.staged_keys()
+        return await self._sink.staged_keys()
 
-    async def row_keys(self) -> list[str]:
+    async def row_keys(self) -> list[TrainingKey]:
         """Every training key held."""
-        return self._sink.row_keys()
+        return await self._sink.row_keys()
 
 
 class ActorSink:
@@ -88,34 +89,34 @@ class ActorSink:
         """Store staged calls (see `TokenSink.put`)."""
         await self._call("put", list(calls))
 
-    async def get(self, keys: Sequence[str]) -> list[StagedCall]:
+    async def get(self, keys: Sequence[StagingKey]) -> list[StagedCall]:
         """The staged calls for ``keys``, or `MissingRows`."""
         result: list[StagedCall] = await self._call("get", list(keys))
         return result
 
-    async def clear(self, keys: Sequence[str]) -> None:
+    async def clear(self, keys: Sequence[StagingKey]) -> None:
         """Free staged calls; absent keys are ignored."""
         await self._call("clear", list(keys))
 
-    async def publish(self, rows: Mapping[str, TrainingRow]) -> None:
+    async def publish(self, rows: Mapping[TrainingKey, TrainingRow]) -> None:
         """Store training rows under their keys."""
         await self._call("publish", dict(rows))
 
-    async def fetch(self, keys: Sequence[str]) -> list[TrainingRow]:
+    async def fetch(self, keys: Sequence[TrainingKey]) -> list[TrainingRow]:
         """The training rows for ``keys``, or `MissingRows`."""
         result: list[TrainingRow] = await self._call("fetch", list(keys))
         return result
 
-    async def clear_rows(self, keys: Sequence[str]) -> None:
+    async def clear_rows(self, keys: Sequence[TrainingKey]) -> None:
         """Free training rows; absent keys are ignored."""
         await self._call("clear_rows", list(keys))
 
-    async def staged_keys(self) -> list[str]:
+    async def staged_keys(self) -> list[StagingKey]:
         """Every staging key the actor holds (leak checks)."""
-        result: list[str] = await self._call("staged_keys")
+        result: list[StagingKey] = await self._call("staged_keys")
         return result
 
-    async def row_keys(self) -> list[str]:
+    async def row_keys(self) -> list[TrainingKey]:
         """Every training key the actor holds (leak checks)."""
-        result: list[str] = await self._call("row_keys")
+        result: list[TrainingKey] = await self._call("row_keys")
         return result

@@ -25,7 +25,9 @@ from typing import Any
 
 import msgspec
 
-from tokcap_core import CallSpan, Routes, SinkError, StagedCall, TrainingRow, widen
+from tokcap_core import SinkError, StagedCall, TrainingRow
+from tokcap_core.routes import Routes, widen
+from tokcap_core.rows import CallSpan
 
 from ._deps import np, torch
 from ._deps import tensordict as _td

@@ -17,7 +17,9 @@ import anyio
 import anyio.lowlevel
 import attrs
 
-from tokcap_core import READY, ClearPlan, FinalizedGroup, Receipt, ReplaySlots, Slot
+from tokcap_core import FinalizedGroup, Receipt
+from tokcap_core.ids import StagingKey, TrainingKey
+from tokcap_core.slots import READY, ClearPlan, ReplaySlots, Slot
 
 from ._sink import TQSink
 
@@ -33,7 +35,7 @@ class SweepResult:
     freed_keys: int
 
 
-def _receipt_keys(receipts: Iterable[Receipt]) -> list[str]:
+def _receipt_keys(receipts: Iterable[Receipt]) -> list[StagingKey]:
     return [key for receipt in receipts for key in receipt.sink_keys]
 
 
@@ -44,8 +46,8 @@ class TQReplayBuffer:
         self.sink = sink
         self._slots = ReplaySlots()
         self._lock = anyio.Lock()
-        self._owed_staging: set[str] = set()
-        self._owed_training: set[str] = set()
+        self._owed_staging: set[StagingKey] = set()
+        self._owed_training: set[TrainingKey] = set()
 
     async def reserve(
         self, group_id: str, rollout_ids: Sequence[str], weight_version: int, target_step: int
@@ -79,7 +81,11 @@ class TQReplayBuffer:
         await self._settle(plan)
 
     async def abort(
-        self, group_id: str, *, staging_keys: Sequence[str] = (), receipts: Iterable[Receipt] = ()
+        self,
+        group_id: str,
+        *,
+        staging_keys: Sequence[StagingKey] = (),
+        receipts: Iterable[Receipt] = (),
     ) -> None:
         """Drop a RESERVED slot; clear ``staging_keys`` and the receipts' ``sink_keys``."""
         staging = list(dict.fromkeys([*staging_keys, *_receipt_keys(receipts)]))

@@ -24,6 +24,7 @@ import anyio.lowlevel
 import attrs
 
 from tokcap_core import MissingRows, SinkError, StagedCall, TrainingRow
+from tokcap_core.ids import StagingKey, TrainingKey
 
 from ._codec import (
     STAGING_FIELDS,
@@ -38,6 +39,7 @@ from ._deps import tq
 __all__ = ["TQSink", "TQSinkConfig"]
 
 _T = TypeVar("_T", StagedCall, TrainingRow)
+_K = TypeVar("_K", StagingKey, TrainingKey)
 _NOT_FOUND = "keys or partition were not found"
 
 
@@ -69,7 +71,7 @@ class TQSinkConfig:
             raise SinkError("bad_config", "staging and training partitions must differ")
 
 
-class _Partition(Generic[_T]):
+class _Partition(Generic[_K, _T]):
     """One TQ partition holding one record type, with the sink contract's checks."""
 
     def __init__(
@@ -78,7 +80,7 @@ class _Partition(Generic[_T]):
         fields: tuple[str, ...],
         encode: Callable[[Sequence[_T]], Any],
         decode: Callable[[Any], list[_T]],
-        key_of: Callable[[_T], str],
+        key_of: Callable[[_T], _K],
         timeout_s: float,
     ) -> None:
         self.name = name
@@ -86,9 +88,9 @@ class _Partition(Generic[_T]):
         self._fields = list(fields)
         self._encode: Callable[[Sequence[_T]], Any] = encode
         self._decode: Callable[[Any], list[_T]] = decode
-        self._key_of: Callable[[_T], str] = key_of
+        self._key_of: Callable[[_T], _K] = key_of
 
-    async def put(self, batch: Mapping[str, _T], what: str) -> None:
+    async def put(self, batch: Mapping[_K, _T], what: str) -> None:
         if not batch:
             return
         try:
@@ -97,7 +99,7 @@ class _Partition(Generic[_T]):
         except TimeoutError:
             raise self._timeout("put", len(batch)) from None
 
-    async def _put(self, batch: Mapping[str, _T], what: str) -> None:
+    async def _put(self, batch: Mapping[_K, _T], what: str) -> None:
         held = await self._held(list(batch))
         for key, record in held.items():
             if record != batch[key]:
@@ -118,7 +120,7 @@ class _Partition(Generic[_T]):
                 "tq_put_failed", f"put of {len(fresh)} keys into {self.name}: {e}"
             ) from e
 
-    async def get(self, keys: Sequence[str]) -> list[_T]:
+    async def get(self, keys: Sequence[_K]) -> list[_T]:
         if not keys:
             return []
         unique = list(dict.fromkeys(keys))
@@ -136,7 +138,7 @@ class _Partition(Generic[_T]):
             )
         return [found[k] for k in keys]
 
-    async def clear(self, keys: Sequence[str]) -> None:
+    async def clear(self, keys: Sequence[_K]) -> None:
         if not keys:
             return
         unique = list(dict.fromkeys(keys))
@@ -160,11 +162,11 @@ class _Partition(Generic[_T]):
             f"{op} of {count} keys in {self.name} got no answer in {self._timeout_s} s",
         )
 
-    async def keys(self) -> list[str]:
+    async def keys(self) -> list[_K]:
         listing = await tq.async_kv_list(partition_id=self.name)
         return list(listing.get(self.name, {}))
 
-    async def _held(self, keys: list[str]) -> dict[str, _T]:
+    async def _held(self, keys: list[_K]) -> dict[_K, _T]:
         """The records already stored under any of ``keys`` (usually none: one controller trip)."""
         try:
             meta = await tq.get_client().async_kv_retrieve_meta(
@@ -176,7 +178,7 @@ class _Partition(Generic[_T]):
             return {}
         return await self._fetch(keys)
 
-    async def _fetch(self, keys: list[str]) -> dict[str, _T]:
+    async def _fetch(self, keys: list[_K]) -> dict[_K, _T]:
         """The records TQ returns for ``keys``, by key; absent keys are simply not there."""
         try:
             td = await tq.async_kv_batch_get(
@@ -207,7 +209,7 @@ class TQSink:
 
     def __init__(self, config: TQSinkConfig | None = None) -> None:
         self.config = config or TQSinkConfig()
-        self._staging: _Partition[StagedCall] = _Partition(
+        self._staging: _Partition[StagingKey, StagedCall] = _Partition(
             self.config.staging_partition,
             STAGING_FIELDS,
             encode_staged,
@@ -215,7 +217,7 @@ class TQSink:
             lambda c: c.key,
             self.config.op_timeout_s,
         )
-        self._training: _Partition[TrainingRow] = _Partition(
+        self._training: _Partition[TrainingKey, TrainingRow] = _Partition(
             self.config.training_partition,
             TRAINING_FIELDS,
             encode_rows,
@@ -235,7 +237,7 @@ class TQSink:
 
     async def put(self, calls: Sequence[StagedCall]) -> None:
         """Store staged calls; an identical re-put is a no-op, a different one is refused."""
-        batch: dict[str, StagedCall] = {}
+        batch: dict[StagingKey, StagedCall] = {}
         for call in calls:
             if batch.setdefault(call.key, call) != call:
                 raise SinkError(
@@ -243,33 +245,33 @@ class TQSink:
                 )
         await self._staging.put(batch, "staged call")
 
-    async def get(self, keys: Sequence[str]) -> list[StagedCall]:
+    async def get(self, keys: Sequence[StagingKey]) -> list[StagedCall]:
         """The staged calls for ``keys``, in order; `MissingRows` naming every absent key."""
         return await self._staging.get(keys)
 
-    async def clear(self, keys: Sequence[str]) -> None:
+    async def clear(self, keys: Sequence[StagingKey]) -> None:
         """Free staged calls (native async clear, shielded); absent keys are ignored."""
         await self._staging.clear(keys)
 
-    async def publish(self, rows: Mapping[str, TrainingRow]) -> None:
+    async def publish(self, rows: Mapping[TrainingKey, TrainingRow]) -> None:
         """Store training rows under their keys (a key must be its row's key)."""
         for key, row in rows.items():
             if key != row.key:
                 raise SinkError("key_mismatch", f"row {row.key} offered under {key}")
         await self._training.put(rows, "training row")
 
-    async def fetch(self, keys: Sequence[str]) -> list[TrainingRow]:
+    async def fetch(self, keys: Sequence[TrainingKey]) -> list[TrainingRow]:
         """The training rows for ``keys``, in order; `MissingRows` naming every absent key."""
         return await self._training.get(keys)
 
-    async def clear_rows(self, keys: Sequence[str]) -> None:
+    async def clear_rows(self, keys: Sequence[TrainingKey]) -> None:
         """Free training rows (shielded like `clear`); absent keys are ignored."""
         await self._training.clear(keys)
 
-    async def staged_keys(self) -> list[str]:
+    async def staged_keys(self) -> list[StagingKey]:
         """Every staging key held in TQ (for leak checks and sweeps)."""
         return await self._staging.keys()
 
-    async def row_keys(self) -> list[str]:
+    async def row_keys(self) -> list[TrainingKey]:
         """Every training key held in TQ (for leak checks)."""
         return await self._training.keys()

@@ -23,21 +23,17 @@ import httpx
 import msgspec
 
 from tokcap_core import (
-    MANIFEST_INVALID,
-    MAX_MANIFEST_BYTES,
-    Admitted,
     Manifest,
-    ManifestError,
     Receipt,
     VerificationError,
     assemble_receipt,
     decode_manifest,
-    genesis_hash,
-    make_reason,
-    staging_key,
-    validate_rollout_id,
     verify_manifest,
 )
+from tokcap_core.errors import ManifestError
+from tokcap_core.ids import StagingKey, staging_key, validate_rollout_id
+from tokcap_core.ledger import MAX_MANIFEST_BYTES, Admitted, genesis_hash
+from tokcap_core.reasons import MANIFEST_INVALID, make_reason
 
 from ._api import (
     CONTROL_PREFIX,
@@ -351,7 +347,7 @@ def _manifest_failure(rollout_id: str, code: str, manifest: Manifest | None) -> 
     Its ``sink_keys`` are the staging keys the (unverified) manifest admitted, if any, so
     cleanup can still free them (clearing an absent key is harmless).
     """
-    keys: tuple[str, ...] = ()
+    keys: tuple[StagingKey, ...] = ()
     head = (0, genesis_hash(rollout_id))
     if manifest is not None and manifest.rollout_id == rollout_id:
         keys = tuple(

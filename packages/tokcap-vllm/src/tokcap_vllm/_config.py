@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from tokcap_core import MAX_MANIFEST_BYTES
+from tokcap_core.ledger import MAX_MANIFEST_BYTES
 
 __all__ = ["CONTROL_TOKEN_ENV", "LEDGER_PATH_ENV", "GateConfig"]
 

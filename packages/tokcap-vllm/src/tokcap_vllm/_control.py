@@ -27,15 +27,9 @@ from urllib.parse import parse_qs, unquote
 
 import msgspec
 
-from tokcap_core import (
-    Closed,
-    InvalidId,
-    LedgerProtocolError,
-    Witnesses,
-    encode_manifest,
-    manifest_of,
-    validate_rollout_id,
-)
+from tokcap_core import InvalidId, LedgerProtocolError
+from tokcap_core.ids import validate_rollout_id
+from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 
 from ._admission import output_fingerprint
 from ._api import (

@@ -27,26 +27,18 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import TaskGroup
 
-from tokcap_core import (
-    GATE_RESTARTED,
-    STAGE_FAILED,
-    UNCOMMITTED_CALL,
+from tokcap_core import Entry, Ledger, MemorySink, StagedCall, TokcapError, TokenSink
+from tokcap_core.ids import validate_rollout_id
+from tokcap_core.ledger import (
     Admitted,
     Closed,
-    Entry,
     Failed,
-    Ledger,
-    MemorySink,
     Poisoned,
     Staged,
-    StagedCall,
     TerminalDeclared,
-    TokcapError,
-    TokenSink,
     Witnesses,
-    make_reason,
-    validate_rollout_id,
 )
+from tokcap_core.reasons import GATE_RESTARTED, STAGE_FAILED, UNCOMMITTED_CALL, make_reason
 
 from ._admission import ChatPlan, PriorCall
 from ._config import GateConfig

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokcap_core import Routes, dtype_for_experts, routes_from_rows
+from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
 
 __all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket"]
 

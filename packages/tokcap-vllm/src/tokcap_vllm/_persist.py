@@ -31,9 +31,9 @@ from tokcap_core import (
     TokcapError,
     VerificationError,
     decode_manifest,
-    encode_manifest,
-    validate_rollout_id,
 )
+from tokcap_core.ids import validate_rollout_id
+from tokcap_core.ledger import encode_manifest
 
 from ._hooks import GateHooks
 

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tokcap_core import Admitted, Entry, Failed, StagedCall, reason_bucket
+from tokcap_core import Entry, StagedCall
+from tokcap_core.ledger import Admitted, Failed
+from tokcap_core.reasons import reason_bucket
 
 from ._hooks import GateHooks
 

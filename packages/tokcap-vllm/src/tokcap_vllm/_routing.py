@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Final, Literal
 from urllib.parse import unquote
 
-from tokcap_core import InvalidId, validate_rollout_id
+from tokcap_core import InvalidId
+from tokcap_core.ids import validate_rollout_id
 
 from ._errors import BadRequest
 
