@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcap_vllm._weight_state import begin, fail, succeed
-from tokcap_vllm._weights import _chunks
+from tokcap_vllm._weights import _chunks, _write_file
 from tokcap_vllm.weights import (
     WeightPhase,
     WeightPushError,
@@ -218,3 +218,12 @@ def test_chunks_carry_the_raw_bytes_and_split_on_the_size_bound() -> None:
     assert (name, dtype, shape) == ("y", "bfloat16", [2, 2])
     assert bytes(data) == tensors[1][1].view(torch.uint8).numpy().tobytes()
     assert bytes(chunks[0][0][3]) == tensors[0][1].numpy().tobytes()
+
+
+def test_the_shared_memory_file_holds_each_tensor_at_its_offset(tmp_path: Path) -> None:
+    tensors = [("x", torch.arange(3, dtype=torch.int64)), ("y", torch.full((2,), 0.5))]
+    path, entries = _write_file(tensors, str(tmp_path))
+    blob = Path(path).read_bytes()
+    assert entries == [("x", "int64", [3], 0, 24), ("y", "float32", [2], 24, 8)]
+    assert blob == tensors[0][1].numpy().tobytes() + tensors[1][1].numpy().tobytes()
+    assert Path(path).stat().st_mode & 0o077 == 0  # readable by this user only

@@ -181,6 +181,20 @@ def test_a_push_moves_the_engine_onto_the_trainers_new_logprobs(
 
 
 @pytest.mark.usefixtures("restore")
+def test_a_push_through_shared_memory_lands_the_same_and_leaves_no_file(
+    server: InProcessServer, sync: WeightSync, model: Any, original: Weights
+) -> None:
+    new = perturbed(model, original, seed=11)
+    before = set(Path(sync.shm_dir).glob("tokcap-push-*"))
+    state = on_loop(server, sync.push, new, sync.state.version + 1, transport="shm")
+    assert state.serving
+    assert set(Path(sync.shm_dir).glob("tokcap-push-*")) == before
+    rows, records = capture(server)
+    assert parity(model, new, rows).k3 <= SAME
+    assert versions(rows, records) == {state.version}
+
+
+@pytest.mark.usefixtures("restore")
 def test_tied_embeddings_move_the_head_too(
     server: InProcessServer, sync: WeightSync, model: Any, original: Weights
 ) -> None:
@@ -277,7 +291,7 @@ def test_a_bad_push_is_refused_and_the_engine_keeps_its_weights(
 
 
 def test_the_worker_refuses_what_the_server_side_check_would_have(
-    server: InProcessServer, sync: WeightSync, model: Any, original: Weights
+    server: InProcessServer, sync: WeightSync, model: Any, original: Weights, tmp_path: Path
 ) -> None:
     """Defence in depth: the worker checks each staged tensor and the whole set before loading."""
     engine = engine_client(server)
@@ -307,6 +321,12 @@ def test_the_worker_refuses_what_the_server_side_check_would_have(
         server, attempt, ("tokcap_stage", ("w", full[:-1])), ("tokcap_commit", ("w", len(full) - 1))
     )
     assert "staged nothing" in on_loop(server, attempt, ("tokcap_commit", ("other", len(full))))
+    short = tmp_path / "short"
+    short.write_bytes(bytes(data)[:-4])
+    entry = (name, dtype, shape, 0, len(data))
+    assert "ends inside" in on_loop(
+        server, attempt, ("tokcap_stage_file", ("w", str(short), [entry]))
+    )
     rows, _ = capture(server, count=1)
     assert parity(model, original, rows).k3 <= SAME
 

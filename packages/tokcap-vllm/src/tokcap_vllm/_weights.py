@@ -11,8 +11,9 @@
    layer (``qkv_proj``) only once all its parts arrived, and a partial one is left
    uninitialised (NaN in bf16, measured).
 2. **stage** (the engine keeps generating): tensors go to the worker as ``(name, dtype,
-   shape, bytes)`` in chunks of ``chunk_bytes``, through ``collective_rpc``. A failure here
-   loads nothing: `WeightSyncError` ``stage_failed``, state unchanged.
+   shape, bytes)`` in chunks of ``chunk_bytes``, through ``collective_rpc`` (or, with
+   ``transport="shm"``, written once into a shared-memory file the worker reads). A failure
+   here loads nothing: `WeightSyncError` ``stage_failed``, state unchanged.
 3. **swap** (phase PUSHING): ``pause_generation(mode)``, commit (one in-place
    ``reload_weights``), ``update_weight_version(str(version))``, reset the prefix cache
    (cached KV was computed by the old weights: 4e-2 off on a cached prompt, measured),
@@ -26,15 +27,19 @@ two versions (vLLM reports ``CompletionOutput.weight_versions`` as spans over ou
 tokens), and their KV is recomputed by the new weights. ``"abort"`` ends them with an
 error.
 
-If any step of 3 fails (or the push is cancelled), the phase is FAILED and generation
-stays paused: the engine may hold half-updated weights and must not serve them. Only a
-later full push leaves FAILED. `subscribe` tells a gate each transition so it can refuse
-captured calls until the state is `WeightState.serving` again.
+If any step of 3 fails (or the push is cancelled), the phase is FAILED and the pause, if
+it took effect, is not undone: the engine may hold half-updated weights and must not serve
+them. Only a later full push leaves FAILED (it pauses, loads everything, resumes).
+`subscribe` tells a gate each transition so it can refuse captured calls until the state
+is `WeightState.serving` again.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -55,11 +60,14 @@ from ._weight_state import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PauseMode", "WeightSync", "check_push"]
+__all__ = ["PauseMode", "Transport", "WeightSync", "check_push"]
 
 PauseMode = Literal["wait", "keep", "abort"]
+Transport = Literal["rpc", "shm"]
 _MODES: Final = ("wait", "keep", "abort")
+_TRANSPORTS: Final = ("rpc", "shm")
 _log = logging.getLogger("tokcap_vllm.weights")
+_SHM_DIR: Final = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def check_push(
@@ -100,7 +108,7 @@ def check_push(
                 "dtype_mismatch", f"{name} is {tensor.dtype}, the engine runs {dtype}"
             )
         flat = tensor.detach().to("cpu").contiguous()
-        if check_finite and flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+        if check_finite and flat.is_floating_point() and not _finite(flat):
             raise WeightPushError("non_finite_weights", f"{name} holds NaN or inf")
         checked.append((name, flat))
     for head, embedding in tied:
@@ -108,6 +116,37 @@ def check_push(
         if a.data_ptr() != b.data_ptr() and not torch.equal(a.detach().cpu(), b.detach().cpu()):
             raise WeightPushError("tied_mismatch", f"{head} and {embedding} are tied but differ")
     return checked
+
+
+def _write_file(
+    tensors: list[tuple[str, torch.Tensor]], folder: str
+) -> tuple[str, list[tuple[str, str, list[int], int, int]]]:
+    """Write every tensor's bytes, back to back, into a new file in ``folder``: (path, entries)."""
+    import torch
+
+    entries = []
+    with tempfile.NamedTemporaryFile(dir=folder, prefix="tokcap-push-", delete=False) as f:
+        for name, tensor in tensors:
+            data = tensor.reshape(-1).view(torch.uint8).numpy().data
+            entries.append(
+                (
+                    name,
+                    str(tensor.dtype).removeprefix("torch."),
+                    list(tensor.shape),
+                    f.tell(),
+                    data.nbytes,
+                )
+            )
+            f.write(data)
+    return f.name, entries
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """One reduction pass, no copy: a NaN or inf anywhere makes the float32 sum non-finite
+    (20x faster than ``isfinite().all()`` here; only a sum past 3e38 would alarm falsely)."""
+    import torch
+
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
 
 
 def _chunks(
@@ -145,8 +184,10 @@ class WeightSync:
         tied: Sequence[tuple[str, str]] = (),
         version: int = 0,
         chunk_bytes: int = 64 << 20,
+        shm_dir: str = _SHM_DIR,
     ) -> None:
         self.engine = engine
+        self.shm_dir = shm_dir
         self.spec: Mapping[str, TensorSpec] = dict(spec)
         self.tied = tuple(tied)
         self.chunk_bytes = chunk_bytes
@@ -163,6 +204,7 @@ class WeightSync:
         tied: Sequence[tuple[str, str]] = (),
         version: int = 0,
         chunk_bytes: int = 64 << 20,
+        shm_dir: str = _SHM_DIR,
     ) -> WeightSync:
         """A `WeightSync` for ``engine``; ``spec`` and ``tied`` default to the worker's
         (read from the checkpoint's headers).
@@ -185,7 +227,9 @@ class WeightSync:
             tied = [(head, embedding) for head, embedding in raw["tied"]]
         label = await engine.get_weight_version()
         served = int(label) if isinstance(label, str) and label.isdigit() else version
-        return cls(engine, spec, tied=tied, version=served, chunk_bytes=chunk_bytes)
+        return cls(
+            engine, spec, tied=tied, version=served, chunk_bytes=chunk_bytes, shm_dir=shm_dir
+        )
 
     @property
     def state(self) -> WeightState:
@@ -212,37 +256,60 @@ class WeightSync:
         version: int,
         *,
         mode: PauseMode = "wait",
+        transport: Transport = "rpc",
         check_finite: bool = True,
     ) -> WeightState:
         """Load ``weights`` (the full state dict) into the engine as ``version``; see the module.
 
+        ``transport="rpc"`` sends the bytes through vLLM's RPC (works wherever the engine
+        core runs); ``"shm"`` writes them once into a file in ``shm_dir`` and sends only
+        where they are (the engine core must share this host; fewer copies, for big models).
         Returns the READY state. Raises `WeightPushError` before anything is sent, or
         `WeightSyncError`. Do not modify the tensors until it returns.
         """
         if mode not in _MODES:
             raise WeightPushError("bad_mode", f"mode is one of {_MODES}: {mode!r}")
+        if transport not in _TRANSPORTS:
+            raise WeightPushError("bad_transport", f"transport is one of {_TRANSPORTS}")
         if self._busy:
             raise WeightPushError("push_in_progress", "another push is running")
         begin(self._state, version)  # refuses a bad or stale version before any work
-        tensors = check_push(weights, self.spec, tied=self.tied, check_finite=check_finite)
         self._busy = True
         try:
+            # a pass over every tensor: off the loop that serves the API
+            tensors = await anyio.to_thread.run_sync(
+                functools.partial(
+                    check_push, weights, self.spec, tied=self.tied, check_finite=check_finite
+                )
+            )
             push_id = uuid.uuid4().hex
-            await self._stage(push_id, tensors)
+            await self._stage(push_id, tensors, transport)
             await self._swap(push_id, len(tensors), version, mode)
         finally:
             self._busy = False
         return self._state
 
-    async def _stage(self, push_id: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    async def _stage(
+        self, push_id: str, tensors: list[tuple[str, torch.Tensor]], transport: Transport
+    ) -> None:
         try:
-            for chunk in _chunks(tensors, self.chunk_bytes):
-                await self.engine.collective_rpc("tokcap_stage", args=(push_id, chunk))
+            if transport == "shm":
+                await self._stage_file(push_id, tensors)
+            else:
+                for chunk in _chunks(tensors, self.chunk_bytes):
+                    await self.engine.collective_rpc("tokcap_stage", args=(push_id, chunk))
         except BaseException as e:
             await self._discard(push_id)
             if isinstance(e, Exception):
                 raise WeightSyncError("stage_failed", str(e)) from e
             raise
+
+    async def _stage_file(self, push_id: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        path, entries = await anyio.to_thread.run_sync(_write_file, tensors, self.shm_dir)
+        try:
+            await self.engine.collective_rpc("tokcap_stage_file", args=(push_id, path, entries))
+        finally:
+            os.unlink(path)  # the worker copied what it needs
 
     async def _swap(self, push_id: str, count: int, version: int, mode: PauseMode) -> None:
         self._set(begin(self._state, version))

@@ -9,6 +9,8 @@ bytes)``. A push is two phases:
 
 1. ``tokcap_stage`` (any number of chunks, while the engine keeps generating): decode
    and check each tensor against the spec, keep it aside. The model is not touched.
+   ``tokcap_stage_file`` does the same from a shared-memory file the server wrote (one
+   RPC of metadata; the engine core must run on the same host).
 2. ``tokcap_commit`` (generation paused): check the staged set is exactly the spec, then
    load it all in one ``reload_weights`` call, vLLM's in-place reload that re-runs each
    layer's post-load processing (CPU repacking included) once all its tensors arrived.
@@ -41,8 +43,9 @@ class _Staging:
 
 
 class WeightSyncWorker:
-    """vLLM worker extension: ``tokcap_weight_spec``, ``tokcap_stage``, ``tokcap_commit``,
-    ``tokcap_discard``. Every name starts with ``tokcap_`` so none collides with the worker's.
+    """vLLM worker extension: ``tokcap_weight_spec``, ``tokcap_stage``, ``tokcap_stage_file``,
+    ``tokcap_commit``, ``tokcap_discard``. Every name starts with ``tokcap_`` so none collides
+    with the worker's.
     """
 
     def tokcap_weight_spec(self) -> dict[str, Any]:
@@ -59,30 +62,27 @@ class WeightSyncWorker:
 
         A new ``push_id`` drops whatever an earlier, unfinished push staged.
         """
-        import torch
+        import numpy
 
-        spec, _ = _spec_of(self)
-        staging = _staging(self)
-        if staging is None or staging.push_id != push_id:
-            staging = _Staging(push_id)
-            self.__dict__["_tokcap_staging"] = staging
+        staging = _staging_for(self, push_id)
         for name, dtype_name, shape, data in chunk:
-            expected = spec.get(name)
-            if expected is None:
-                raise ValueError(f"tokcap push {push_id}: unknown tensor {name!r}")
-            if (dtype_name, tuple(shape)) != expected:
-                raise ValueError(
-                    f"tokcap push {push_id}: {name} is {dtype_name}{list(shape)}, "
-                    f"expected {expected[0]}{list(expected[1])}"
-                )
-            dtype = getattr(torch, dtype_name)
-            tensor = torch.empty(tuple(shape), dtype=dtype)
-            if len(data) != tensor.nbytes:
-                raise ValueError(f"tokcap push {push_id}: {name} carries {len(data)} bytes")
-            if tensor.nbytes:
-                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                tensor.view(-1).view(torch.uint8).copy_(flat)
+            tensor = _checked_empty(self, push_id, name, dtype_name, shape, len(data))
+            if tensor.nbytes:  # one copy; numpy reads the immutable bytes without a warning
+                _bytes_of(tensor)[:] = numpy.frombuffer(data, numpy.uint8)
             staging.tensors[name] = tensor
+        return len(staging.tensors)
+
+    def tokcap_stage_file(self, push_id: str, path: str, entries: Sequence[Sequence[Any]]) -> int:
+        """Like `tokcap_stage`, the bytes read from a shared-memory file the server wrote:
+        ``entries`` are ``[name, dtype, shape, offset, nbytes]``. Same host only."""
+        staging = _staging_for(self, push_id)
+        with open(path, "rb") as f:
+            for name, dtype_name, shape, offset, nbytes in entries:
+                tensor = _checked_empty(self, push_id, name, dtype_name, shape, nbytes)
+                f.seek(offset)
+                if tensor.nbytes and f.readinto(_bytes_of(tensor)) != nbytes:
+                    raise ValueError(f"tokcap push {push_id}: {path} ends inside {name}")
+                staging.tensors[name] = tensor
         return len(staging.tensors)
 
     def tokcap_commit(self, push_id: str, count: int) -> int:
@@ -116,6 +116,43 @@ class WeightSyncWorker:
 def _staging(worker: object) -> _Staging | None:
     staging: _Staging | None = worker.__dict__.get("_tokcap_staging")
     return staging
+
+
+def _staging_for(worker: object, push_id: str) -> _Staging:
+    """The staging of ``push_id``; a new push id drops an earlier push's."""
+    staging = _staging(worker)
+    if staging is None or staging.push_id != push_id:
+        staging = _Staging(push_id)
+        worker.__dict__["_tokcap_staging"] = staging
+    return staging
+
+
+def _checked_empty(
+    worker: object, push_id: str, name: str, dtype_name: str, shape: Sequence[int], nbytes: int
+) -> torch.Tensor:
+    """An empty tensor for ``name``, if the spec expects it with this dtype, shape and size."""
+    import torch
+
+    spec, _ = _spec_of(worker)
+    expected = spec.get(name)
+    if expected is None:
+        raise ValueError(f"tokcap push {push_id}: unknown tensor {name!r}")
+    if (dtype_name, tuple(shape)) != expected:
+        raise ValueError(
+            f"tokcap push {push_id}: {name} is {dtype_name}{list(shape)}, "
+            f"expected {expected[0]}{list(expected[1])}"
+        )
+    tensor = torch.empty(tuple(shape), dtype=getattr(torch, dtype_name))
+    if nbytes != tensor.nbytes:
+        raise ValueError(f"tokcap push {push_id}: {name} carries {nbytes} bytes")
+    return tensor
+
+
+def _bytes_of(tensor: torch.Tensor) -> Any:
+    """A writable numpy uint8 view of a contiguous tensor's memory."""
+    import torch
+
+    return tensor.view(-1).view(torch.uint8).numpy()
 
 
 def _spec_of(worker: object) -> tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]]:
