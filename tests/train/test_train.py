@@ -19,7 +19,6 @@ from tokcap.train import (
     token_logprobs,
 )
 from tokcap_core import ConfigError, TrainingRow, placeholder_row
-from tokcap_core.rows import CallSpan
 
 pytestmark = pytest.mark.integration
 
@@ -43,15 +42,7 @@ def make_row(
         logprobs=array("f", [v if t >= prompt_len else 0.0 for t, v in enumerate(values)]),
         routes=None,
         prompt_len=prompt_len,
-        call_spans=(
-            CallSpan(
-                call_id="c0",
-                start=0,
-                carry_len=prompt_len,
-                gen_len=n - prompt_len,
-                weight_version=version,
-            ),
-        ),
+        call_spans=(),  # the trainer reads no span
         weight_version_min=version,
         weight_version_max=version,
         truncated=False,
