@@ -6,29 +6,32 @@ import math
 
 import pytest
 
-from tokcap_core import SinkError
+from tokcap_core import ConfigError
 from tokcap_tq import TQSinkConfig
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, math.inf, math.nan, True])
-def test_operation_deadline_must_be_a_positive_finite_number(timeout: float) -> None:
-    with pytest.raises(SinkError) as info:
-        TQSinkConfig(op_timeout_s=timeout)
-    assert info.value.code == "bad_config"
+@pytest.mark.parametrize("timeout", [0, -1.0, math.inf, math.nan, True, "5"])
+def test_operation_deadline_must_be_a_positive_finite_number(timeout: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TQSinkConfig(op_timeout_s=timeout)  # type: ignore[arg-type]
+    assert info.value.code == "bad_op_timeout_s"
 
 
-@pytest.mark.parametrize("name", ["", "a/b"])
-def test_partition_names_are_non_empty_and_slash_free(name: str) -> None:
-    with pytest.raises(SinkError) as info:
-        TQSinkConfig(staging_partition=name)
-    assert info.value.code == "bad_config"
+@pytest.mark.parametrize("field", ["staging_partition", "training_partition"])
+@pytest.mark.parametrize("name", ["", "a/b", None, 3])
+def test_partition_names_are_non_empty_and_slash_free(field: str, name: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TQSinkConfig(**{field: name})  # type: ignore[arg-type]
+    assert info.value.code == f"bad_{field}"
 
 
 def test_staging_and_training_partitions_differ() -> None:
-    with pytest.raises(SinkError) as info:
+    with pytest.raises(ConfigError) as info:
         TQSinkConfig(staging_partition="same", training_partition="same")
-    assert info.value.code == "bad_config"
+    assert info.value.code == "bad_training_partition"
 
 
 def test_defaults_give_every_operation_a_deadline() -> None:
-    assert TQSinkConfig().op_timeout_s == 60.0
+    config = TQSinkConfig()
+    assert config.op_timeout_s == 60.0
+    assert config.staging_partition != config.training_partition

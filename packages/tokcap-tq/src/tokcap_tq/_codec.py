@@ -19,8 +19,9 @@ fetched `TrainingRow` equals the published one.
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -45,6 +46,16 @@ __all__ = [
 STAGING_FIELDS = ("tokens", "logprobs", "routes", "meta")
 TRAINING_FIELDS = ("input_ids", "loss_mask", "logprobs", "routes", "sample_mask", "meta")
 
+# ``meta`` holds every scalar field of the record type (read off the dataclass, so a field
+# the core adds travels without a change here) plus the routes' dtype and shape.
+_STAGED_META = tuple(f.name for f in dataclasses.fields(StagedCall) if f.name not in STAGING_FIELDS)
+_ROW_META = tuple(
+    f.name
+    for f in dataclasses.fields(TrainingRow)
+    if f.name not in TRAINING_FIELDS and f.name != "call_spans"
+)
+_SPAN_FIELDS = tuple(f.name for f in dataclasses.fields(CallSpan))
+
 _ROUTE_TYPECODE = {"int8": "b", "int16": "h", "int32": "i"}
 _NP_DTYPE = {"int8": np.int8, "int16": np.int16, "int32": np.int32}
 _json_encode = msgspec.json.Encoder().encode
@@ -64,16 +75,27 @@ def _jagged(parts: Sequence[Any], dtype: Any) -> Any:
     )
 
 
-def _split(column: Any) -> tuple[Any, Any]:
-    """``(values, offsets)`` numpy views of a jagged column."""
-    if not getattr(column, "is_nested", False):
-        raise SinkError("bad_layout", f"expected a jagged column, got {type(column).__name__}")
-    return column.values().numpy(), column.offsets().numpy()
+class _Column:
+    """A jagged column read as one numpy array: row ``i`` is ``values[at[i]:at[i + 1]]``."""
 
+    __slots__ = ("at", "bytes", "itemsize", "values")
 
-def _raw(values: Any) -> memoryview:
-    """The bytes of a contiguous 1-D numpy array, without copying."""
-    return memoryview(values).cast("B")
+    def __init__(self, column: Any) -> None:
+        if not getattr(column, "is_nested", False):
+            raise SinkError("bad_layout", f"expected a jagged column, got {type(column).__name__}")
+        self.values = column.values().numpy()
+        self.at: list[int] = column.offsets().tolist()
+        self.itemsize = self.values.itemsize
+        self.bytes = np.ascontiguousarray(self.values).data.cast("B")
+
+    def row(self, i: int) -> Any:
+        return self.values[self.at[i] : self.at[i + 1]]
+
+    def array(self, i: int, typecode: str) -> array[Any]:
+        """Row ``i`` copied into an ``array`` of ``typecode`` (same item size as the column)."""
+        out = array(typecode)
+        out.frombytes(self.bytes[self.at[i] * self.itemsize : self.at[i + 1] * self.itemsize])
+        return out
 
 
 def _strings(column: Any) -> list[str]:
@@ -85,10 +107,14 @@ def _routes_to_int16(routes: Routes) -> Any:
     return data.view(np.int16) if routes.dtype == "int32" else data.astype(np.int16)
 
 
-def _routes_from_int16(words: Any, dtype: str, shape: list[int]) -> Routes:
+def _routes_from(words: Any, shape: list[Any]) -> Routes:
+    """Routes of ``shape = [dtype, tokens, layers, topk]`` from a column row of any int type."""
+    dtype, s, layers, topk = shape
+    target = _NP_DTYPE[dtype]
+    if words.dtype == np.int16 and dtype == "int32":  # the staging layout's bit split
+        words = words.view(np.int32)
     data = array(_ROUTE_TYPECODE[dtype])
-    data.frombytes(_raw(words if dtype == "int32" else words.astype(_NP_DTYPE[dtype])))
-    s, layers, topk = shape
+    data.frombytes(np.ascontiguousarray(words.astype(target, copy=False)).data.cast("B"))
     return Routes(dtype=dtype, shape=(s, layers, topk), data=data)
 
 
@@ -103,24 +129,11 @@ _NO_ROUTES32 = np.full(1, -1, np.int32)
 
 def encode_staged(calls: Sequence[StagedCall]) -> Any:
     """A TensorDict of ``calls`` in the staging layout (batch size ``len(calls)``)."""
-    meta = [
-        _json_encode(
-            {
-                "rollout_id": c.rollout_id,
-                "call_id": c.call_id,
-                "parent_id": c.parent_id,
-                "prefix_len": c.prefix_len,
-                "carry_len": c.carry_len,
-                "gen_len": c.gen_len,
-                "weight_version": c.weight_version,
-                "finish_reason": c.finish_reason,
-                "digest": c.digest,
-                "chain_hash": c.chain_hash,
-                "routes": _routes_meta(c.routes),
-            }
-        ).decode()
-        for c in calls
-    ]
+    meta = []
+    for c in calls:
+        m = {name: getattr(c, name) for name in _STAGED_META}
+        m["routes"] = _routes_meta(c.routes)
+        meta.append(_json_encode(m).decode())
     return _td.TensorDict(
         {
             "tokens": _jagged([np.frombuffer(c.tokens, np.int32) for c in calls], np.int32),
@@ -136,51 +149,62 @@ def encode_staged(calls: Sequence[StagedCall]) -> Any:
 
 
 def decode_staged(td: Any) -> list[StagedCall]:
-    """The staged calls of a staging-layout TensorDict, in row order."""
-    tokens, tok_off = _split(td["tokens"])
-    logprobs, lp_off = _split(td["logprobs"])
-    routes, rt_off = _split(td["routes"])
+    """The staged calls of a staging-layout TensorDict, in row order (each one validated)."""
+    return _decode_staged(td, StagedCall)
+
+
+def decode_own_staged(td: Any) -> list[StagedCall]:
+    """`decode_staged` for rows a `TQSink` wrote itself: the constructor's checks are skipped.
+
+    They ran when the calls were built, before the put; TQ hands back the bytes it was
+    given; and verification recomputes every call's digest before a row is trained on
+    (``tokcap_core.verify_staged``). Skipping them is most of what a get costs over raw
+    TQ (a sum over every logprob, per call). A row whose fields are not the dataclass's
+    is ``bad_layout``.
+    """
+    return _decode_staged(td, _trusted_call)
+
+
+_CALL_FIELDS = tuple(f.name for f in dataclasses.fields(StagedCall))
+
+
+def _trusted_call(**values: Any) -> StagedCall:
+    if len(values) != len(_CALL_FIELDS):
+        raise SinkError("bad_layout", f"a staged row has fields {sorted(values)}")
+    call = object.__new__(StagedCall)
+    try:
+        for name in _CALL_FIELDS:
+            object.__setattr__(call, name, values[name])
+    except KeyError as e:
+        raise SinkError("bad_layout", f"a staged row has no {e.args[0]!r}") from None
+    return call
+
+
+def _decode_staged(td: Any, make: Callable[..., StagedCall]) -> list[StagedCall]:
+    tokens, logprobs, routes = _Column(td["tokens"]), _Column(td["logprobs"]), _Column(td["routes"])
     out = []
     for i, raw in enumerate(_strings(td["meta"])):
         m = _json_decode(raw)
-        tok = array("I")
-        tok.frombytes(_raw(tokens[tok_off[i] : tok_off[i + 1]]))
-        lp = array("f")
-        lp.frombytes(_raw(logprobs[lp_off[i] : lp_off[i + 1]]))
         shape = m.pop("routes")
-        r = (
-            None
-            if shape is None
-            else _routes_from_int16(routes[rt_off[i] : rt_off[i + 1]], shape[0], shape[1:])
+        out.append(
+            make(
+                tokens=tokens.array(i, "I"),
+                logprobs=logprobs.array(i, "f"),
+                routes=None if shape is None else _routes_from(routes.row(i), shape),
+                **m,
+            )
         )
-        out.append(StagedCall(tokens=tok, logprobs=lp, routes=r, **m))
     return out
 
 
 def encode_rows(rows: Sequence[TrainingRow]) -> Any:
     """A TensorDict of ``rows`` in the training layout (routes widened to int32)."""
-    meta = [
-        _json_encode(
-            {
-                "rollout_id": r.rollout_id,
-                "segment": r.segment,
-                "prompt_len": r.prompt_len,
-                "call_spans": [
-                    [s.call_id, s.start, s.carry_len, s.gen_len, s.weight_version]
-                    for s in r.call_spans
-                ],
-                "weight_version_min": r.weight_version_min,
-                "weight_version_max": r.weight_version_max,
-                "truncated": r.truncated,
-                "reward": r.reward,
-                "reason": r.reason,
-                "terminal_call_id": r.terminal_call_id,
-                "backfilled_route_rows": r.backfilled_route_rows,
-                "routes": _routes_meta(r.routes),
-            }
-        ).decode()
-        for r in rows
-    ]
+    meta = []
+    for r in rows:
+        m = {name: getattr(r, name) for name in _ROW_META}
+        m["call_spans"] = [{n: getattr(s, n) for n in _SPAN_FIELDS} for s in r.call_spans]
+        m["routes"] = _routes_meta(r.routes)
+        meta.append(_json_encode(m).decode())
     return _td.TensorDict(
         {
             "input_ids": _jagged([np.frombuffer(r.input_ids, np.uint32) for r in rows], np.int64),
@@ -204,10 +228,8 @@ def encode_rows(rows: Sequence[TrainingRow]) -> Any:
 
 def decode_rows(td: Any) -> list[TrainingRow]:
     """The training rows of a training-layout TensorDict, in row order."""
-    ids, id_off = _split(td["input_ids"])
-    mask, mask_off = _split(td["loss_mask"])
-    logprobs, lp_off = _split(td["logprobs"])
-    routes, rt_off = _split(td["routes"])
+    ids, mask = _Column(td["input_ids"]), _Column(td["loss_mask"])
+    logprobs, routes = _Column(td["logprobs"]), _Column(td["routes"])
     sample_mask = td["sample_mask"]
     sample_mask = (
         (sample_mask.values() if sample_mask.is_nested else sample_mask).reshape(-1).tolist()
@@ -215,28 +237,16 @@ def decode_rows(td: Any) -> list[TrainingRow]:
     out = []
     for i, raw in enumerate(_strings(td["meta"])):
         m = _json_decode(raw)
-        input_ids = array("I")
-        input_ids.frombytes(_raw(ids[id_off[i] : id_off[i + 1]].astype(np.uint32)))
-        loss_mask = array("B")
-        loss_mask.frombytes(_raw(mask[mask_off[i] : mask_off[i + 1]]))
-        lp = array("f")
-        lp.frombytes(_raw(logprobs[lp_off[i] : lp_off[i + 1]]))
         shape = m.pop("routes")
-        r = None
-        if shape is not None:
-            data = array(_ROUTE_TYPECODE[shape[0]])
-            data.frombytes(_raw(routes[rt_off[i] : rt_off[i + 1]].astype(_NP_DTYPE[shape[0]])))
-            r = Routes(dtype=shape[0], shape=(shape[1], shape[2], shape[3]), data=data)
-        spans = tuple(
-            CallSpan(call_id=c, start=s, carry_len=cl, gen_len=gl, weight_version=wv)
-            for c, s, cl, gl, wv in m.pop("call_spans")
-        )
+        input_ids = array("I")
+        input_ids.frombytes(ids.row(i).astype(np.uint32).data.cast("B"))
+        spans = tuple(CallSpan(**span) for span in m.pop("call_spans"))
         out.append(
             TrainingRow(
                 input_ids=input_ids,
-                loss_mask=loss_mask,
-                logprobs=lp,
-                routes=r,
+                loss_mask=mask.array(i, "B"),
+                logprobs=logprobs.array(i, "f"),
+                routes=None if shape is None else _routes_from(routes.row(i), shape),
                 call_spans=spans,
                 sample_mask=int(sample_mask[i]),
                 **m,

@@ -2,202 +2,70 @@
 
 TransferQueue is forgiving where a sink must not be: a get that misses keys drops them,
 a get of a field some keys lack returns the shared fields only, and a put over a held key
-overwrites it. This module turns each into the contract's error (`MissingRows`,
-``field_mismatch``, ``conflicting_put``). Every TQ call is a native coroutine awaited on
-the caller's loop; ``clear`` runs under a shield, so a cancelled clear still completes
-and its rows never stay unreadable-but-unfreed. Every operation has a deadline
-(``op_timeout_s``): TQ's client waits forever on a dead storage unit or controller, and a
-sink must fail with a typed `SinkError` (``tq_timeout``) instead — a clear that times out
-may have left its keys unfreed, so callers that track owed keys retry it. The conflict
-check before a put is per process: two writers racing on one key in different processes
-are not detected.
+overwrites it. `TQSink` turns each into the contract's error (`MissingRows`,
+``field_mismatch``, ``conflicting_put``) at the cost of raw TQ's own round trips (see
+``_partition``). Every TQ call is a native coroutine awaited on the caller's loop;
+``clear`` runs under a shield, so a cancelled clear still completes and its rows never
+stay unreadable-but-unfreed. Every operation (``put``, ``get``, ``clear``, the key
+listings) has a deadline (``op_timeout_s``): TQ's client waits forever on a dead storage
+unit or controller, and a sink must fail with a typed `SinkError` (``tq_timeout``)
+instead. A clear that times out may have left its keys unfreed, so callers that track
+owed keys retry it. A put that times out or is cancelled after TQ registered its keys
+may leave them registered and unwritten: they read as missing, are listed by
+``staged_keys`` and are freed by a clear or rewritten by a retried put.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Mapping, Sequence
 
 import anyio
-import anyio.lowlevel
 import attrs
 
-from tokcap_core import MissingRows, SinkError, StagedCall, TrainingRow
+from tokcap_core import ConfigError, SinkError, StagedCall, TrainingRow
+from tokcap_core.config import non_empty_text, positive_number
 from tokcap_core.ids import StagingKey, TrainingKey
 
 from ._codec import (
     STAGING_FIELDS,
     TRAINING_FIELDS,
+    decode_own_staged,
     decode_rows,
-    decode_staged,
     encode_rows,
     encode_staged,
 )
 from ._deps import tq
+from ._partition import Partition
 
 __all__ = ["TQSink", "TQSinkConfig"]
 
-_T = TypeVar("_T", StagedCall, TrainingRow)
-_K = TypeVar("_K", StagingKey, TrainingKey)
-_NOT_FOUND = "keys or partition were not found"
+
+def _no_slash(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if "/" in value:
+        raise ConfigError(f"bad_{attribute.name}", f"{attribute.name} must not contain '/'")
 
 
-def _partition_name(instance: Any, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not value or "/" in value:
-        raise SinkError(
-            "bad_config", f"{attribute.name} must be a non-empty str without '/': {value!r}"
-        )
-
-
-def _positive_seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise SinkError("bad_config", f"{attribute.name} must be a positive number: {value!r}")
-    if not math.isfinite(value):
-        raise SinkError("bad_config", f"{attribute.name} must be finite: {value!r}")
+_PARTITION_NAME = [non_empty_text, _no_slash]
 
 
 @attrs.frozen(kw_only=True)
 class TQSinkConfig:
     """Where a `TQSink` keeps its rows (one TQ partition for staged calls, one for training
-    rows) and how long any one operation may take before it fails with ``tq_timeout``."""
+    rows) and how long any one operation may take before it fails with ``tq_timeout``.
 
-    staging_partition: str = attrs.field(default="tokcap_staging", validator=_partition_name)
-    training_partition: str = attrs.field(default="tokcap_training", validator=_partition_name)
-    op_timeout_s: float = attrs.field(default=60.0, validator=_positive_seconds)
+    A bad value raises `tokcap_core.ConfigError` ``bad_<field>`` (``bad_training_partition``
+    when it is the staging partition).
+    """
+
+    staging_partition: str = attrs.field(default="tokcap_staging", validator=_PARTITION_NAME)
+    training_partition: str = attrs.field(default="tokcap_training", validator=_PARTITION_NAME)
+    op_timeout_s: float = attrs.field(default=60.0, validator=positive_number)
 
     def __attrs_post_init__(self) -> None:
         if self.staging_partition == self.training_partition:
-            raise SinkError("bad_config", "staging and training partitions must differ")
-
-
-class _Partition(Generic[_K, _T]):
-    """One TQ partition holding one record type, with the sink contract's checks."""
-
-    def __init__(
-        self,
-        name: str,
-        fields: tuple[str, ...],
-        encode: Callable[[Sequence[_T]], Any],
-        decode: Callable[[Any], list[_T]],
-        key_of: Callable[[_T], _K],
-        timeout_s: float,
-    ) -> None:
-        self.name = name
-        self._timeout_s = timeout_s
-        self._fields = list(fields)
-        self._encode: Callable[[Sequence[_T]], Any] = encode
-        self._decode: Callable[[Any], list[_T]] = decode
-        self._key_of: Callable[[_T], _K] = key_of
-
-    async def put(self, batch: Mapping[_K, _T], what: str) -> None:
-        if not batch:
-            return
-        try:
-            with anyio.fail_after(self._timeout_s):
-                await self._put(batch, what)
-        except TimeoutError:
-            raise self._timeout("put", len(batch)) from None
-
-    async def _put(self, batch: Mapping[_K, _T], what: str) -> None:
-        held = await self._held(list(batch))
-        for key, record in held.items():
-            if record != batch[key]:
-                raise SinkError(
-                    "conflicting_put", f"a different {what} is already stored under {key}"
-                )
-        fresh = [k for k in batch if k not in held]
-        if not fresh:
-            return
-        fields = self._encode([batch[k] for k in fresh])
-        try:
-            await tq.async_kv_batch_put(keys=fresh, partition_id=self.name, fields=fields)
-        except (RuntimeError, ValueError, TypeError) as e:
-            # TQ registered the keys before its storage write failed: unregister them, so
-            # the failed put stores nothing (they were not held before this put).
-            await self.clear(fresh)
-            raise SinkError(
-                "tq_put_failed", f"put of {len(fresh)} keys into {self.name}: {e}"
-            ) from e
-
-    async def get(self, keys: Sequence[_K]) -> list[_T]:
-        if not keys:
-            return []
-        unique = list(dict.fromkeys(keys))
-        try:
-            with anyio.fail_after(self._timeout_s):
-                found = await self._fetch(unique)
-        except TimeoutError:
-            raise self._timeout("get", len(unique)) from None
-        missing = tuple(k for k in unique if k not in found)
-        if missing:
-            raise MissingRows(
-                "missing_rows",
-                f"{len(missing)} of {len(unique)} keys are not in {self.name}",
-                missing,
+            raise ConfigError(
+                "bad_training_partition", "training_partition must differ from staging_partition"
             )
-        return [found[k] for k in keys]
-
-    async def clear(self, keys: Sequence[_K]) -> None:
-        if not keys:
-            return
-        unique = list(dict.fromkeys(keys))
-        # No await before the shield: once clear is entered, TQ frees every key or raises.
-        # The shield keeps outer cancellation out; only the sink's own deadline ends it.
-        with anyio.CancelScope(shield=True) as scope:
-            scope.deadline = anyio.current_time() + self._timeout_s
-            try:
-                await tq.async_kv_clear(keys=unique, partition_id=self.name)
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise SinkError(
-                    "tq_clear_failed", f"clear of {len(unique)} keys in {self.name}: {e}"
-                ) from e
-        if scope.cancelled_caught:
-            raise self._timeout("clear", len(unique))
-        await anyio.lowlevel.checkpoint_if_cancelled()
-
-    def _timeout(self, op: str, count: int) -> SinkError:
-        return SinkError(
-            "tq_timeout",
-            f"{op} of {count} keys in {self.name} got no answer in {self._timeout_s} s",
-        )
-
-    async def keys(self) -> list[_K]:
-        listing = await tq.async_kv_list(partition_id=self.name)
-        return list(listing.get(self.name, {}))
-
-    async def _held(self, keys: list[_K]) -> dict[_K, _T]:
-        """The records already stored under any of ``keys`` (usually none: one controller trip)."""
-        try:
-            meta = await tq.get_client().async_kv_retrieve_meta(
-                keys=keys, partition_id=self.name, create=False
-            )
-        except RuntimeError as e:
-            raise SinkError("tq_get_failed", f"key lookup in {self.name}: {e}") from e
-        if meta.size == 0:
-            return {}
-        return await self._fetch(keys)
-
-    async def _fetch(self, keys: list[_K]) -> dict[_K, _T]:
-        """The records TQ returns for ``keys``, by key; absent keys are simply not there."""
-        try:
-            td = await tq.async_kv_batch_get(
-                keys=keys, partition_id=self.name, select_fields=self._fields
-            )
-        except ValueError as e:
-            if _NOT_FOUND in str(e):
-                return {}
-            raise SinkError("field_mismatch", f"get from {self.name}: {e}") from e
-        except RuntimeError as e:
-            raise SinkError("tq_get_failed", f"get from {self.name}: {e}") from e
-        got = sorted(td.keys())
-        if got != sorted(self._fields):
-            raise SinkError(
-                "field_mismatch",
-                f"rows in {self.name} have fields {got}, expected {sorted(self._fields)}",
-            )
-        records = self._decode(td)
-        return {self._key_of(r): r for r in records}
 
 
 class TQSink:
@@ -209,15 +77,15 @@ class TQSink:
 
     def __init__(self, config: TQSinkConfig | None = None) -> None:
         self.config = config or TQSinkConfig()
-        self._staging: _Partition[StagingKey, StagedCall] = _Partition(
+        self._staging: Partition[StagingKey, StagedCall] = Partition(
             self.config.staging_partition,
             STAGING_FIELDS,
             encode_staged,
-            decode_staged,
+            decode_own_staged,
             lambda c: c.key,
             self.config.op_timeout_s,
         )
-        self._training: _Partition[TrainingKey, TrainingRow] = _Partition(
+        self._training: Partition[TrainingKey, TrainingRow] = Partition(
             self.config.training_partition,
             TRAINING_FIELDS,
             encode_rows,
