@@ -35,6 +35,7 @@ def _events_for(rollout_id: str, calls: int, rng: random.Random) -> list:  # typ
                 prefix_len=cum,
                 admitted_at=i,
                 request_fingerprint="f",
+                formation="root" if parent_id is None else "extend",
             )
         )
         digest = hashlib.sha256(rng.randbytes(8)).hexdigest()
@@ -45,6 +46,7 @@ def _events_for(rollout_id: str, calls: int, rng: random.Random) -> list:  # typ
             carry_len=carry,
             gen_len=gen,
             weight_version=0,
+            weight_version_last=0,
             finish_reason="stop",
             call_digest=digest,
             chain_hash=ch,

@@ -131,6 +131,7 @@ def build_trajectory(
                 prefix_len=parent.cum_len if parent else 0,
                 admitted_at=turn,
                 request_fingerprint=f"req-{index}-{turn}",
+                formation="extend" if parent else "root",
             )
         )
         # token_in: the parent's exact cumulative ids + the rendered suffix of the new messages
@@ -155,6 +156,7 @@ def build_trajectory(
                 carry_len=call.carry_len,
                 gen_len=call.gen_len,
                 weight_version=0,
+                weight_version_last=0,
                 finish_reason="stop",
                 call_digest=call.digest,
                 chain_hash=call.chain_hash,

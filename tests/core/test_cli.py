@@ -89,6 +89,7 @@ def test_a_poisoned_rollout_exits_1(tmp_path: Path) -> None:
             prefix_len=0,
             admitted_at=5,
             request_fingerprint="req",
+            formation="root",
         )
     )
     ledger.append(Failed(call_id="c000001", reason="stage_failed:timeout", served=True))

@@ -36,6 +36,7 @@ def _stage(**overrides: Any) -> StagedCall:
         "logprobs": [-0.5, -1.25],
         "finish_reason": "stop",
         "weight_version": 1,
+        "weight_version_last": 2,
     }
     args.update(overrides)
     return StagedCall.from_engine_output(**args)
@@ -153,6 +154,7 @@ def test_token_and_logprob_buffers_are_zero_copy() -> None:
         carry_len=2,
         gen_len=1,
         weight_version=0,
+        weight_version_last=0,
         finish_reason="stop",
         tokens=tokens,
         logprobs=logprobs,
@@ -342,11 +344,11 @@ def test_call_digest_is_the_documented_canonical_encoding() -> None:
     assert call.routes is not None
     u64 = struct.Struct("<Q").pack
     expected = _h(
-        b"tokcap/call/v1",
+        b"tokcap/call/v2",
         _text("run-1"),
         _text("c000002"),
         b"\x01" + _text("c000001"),
-        u64(3), u64(2), u64(2), u64(1),
+        u64(3), u64(2), u64(2), u64(1), u64(2),
         _text("stop"),
         u64(4) + struct.pack("<4I", 8, 9, 10, 11),
         u64(2) + struct.pack("<2f", -0.5, -1.25),
@@ -363,15 +365,20 @@ def test_digest_domains_are_separated() -> None:
     payload = bytes(32) + bytes.fromhex("11" * 32)
     link = chain_hash(None, "11" * 32)
     assert link == _h(b"tokcap/chain/v1", payload)
-    assert link != _h(b"tokcap/call/v1", payload)
-    assert link != _h(b"tokcap/ledger/v1", payload)
+    assert link != _h(b"tokcap/call/v2", payload)
+    assert link != _h(b"tokcap/ledger/v2", payload)
     assert link != _h(b"tokcap/genesis/v1", payload)
     event = Admitted(
-        call_id="c000001", parent_id=None, prefix_len=0, admitted_at=0, request_fingerprint="f"
+        call_id="c000001",
+        parent_id=None,
+        prefix_len=0,
+        admitted_at=0,
+        request_fingerprint="f",
+        formation="root",
     )
     expected_entry = _h(
-        b"tokcap/ledger/v1", bytes(32), _text("admitted"), _text("c000001"), b"\x00",
-        struct.pack("<QQ", 0, 0), _text("f"), b"\x00",
+        b"tokcap/ledger/v2", bytes(32), _text("admitted"), _text("c000001"), b"\x00",
+        struct.pack("<QQ", 0, 0), _text("f"), _text("root"), b"\x00", b"\x00",
     )  # fmt: skip
     assert entry_hash(ZERO_HASH, event) == expected_entry
     assert len({link, expected_entry, genesis_hash("r"), _stage().digest}) == 4

@@ -37,6 +37,15 @@ def test_golden_vectors_cover_every_terminal_path_in_the_spec() -> None:
     assert any(len(r["segments"]) > 1 for r in receipts.values())
 
 
+def test_golden_vectors_cover_splices_and_calls_spanning_a_weight_push() -> None:
+    doc = shipped()
+    links = [c for r in doc["rollouts"] for seg in r["receipt"]["segments"] for c in seg]
+    assert {c["formation"] for c in links} == {"root", "extend", "splice"}
+    assert any(r["receipt"]["splice_causes"] for r in doc["rollouts"])
+    assert any(c["weight_version_last"] > c["weight_version"] for c in links)
+    assert any(c["weight_version_last"] == c["weight_version"] for c in links)
+
+
 # (module, constant) as each module looks it up at call time
 DOMAINS = [
     ("tokcap_core._staged", "CALL_DOMAIN"),
@@ -64,7 +73,32 @@ EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
     "receipt terminal": lambda d: d["rollouts"][1]["receipt"].update(terminal_call_id="c000001"),
     "staged digest": lambda d: d["rollouts"][0]["staged"][0].update(digest="00" * 32),
     "staged token": lambda d: d["rollouts"][0]["staged"][0]["tokens"].__setitem__(0, 12345),
+    "staged last weight version": lambda d: d["rollouts"][0]["staged"][0].update(
+        weight_version_last=d["rollouts"][0]["staged"][0]["weight_version_last"] + 1
+    ),
+    "admitted formation": lambda d: _admitted(d, "splice")[0]["event"].update(
+        formation="extend", splice_cause=None
+    ),
+    "admitted splice cause": lambda d: _admitted(d, "splice")[0]["event"].update(
+        splice_cause="other"
+        if _admitted(d, "splice")[0]["event"]["splice_cause"] != "other"
+        else "whitespace"
+    ),
+    "receipt splice causes": lambda d: d["rollouts"][0]["receipt"].update(splice_causes=[]),
+    "receipt call formation": lambda d: d["rollouts"][0]["receipt"]["segments"][0][1].update(
+        formation="root"
+    ),
 }
+
+
+def _admitted(doc: dict[str, Any], formation: str) -> list[dict[str, Any]]:
+    """The manifest entries (all rollouts) that admitted a call with ``formation``."""
+    return [
+        e
+        for r in doc["rollouts"]
+        for e in r["manifest"]["entries"]
+        if e["event"]["type"] == "admitted" and e["event"]["formation"] == formation
+    ]
 
 
 @pytest.mark.parametrize("edit", list(EDITS))

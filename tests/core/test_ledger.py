@@ -25,6 +25,7 @@ from tokcap_core.ledger import (
     ADMITTED,
     CLOSED,
     FAILED,
+    FORMATIONS,
     OPEN,
     STAGED,
     Admitted,
@@ -59,6 +60,7 @@ def admit(call_id: str, parent_id: str | None = None, prefix_len: int = 0) -> Ad
         prefix_len=prefix_len,
         admitted_at=1,
         request_fingerprint="req",
+        formation="root" if parent_id is None else "extend",
     )
 
 
@@ -76,6 +78,7 @@ def stage(
         carry_len=carry_len,
         gen_len=gen_len,
         weight_version=0,
+        weight_version_last=0,
         finish_reason="stop",
         call_digest=digest,
         chain_hash=chain_hash(parent_chain, digest),
@@ -288,10 +291,20 @@ def test_a_terminal_is_declared_at_most_once() -> None:
     "make",
     [
         lambda: Admitted(
-            call_id=C1, parent_id=None, prefix_len=3, admitted_at=0, request_fingerprint="f"
+            call_id=C1,
+            parent_id=None,
+            prefix_len=3,
+            admitted_at=0,
+            request_fingerprint="f",
+            formation="root",
         ),
         lambda: Admitted(
-            call_id=C2, parent_id=C1, prefix_len=0, admitted_at=0, request_fingerprint="f"
+            call_id=C2,
+            parent_id=C1,
+            prefix_len=0,
+            admitted_at=0,
+            request_fingerprint="f",
+            formation="extend",
         ),
         lambda: Admitted(
             call_id=C2,
@@ -299,6 +312,7 @@ def test_a_terminal_is_declared_at_most_once() -> None:
             prefix_len=3,
             admitted_at=0,
             request_fingerprint="f",
+            formation="extend",
             break_cause="history_rewritten",
         ),
         lambda: Admitted(
@@ -307,19 +321,40 @@ def test_a_terminal_is_declared_at_most_once() -> None:
             prefix_len=0,
             admitted_at=0,
             request_fingerprint="f",
+            formation="root",
             break_cause="whim",
         ),
         lambda: Admitted(
-            call_id=C1, parent_id=None, prefix_len=0, admitted_at=-1, request_fingerprint="f"
+            call_id=C1,
+            parent_id=None,
+            prefix_len=0,
+            admitted_at=-1,
+            request_fingerprint="f",
+            formation="root",
         ),
         lambda: Admitted(
-            call_id=C1, parent_id=None, prefix_len=0, admitted_at=0, request_fingerprint=""
+            call_id=C1,
+            parent_id=None,
+            prefix_len=0,
+            admitted_at=0,
+            request_fingerprint="",
+            formation="root",
         ),
         lambda: Admitted(
-            call_id=C1, parent_id=None, prefix_len=0, admitted_at=0, request_fingerprint="x" * 257
+            call_id=C1,
+            parent_id=None,
+            prefix_len=0,
+            admitted_at=0,
+            request_fingerprint="x" * 257,
+            formation="root",
         ),
         lambda: Admitted(
-            call_id=C1, parent_id=None, prefix_len=0, admitted_at=0, request_fingerprint="tab\t"
+            call_id=C1,
+            parent_id=None,
+            prefix_len=0,
+            admitted_at=0,
+            request_fingerprint="tab\t",
+            formation="root",
         ),
         lambda: dataclasses.replace(stage(C1), gen_len=0),
         lambda: dataclasses.replace(stage(C1), finish_reason="abort"),
@@ -336,6 +371,74 @@ def test_events_validate_their_own_fields(make: Callable[[], Event]) -> None:
     with pytest.raises(LedgerProtocolError) as info:
         make()
     assert info.value.code == "bad_event_field"
+
+
+# (parent_id, formation, break_cause, splice_cause): how an Admitted records its prompt
+FORMATIONS_ALLOWED = [
+    (None, "root", None, None),
+    (None, "root", "history_rewritten", None),
+    (C1, "extend", None, None),
+    (C1, "splice", None, "special_tokens"),
+    (C1, "splice", None, "tool_call_format"),
+]
+FORMATIONS_REFUSED = [
+    (None, "extend", None, None),  # a root is formed as a root
+    (None, "splice", None, "whitespace"),
+    (C1, "root", None, None),  # a child is not a root
+    (C1, "splice", None, None),  # a splice says why
+    (C1, "extend", None, "whitespace"),  # only a splice has a splice cause
+    (None, "root", None, "whitespace"),
+    (C1, "splice", None, "made_up"),  # causes are a closed set
+    (C1, "splice", "history_rewritten", "whitespace"),  # a child never breaks
+    (C1, "grafted", None, None),
+]
+
+
+@pytest.mark.parametrize(("parent", "formation", "broke", "spliced"), FORMATIONS_ALLOWED)
+def test_admitted_records_how_the_prompt_was_formed(
+    parent: str | None, formation: str, broke: str | None, spliced: str | None
+) -> None:
+    event = Admitted(
+        call_id=C2,
+        parent_id=parent,
+        prefix_len=3 if parent else 0,
+        admitted_at=0,
+        request_fingerprint="f",
+        formation=formation,
+        break_cause=broke,
+        splice_cause=spliced,
+    )
+    assert (event.formation, event.splice_cause) == (formation, spliced)
+    assert event.formation in FORMATIONS
+
+
+@pytest.mark.parametrize(("parent", "formation", "broke", "spliced"), FORMATIONS_REFUSED)
+def test_a_formation_that_contradicts_the_parent_or_causes_is_refused(
+    parent: str | None, formation: str, broke: str | None, spliced: str | None
+) -> None:
+    with pytest.raises(LedgerProtocolError) as info:
+        Admitted(
+            call_id=C2,
+            parent_id=parent,
+            prefix_len=3 if parent else 0,
+            admitted_at=0,
+            request_fingerprint="f",
+            formation=formation,
+            break_cause=broke,
+            splice_cause=spliced,
+        )
+    assert info.value.code == "bad_event_field"
+
+
+def test_formation_and_versions_are_hashed_into_the_entry() -> None:
+    extend = admit(C2, C1, 3)
+    splice = dataclasses.replace(extend, formation="splice", splice_cause="whitespace")
+    other = dataclasses.replace(splice, splice_cause="invalid_utf8")
+    prev = "ab" * 32
+    assert len({entry_hash(prev, e) for e in (extend, splice, other)}) == 3
+    staged = stage(C1)
+    pushed = dataclasses.replace(staged, weight_version_last=staged.weight_version + 1)
+    assert entry_hash(prev, staged) != entry_hash(prev, pushed)
 
 
 # ---- replay -------------------------------------------------------------------------------

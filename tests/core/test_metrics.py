@@ -13,9 +13,10 @@ from tokcap_core._metrics import (
     break_cause_counts,
     calls_per_rollout,
     failure_counts,
+    splice_cause_counts,
     terminal_selection_breakdown,
 )
-from tokcap_core.ledger import BREAK_CAUSES
+from tokcap_core.ledger import BREAK_CAUSES, SPLICE_CAUSES
 from tokcap_core.reasons import FAILURE_BUCKETS, UNKNOWN_REASON
 from tokcap_core.receipts import TERMINAL_SELECTIONS
 from tokcap_core.simulate import simulate_rollout
@@ -141,6 +142,21 @@ def test_breaks_are_counted_by_cause_with_a_total() -> None:
     assert metrics["breaks/no_parent_match"] == 0.0
 
 
+def test_splice_keys_derive_from_the_cause_tuple() -> None:
+    expected = {f"splices/{c}" for c in SPLICE_CAUSES} | {"splices/total"}
+    assert set(splice_cause_counts([])) == expected
+
+
+def test_splices_are_counted_by_cause_with_a_total() -> None:
+    receipts = [receipt_of(f"s{i}", seed=i, turns=6, roots=2) for i in range(4)]
+    metrics = splice_cause_counts(receipts)
+    causes = [c for r in receipts for c in r.splice_causes]
+    assert causes, "the simulated rollouts splice"
+    assert metrics["splices/total"] == float(len(causes))
+    for cause in SPLICE_CAUSES:
+        assert metrics[f"splices/{cause}"] == float(causes.count(cause))
+
+
 def test_every_metric_value_is_a_float() -> None:
     receipts = [receipt_of("a", seed=1, roots=2)]
     for metrics in (
@@ -148,5 +164,6 @@ def test_every_metric_value_is_a_float() -> None:
         terminal_selection_breakdown(receipts),
         calls_per_rollout(receipts),
         break_cause_counts(receipts),
+        splice_cause_counts(receipts),
     ):
         assert all(type(v) is float for v in metrics.values())

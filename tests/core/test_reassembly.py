@@ -79,6 +79,8 @@ class Turn:
     layers: int = LAYERS
     finish_reason: str = "stop"
     weight_version: int = 0
+    weight_version_last: int | None = None
+    """The version at the last generated token (None: no weight push during the call)."""
 
 
 def _chain(
@@ -98,6 +100,7 @@ def _chain(
                 prefix_len=parent.cum_len if parent else 0,
                 admitted_at=index,
                 request_fingerprint=f"req-{index}",
+                formation="extend" if parent else "root",
             )
         )
         prompt = history + list(turn.carry)
@@ -117,6 +120,7 @@ def _chain(
             logprobs=[-0.25 * (i + 1) for i in range(len(turn.output))],
             finish_reason=turn.finish_reason,
             weight_version=turn.weight_version,
+            weight_version_last=turn.weight_version_last,
             routes=routes,
         )
         ledger.append(
@@ -125,6 +129,7 @@ def _chain(
                 carry_len=call.carry_len,
                 gen_len=call.gen_len,
                 weight_version=call.weight_version,
+                weight_version_last=call.weight_version_last,
                 finish_reason=call.finish_reason,
                 call_digest=call.digest,
                 chain_hash=call.chain_hash,
@@ -177,8 +182,11 @@ def _check_row_laws(row: TrainingRow, calls: list[StagedCall]) -> None:
     assert list(row.loss_mask) == _expected_mask(row)
     assert row.num_generated == sum(c.gen_len for c in calls)
     assert all(lp == 0.0 for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if m == 0)
-    assert row.weight_version_min == min(c.weight_version for c in calls)
-    assert row.weight_version_max == max(c.weight_version for c in calls)
+    versions = [v for c in calls for v in (c.weight_version, c.weight_version_last)]
+    assert (row.weight_version_min, row.weight_version_max) == (min(versions), max(versions))
+    assert [(s.weight_version, s.weight_version_last) for s in row.call_spans] == [
+        (c.weight_version, c.weight_version_last) for c in calls
+    ]
     assert row.truncated == (calls[-1].finish_reason == "length")
     if calls[0].routes is None:
         assert row.routes is None
@@ -204,6 +212,18 @@ def test_row_concatenates_the_calls_of_the_terminal_chain() -> None:
     assert row.reward == 1.0
     assert not row.truncated
     _check_row_laws(row, list(staged.values()))
+
+
+def test_a_call_generated_across_a_weight_push_widens_the_rows_versions() -> None:
+    pushed = dataclasses.replace(THREE_TURNS[2], weight_version=5, weight_version_last=7)
+    receipt, staged = _chain((*THREE_TURNS[:2], pushed))
+    (row,) = reassemble(receipt, staged, max_seq_len=BIG)
+    assert (row.weight_version_min, row.weight_version_max) == (3, 7)
+    assert (row.call_spans[2].weight_version, row.call_spans[2].weight_version_last) == (5, 7)
+    assert receipt.segments[0][2].weight_version_last == 7
+    # cut before the spanning call: only the versions of the generated tokens kept count
+    (cut,) = reassemble(receipt, staged, max_seq_len=10)
+    assert (cut.weight_version_min, cut.weight_version_max) == (3, 4)
 
 
 def test_staged_calls_may_be_an_iterable_with_extra_calls() -> None:

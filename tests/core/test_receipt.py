@@ -44,10 +44,17 @@ class Builder:
         self.calls: dict[str, StagedCall] = {}
         self.clock = 0
 
-    def admit(self, parent: str | None = None, *, break_cause: str | None = None) -> str:
+    def admit(
+        self,
+        parent: str | None = None,
+        *,
+        break_cause: str | None = None,
+        splice_cause: str | None = None,
+    ) -> str:
         call_id = self.ledger.next_call_id()
         self.clock += 1
         prefix = self.calls[parent].cum_len if parent else 0
+        formation = "root" if parent is None else ("splice" if splice_cause else "extend")
         self.ledger.append(
             Admitted(
                 call_id=call_id,
@@ -55,7 +62,9 @@ class Builder:
                 prefix_len=prefix,
                 admitted_at=self.clock,
                 request_fingerprint=f"req-{call_id}",
+                formation=formation,
                 break_cause=break_cause,
+                splice_cause=splice_cause,
             )
         )
         return call_id
@@ -66,9 +75,11 @@ class Builder:
         *,
         fingerprint: str | None = None,
         break_cause: str | None = None,
+        splice_cause: str | None = None,
+        weight_version_last: int | None = None,
     ) -> str:
         """Admit and stage a call with two carried and two generated tokens; return its id."""
-        call_id = self.admit(parent, break_cause=break_cause)
+        call_id = self.admit(parent, break_cause=break_cause, splice_cause=splice_cause)
         up = self.calls[parent] if parent else None
         call = StagedCall.from_engine_output(
             rollout_id=self.ledger.rollout_id,
@@ -81,6 +92,7 @@ class Builder:
             logprobs=[-0.5, -1.5],
             finish_reason="stop",
             weight_version=0,
+            weight_version_last=weight_version_last,
         )
         self.ledger.append(
             Staged(
@@ -88,6 +100,7 @@ class Builder:
                 carry_len=call.carry_len,
                 gen_len=call.gen_len,
                 weight_version=call.weight_version,
+                weight_version_last=call.weight_version_last,
                 finish_reason=call.finish_reason,
                 call_digest=call.digest,
                 chain_hash=call.chain_hash,
@@ -380,6 +393,34 @@ def test_break_causes_list_why_each_later_root_started() -> None:
     b.stage(break_cause="tokenization_drift")
     b.close()
     assert b.receipt().break_causes == ("template_mismatch", "tokenization_drift")
+
+
+def test_splices_stay_on_the_chain_and_are_counted_by_cause() -> None:
+    b = Builder()
+    c1 = b.stage()
+    c2 = b.stage(c1, splice_cause="special_tokens")
+    c3 = b.stage(c2)
+    c4 = b.stage(c3, splice_cause="tool_call_format")
+    b.close()
+    receipt = b.receipt()
+    assert ids(receipt) == [c1, c2, c3, c4]
+    assert receipt.splice_causes == ("special_tokens", "tool_call_format")
+    assert receipt.break_causes == ()
+    assert [(c.formation, c.splice_cause) for c in receipt.segments[0]] == [
+        ("root", None),
+        ("splice", "special_tokens"),
+        ("extend", None),
+        ("splice", "tool_call_format"),
+    ]
+    assert receipt.to_json()["splice_causes"] == ["special_tokens", "tool_call_format"]
+
+
+def test_a_call_generated_across_a_weight_push_reports_both_versions() -> None:
+    b = Builder()
+    c1 = b.stage(weight_version_last=3)
+    b.close()
+    (link,) = b.receipt().segments[0]
+    assert (link.call_id, link.weight_version, link.weight_version_last) == (c1, 0, 3)
 
 
 def test_receipt_carries_reward_and_ledger_head_and_prints_as_json() -> None:

@@ -72,7 +72,12 @@ def _poisoned_ledger(rollout_id: str) -> Ledger:
     call_id = ledger.next_call_id()
     ledger.append(
         Admitted(
-            call_id=call_id, parent_id=None, prefix_len=0, admitted_at=1, request_fingerprint="f"
+            call_id=call_id,
+            parent_id=None,
+            prefix_len=0,
+            admitted_at=1,
+            request_fingerprint="f",
+            formation="root",
         )
     )
     ledger.append(Failed(call_id=call_id, reason="engine_failed:oom", served=True))

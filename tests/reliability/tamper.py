@@ -41,7 +41,15 @@ from tokcap_core import (
     verify_manifest,
     verify_staged,
 )
-from tokcap_core.ledger import Witnesses, chain_hash, encode_manifest, entry_hash, genesis_hash
+from tokcap_core.ledger import (
+    FORMATIONS,
+    SPLICE_CAUSES,
+    Witnesses,
+    chain_hash,
+    encode_manifest,
+    entry_hash,
+    genesis_hash,
+)
 from tokcap_core.routes import unknown_routes, widen
 from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 from tokcap_core.staged import FINISH_REASONS
@@ -268,15 +276,22 @@ def _field_alternatives(name: str, value: object) -> list[object]:
         return [w for w in (Witnesses(), forged) if w != value]
     if value is None:
         return [
-            {"parent_id": "c000001", "break_cause": "no_parent_match", "reward": 0.5}.get(
-                name, "forged"
-            )
+            {
+                "parent_id": "c000001",
+                "break_cause": "no_parent_match",
+                "splice_cause": "whitespace",
+                "reward": 0.5,
+            }.get(name, "forged")
         ]
     assert isinstance(value, str)
     if name == "finish_reason":
         return [r for r in FINISH_REASONS if r != value]
     if name == "by":
         return ["response_id" if value == "call_id" else "call_id"]
+    if name == "formation":
+        return [f for f in FORMATIONS if f != value]
+    if name == "splice_cause":
+        return [next(c for c in SPLICE_CAUSES if c != value), None]
     if len(value) == 64 and set(value) <= set(_HEX):
         return [_HEX[(_HEX.index(value[0]) + 1) % 16] + value[1:]]
     alternatives: list[object] = [value + "x"]
@@ -359,7 +374,7 @@ def _field_changes(call: StagedCall, parent_chain: str | None) -> Iterator[tuple
     yield "parent_id", {"parent_id": None if call.parent_id else "c000001"}
     if call.parent_id is not None:
         yield "parent_id", {"parent_id": other_id}
-    for name in ("prefix_len", "carry_len", "gen_len", "weight_version"):
+    for name in ("prefix_len", "carry_len", "gen_len", "weight_version", "weight_version_last"):
         value = getattr(call, name)
         yield f"{name}+1", {name: value + 1}
         if value > 0:
@@ -447,6 +462,7 @@ def staged_cases(sc: Scenario) -> Iterator[Case]:
             "token": {"tokens": tokens},
             "logprob": {"logprobs": logprobs},
             "weight_version": {"weight_version": call.weight_version + 1},
+            "weight_version_last": {"weight_version_last": call.weight_version_last + 1},
             "finish_reason": {
                 "finish_reason": next(r for r in FINISH_REASONS if r != call.finish_reason)
             },

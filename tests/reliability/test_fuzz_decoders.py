@@ -32,10 +32,11 @@ from tokcap_core import (
     verify_manifest,
     verify_staged,
 )
-from tokcap_core.ledger import MAX_MANIFEST_BYTES, encode_manifest
+from tokcap_core.ledger import MANIFEST_FORMAT, MAX_MANIFEST_BYTES, encode_manifest
 from tokcap_core.routes import ENVELOPE_PREFIX, decode_routes, encode_routes
 from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 from tokcap_core.staged import (
+    STAGED_FORMAT,
     decode_staged_calls,
     encode_staged_calls,
     staged_from_json,
@@ -50,9 +51,10 @@ T = TypeVar("T")
 _EVENT_TYPES = ("admitted", "staged", "failed", "terminal_declared", "closed", "poisoned")
 _FIELD_NAMES = (
     "type", "call_id", "parent_id", "prefix_len", "admitted_at", "request_fingerprint",
-    "break_cause", "carry_len", "gen_len", "weight_version", "finish_reason", "call_digest",
-    "chain_hash", "response_id", "output_fingerprint", "reason", "served", "by", "value",
-    "reward", "witnesses", "content_fingerprint",
+    "formation", "break_cause", "splice_cause", "carry_len", "gen_len", "weight_version",
+    "weight_version_last", "finish_reason", "call_digest", "chain_hash", "response_id",
+    "output_fingerprint", "reason", "served", "by", "value", "reward", "witnesses",
+    "content_fingerprint",
 )  # fmt: skip
 _HASH = "0123456789abcdef" * 4
 
@@ -184,7 +186,7 @@ def test_decode_manifest_arbitrary_json(value: object) -> None:
 @given(
     st.fixed_dictionaries(
         {
-            "format": st.just("tokcap/manifest/v1") | json_values,
+            "format": st.just(MANIFEST_FORMAT) | json_values,
             "rollout_id": st.just("r-1") | json_values,
             "head": st.fixed_dictionaries(
                 {"seq": json_values, "hash": st.just(_HASH) | json_values}
@@ -266,7 +268,7 @@ def test_decode_staged_calls_arbitrary_input(data: bytes | str) -> None:
 @given(json_values)
 def test_staged_from_json_arbitrary_json(value: object) -> None:
     typed(staged_from_json, value)
-    typed(decode_staged_calls, dumps({"format": "tokcap/staged/v1", "calls": [value]}))
+    typed(decode_staged_calls, dumps({"format": STAGED_FORMAT, "calls": [value]}))
 
 
 @fuzz

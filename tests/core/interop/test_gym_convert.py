@@ -59,6 +59,29 @@ def test_routes_and_truncation_survive_the_round_trip() -> None:
         )
 
 
+def test_splices_and_weight_version_spans_survive_the_round_trip() -> None:
+    spliced = spanning = 0
+    for seed in range(40):
+        rollout = simulate_rollout(f"sv{seed}", seed=seed, turns=4)
+        receipt = assemble_receipt(rollout.ledger.state)
+        capture = gym.export_gym_capture(receipt, rollout.calls)
+        result = gym.verify_gym_rollout(capture.receipt, capture.snapshots)
+        links = receipt.segments[0]
+        by_id = {s.model_call_id: s for s in capture.snapshots}
+        for link in links:
+            # Gym's one version per call is the one the call's sampling started under
+            assert by_id[link.call_id].weight_version == link.weight_version
+        assert [
+            (c.formation, c.splice_cause, c.weight_version, c.weight_version_last)
+            for c in result.receipt.segments[0]
+        ] == [(c.formation, c.splice_cause, c.weight_version, c.weight_version_last) for c in links]
+        assert result.row.weight_version_max == max(c.weight_version_last for c in links)
+        spliced += sum(c.formation == "splice" for c in links)
+        spanning += sum(c.weight_version_last != c.weight_version for c in links)
+    assert spliced, "the simulated rollouts splice"
+    assert spanning, "the simulated rollouts span weight pushes"
+
+
 def test_export_labels_a_heuristic_terminal_gyms_rule_would_not_pick_as_declared() -> None:
     # tokcap's heuristic takes the deepest chain of the latest root; Gym's the earliest root
     rollout = simulate_rollout("forest", seed=5, turns=2, roots=2, terminal="heuristic")

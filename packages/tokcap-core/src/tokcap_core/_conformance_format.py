@@ -1,7 +1,7 @@
 """The format conformance kit: captures another implementation wrote, held to tokcap's rules.
 
 A *sample* is one rollout as JSON documents: ``(manifest, staged)``, the manifest as a
-control plane serves it and the staged calls as ``tokcap/staged/v1``. `check_capture_format`
+control plane serves it and the staged calls as ``tokcap/staged/v2``. `check_capture_format`
 checks that a gate's samples verify (the manifest replays, the receipt assembles, its
 staged rows verify and reassemble) and that **every single-field change** of either
 document is refused with a typed error, or leaves the result unchanged for a documented

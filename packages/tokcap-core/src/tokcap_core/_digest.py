@@ -27,9 +27,9 @@ __all__ = [
     "genesis_hash",
 ]
 
-CALL_DOMAIN: Final = b"tokcap/call/v1"
+CALL_DOMAIN: Final = b"tokcap/call/v2"
 CHAIN_DOMAIN: Final = b"tokcap/chain/v1"
-LEDGER_DOMAIN: Final = b"tokcap/ledger/v1"
+LEDGER_DOMAIN: Final = b"tokcap/ledger/v2"
 GENESIS_DOMAIN: Final = b"tokcap/genesis/v1"
 ZERO_HASH: Final = "0" * 64
 """The chain hash a root call links to (32 zero bytes, hex)."""

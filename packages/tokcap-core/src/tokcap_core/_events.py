@@ -19,6 +19,8 @@ from ._staged import FINISH_REASONS
 
 __all__ = [
     "BREAK_CAUSES",
+    "FORMATIONS",
+    "SPLICE_CAUSES",
     "Admitted",
     "Closed",
     "Event",
@@ -34,9 +36,32 @@ BREAK_CAUSES: Final[tuple[str, ...]] = (
     "history_rewritten",
     "reasoning_stripped",
     "template_mismatch",
+    "template_unstable",
     "tokenization_drift",
 )
-"""Why a later call of a rollout started a new root instead of extending a parent."""
+"""Why a later call of a rollout started a new root instead of extending a parent.
+
+``template_mismatch``: the template renders the parent's generated turn differently and
+the gate was told to break rather than splice; ``template_unstable``: appending the new
+messages re-renders earlier history (other than stripped reasoning)."""
+
+FORMATIONS: Final[tuple[str, ...]] = ("root", "extend", "splice")
+"""How a call's prompt was formed: a new root; its parent's exact ids extended by text
+the template renders after the parent's exact text; or its parent's exact ids spliced
+to the tokenised new messages where the template renders the parent's turn differently."""
+
+SPLICE_CAUSES: Final[tuple[str, ...]] = (
+    "special_tokens",
+    "invalid_utf8",
+    "tool_call_format",
+    "whitespace",
+    "reasoning",
+    "other",
+)
+"""Why the template's rendering of a parent's turn differed from what it generated:
+special tokens the returned content omits, bytes that decode to U+FFFD, tool calls the
+parser re-serialised, whitespace a parser strips, reasoning the template drops (kept
+by ``reasoning="keep_model_tokens"``), anything else."""
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -79,8 +104,12 @@ class Admitted:
     admitted_at: int
     """Unix time in nanoseconds, supplied by the caller (the core has no clock)."""
     request_fingerprint: str
+    formation: str
+    """How the prompt was formed (`FORMATIONS`): ``"root"`` exactly when there is no parent."""
     break_cause: str | None = None
     """For a root that is not the rollout's first call: why no parent matched."""
+    splice_cause: str | None = None
+    """For a ``"splice"``: why the template's rendering of the parent's turn differed."""
 
     def __post_init__(self) -> None:
         validate_call_id(self.call_id)
@@ -91,16 +120,25 @@ class Admitted:
         _check_label("request_fingerprint", self.request_fingerprint)
         if (self.parent_id is None) != (self.prefix_len == 0):
             raise _bad("bad_event_field", "parent_id is None exactly when prefix_len == 0")
+        if self.formation not in FORMATIONS:
+            raise _bad("bad_event_field", f"formation must be one of {FORMATIONS}")
+        if (self.formation == "root") != (self.parent_id is None):
+            raise _bad("bad_event_field", "formation is 'root' exactly when parent_id is None")
         if self.break_cause is not None:
             if self.parent_id is not None:
                 raise _bad("bad_event_field", "only a root call carries a break_cause")
             if self.break_cause not in BREAK_CAUSES:
                 raise _bad("bad_event_field", f"break_cause must be one of {BREAK_CAUSES}")
+        if (self.formation == "splice") != (self.splice_cause is not None):
+            raise _bad("bad_event_field", "a splice, and only a splice, carries a splice_cause")
+        if self.splice_cause is not None and self.splice_cause not in SPLICE_CAUSES:
+            raise _bad("bad_event_field", f"splice_cause must be one of {SPLICE_CAUSES}")
 
     def write(self, canon: Canon) -> None:
         """Write this event's canonical fields."""
         canon.text(self.call_id).opt_text(self.parent_id).u64(self.prefix_len).u64(self.admitted_at)
-        canon.text(self.request_fingerprint).opt_text(self.break_cause)
+        canon.text(self.request_fingerprint).text(self.formation).opt_text(self.break_cause)
+        canon.opt_text(self.splice_cause)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +150,9 @@ class Staged:
     carry_len: int
     gen_len: int
     weight_version: int
+    """The engine's weight version at the call's first generated token."""
+    weight_version_last: int
+    """The version at its last generated token (a push happened mid-call when they differ)."""
     finish_reason: str
     call_digest: str
     chain_hash: str
@@ -123,6 +164,7 @@ class Staged:
         _check_count("carry_len", self.carry_len)
         _check_count("gen_len", self.gen_len, minimum=1)
         _check_count("weight_version", self.weight_version)
+        _check_count("weight_version_last", self.weight_version_last)
         if self.finish_reason not in FINISH_REASONS:
             raise _bad("bad_event_field", f"finish_reason must be one of {FINISH_REASONS}")
         _check_hash("call_digest", self.call_digest)
@@ -133,7 +175,8 @@ class Staged:
     def write(self, canon: Canon) -> None:
         """Write this event's canonical fields."""
         canon.text(self.call_id).u64(self.carry_len).u64(self.gen_len).u64(self.weight_version)
-        canon.text(self.finish_reason).raw_hash(self.call_digest).raw_hash(self.chain_hash)
+        canon.u64(self.weight_version_last).text(self.finish_reason)
+        canon.raw_hash(self.call_digest).raw_hash(self.chain_hash)
         canon.opt_text(self.response_id).opt_text(self.output_fingerprint)
 
 

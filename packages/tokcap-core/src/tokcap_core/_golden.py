@@ -20,12 +20,12 @@ from ._ledger import entry_hash
 from ._manifest import decode_manifest, encode_manifest, manifest_of, verify_manifest
 from ._receipt import SegmentMode, assemble_receipt
 from ._simulate import simulate_rollout
-from ._staged_json import decode_staged_calls, encode_staged_calls
+from ._staged_json import STAGED_FORMAT, decode_staged_calls, encode_staged_calls
 from ._verify import verify_staged
 
 __all__ = ["GOLDEN_FORMAT", "assert_golden_vectors", "build_golden_vectors"]
 
-GOLDEN_FORMAT: Final = "tokcap/golden/v1"
+GOLDEN_FORMAT: Final = "tokcap/golden/v2"
 
 
 def build_golden_vectors() -> dict[str, Any]:
@@ -114,9 +114,7 @@ def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
             if entry_hash(entry.prev_hash, entry.event) != entry.hash:
                 raise _mismatch(f"{name}: entry {entry.seq} hash")
             checked += 1
-        staged = decode_staged_calls(
-            json.dumps({"format": "tokcap/staged/v1", "calls": r["staged"]})
-        )
+        staged = decode_staged_calls(json.dumps({"format": STAGED_FORMAT, "calls": r["staged"]}))
         chains = {c.call_id: c.chain_hash for c in staged}
         for call in staged:
             if call.compute_digest() != call.digest:

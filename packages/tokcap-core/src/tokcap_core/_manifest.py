@@ -31,7 +31,7 @@ __all__ = [
     "verify_manifest",
 ]
 
-MANIFEST_FORMAT: Final = "tokcap/manifest/v1"
+MANIFEST_FORMAT: Final = "tokcap/manifest/v2"
 MAX_MANIFEST_BYTES: Final = 16 * 1024 * 1024
 """Default bound on an encoded manifest; larger inputs are rejected before parsing."""
 
@@ -184,10 +184,13 @@ _FIELD_READERS: Final[dict[str, Callable[[object, str], object]]] = {
     "prefix_len": _int,
     "admitted_at": _int,
     "request_fingerprint": _str,
+    "formation": _str,
     "break_cause": _opt_str,
+    "splice_cause": _opt_str,
     "carry_len": _int,
     "gen_len": _int,
     "weight_version": _int,
+    "weight_version_last": _int,
     "finish_reason": _str,
     "call_digest": _str,
     "chain_hash": _str,

@@ -2,7 +2,8 @@
 
 Every function returns the same key set whatever its input (zeros included), so
 dashboards keep stable series; key sets derive from the closed tuples
-(`FAILURE_BUCKETS`, `TERMINAL_SELECTIONS`, `BREAK_CAUSES`), never from the data.
+(`FAILURE_BUCKETS`, `TERMINAL_SELECTIONS`, `BREAK_CAUSES`,
+`SPLICE_CAUSES`), never from the data.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from ._events import BREAK_CAUSES
+from ._events import BREAK_CAUSES, SPLICE_CAUSES
 from ._reasons import FAILURE_BUCKETS, UNKNOWN_REASON, reason_bucket
 from ._receipt import TERMINAL_SELECTIONS, Receipt
 
@@ -18,6 +19,7 @@ __all__ = [
     "break_cause_counts",
     "calls_per_rollout",
     "failure_counts",
+    "splice_cause_counts",
     "terminal_selection_breakdown",
 ]
 
@@ -72,6 +74,18 @@ def break_cause_counts(receipts: Iterable[Receipt]) -> dict[str, float]:
     counts = Counter(cause for receipt in receipts for cause in receipt.break_causes)
     metrics = {f"breaks/{cause}": float(counts[cause]) for cause in BREAK_CAUSES}
     metrics["breaks/total"] = float(sum(counts.values()))
+    return metrics
+
+
+def splice_cause_counts(receipts: Iterable[Receipt]) -> dict[str, float]:
+    """``splices/<cause>`` for every cause in `SPLICE_CAUSES`, and ``splices/total``.
+
+    A splice is a call that kept its parent's exact ids although the chat template
+    renders the parent's turn differently (it is on the parent's chain, not a break).
+    """
+    counts = Counter(cause for receipt in receipts for cause in receipt.splice_causes)
+    metrics = {f"splices/{cause}": float(counts[cause]) for cause in SPLICE_CAUSES}
+    metrics["splices/total"] = float(sum(counts.values()))
     return metrics
 
 

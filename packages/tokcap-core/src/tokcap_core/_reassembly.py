@@ -6,7 +6,8 @@ get mask 0 and logprob 0.0, generated tokens mask 1 and their sampled logprob.
 Routes concatenate along the chain; a call's leading route row (the engine's
 prefill route for the parent's last generated token) backfills that token's
 unknown row. Rows longer than ``max_seq_len`` are cut (tokens, routes and call spans alike)
-and marked truncated; the weight versions are those of the generated tokens kept.
+and marked truncated; the weight versions are those of the generated tokens kept (each
+call's first and last, so a call generated across a weight push widens the range).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _segment_row(
                 carry_len=call.carry_len,
                 gen_len=call.gen_len,
                 weight_version=call.weight_version,
+                weight_version_last=call.weight_version_last,
             )
         )
         input_ids.extend(call.tokens)
@@ -92,7 +94,7 @@ def _segment_row(
         raise ReassemblyError(
             "no_generated_tokens", f"{receipt.rollout_id}: max_seq_len leaves no generated token"
         )
-    versions = [s.weight_version for s in spans if s.gen_len]
+    versions = [v for s in spans if s.gen_len for v in (s.weight_version, s.weight_version_last)]
     return TrainingRow(
         rollout_id=receipt.rollout_id,
         segment=index,

@@ -67,9 +67,13 @@ class ReceiptCall:
     carry_len: int
     gen_len: int
     weight_version: int
+    weight_version_last: int
     finish_reason: str
     call_digest: str
     chain_hash: str
+    formation: str
+    """How the ledger says its prompt was formed: ``root``, ``extend`` or ``splice``."""
+    splice_cause: str | None
 
     @property
     def cum_len(self) -> int:
@@ -93,6 +97,8 @@ class Receipt:
     """Staging keys of every admitted call (on-chain or not): what cleanup must clear."""
     break_causes: tuple[str, ...]
     """Why each non-first root started (one entry per break)."""
+    splice_causes: tuple[str, ...] = ()
+    """Why each spliced call's parent turn rendered differently (one entry per splice)."""
 
     @property
     def ok(self) -> bool:
@@ -112,6 +118,7 @@ class Receipt:
             "segments": [[_call_json(c) for c in seg] for seg in self.segments],
             "sink_keys": list(self.sink_keys),
             "break_causes": list(self.break_causes),
+            "splice_causes": list(self.splice_causes),
         }
 
 
@@ -130,9 +137,12 @@ def _receipt_call(state: RolloutState, record: CallRecord) -> ReceiptCall:
         carry_len=staged.carry_len,
         gen_len=staged.gen_len,
         weight_version=staged.weight_version,
+        weight_version_last=staged.weight_version_last,
         finish_reason=staged.finish_reason,
         call_digest=staged.call_digest,
         chain_hash=staged.chain_hash,
+        formation=record.admitted.formation,
+        splice_cause=record.admitted.splice_cause,
     )
 
 
@@ -147,6 +157,9 @@ def assemble_receipt(state: RolloutState, *, segments: SegmentMode = "terminal")
         "sink_keys": tuple(staging_key(state.rollout_id, cid) for cid in state.calls),
         "break_causes": tuple(
             r.admitted.break_cause for r in state.calls.values() if r.admitted.break_cause
+        ),
+        "splice_causes": tuple(
+            r.admitted.splice_cause for r in state.calls.values() if r.admitted.splice_cause
         ),
     }
 

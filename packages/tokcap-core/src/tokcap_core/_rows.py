@@ -36,6 +36,9 @@ class CallSpan:
     carry_len: int
     gen_len: int
     weight_version: int
+    """The engine's weight version at the call's first generated token."""
+    weight_version_last: int
+    """The version at its last generated token (differs when weights were pushed mid-call)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +55,9 @@ class TrainingRow:
     """Tokens before the first generated token."""
     call_spans: tuple[CallSpan, ...]
     weight_version_min: int | None
+    """The oldest weight version any generated token of the row was sampled under."""
     weight_version_max: int | None
+    """The newest one (``weight_version_last`` of its calls included)."""
     truncated: bool
     """The terminal call stopped on ``"length"``, or the row was cut to ``max_seq_len``."""
     reward: float | None

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from ._events import Admitted, Closed, Failed, Staged, TerminalDeclared, Witnesses
+from ._events import SPLICE_CAUSES, Admitted, Closed, Failed, Staged, TerminalDeclared, Witnesses
 from ._ledger import Ledger
 from ._manifest import Manifest, manifest_of
 from ._routes import Routes, routes_from_rows
@@ -54,7 +54,9 @@ def simulate_rollout(
 
     ``offchain_failures`` adds calls that failed before serving (they must not poison);
     ``terminal`` picks how the terminal is named at close; ``routes`` adds MoE routes
-    (2 layers, top-2, 8 experts) in the engine's ``[tokens-1]`` shape.
+    (2 layers, top-2, 8 experts) in the engine's ``[tokens-1]`` shape. About a third of
+    the children are splices (with a cause from `SPLICE_CAUSES`) and about one call in
+    five spans a weight push (``weight_version_last > weight_version``).
     """
     rng = random.Random(seed)
     ledger = Ledger(rollout_id)
@@ -90,7 +92,8 @@ def simulate_rollout(
                 output_ids=output,
                 logprobs=[-rng.random() * 4 for _ in output],
                 finish_reason="length" if rng.random() < 0.1 else "stop",
-                weight_version=rng.randint(0, 2),
+                weight_version=(version := rng.randint(0, 2)),
+                weight_version_last=version + (rng.random() < 0.2),
                 routes=_routes(rng, len(prompt) + len(output) - 1) if routes else None,
             )
             ledger.append(
@@ -99,6 +102,7 @@ def simulate_rollout(
                     carry_len=call.carry_len,
                     gen_len=call.gen_len,
                     weight_version=call.weight_version,
+                    weight_version_last=call.weight_version_last,
                     finish_reason=call.finish_reason,
                     call_digest=call.digest,
                     chain_hash=call.chain_hash,
@@ -128,13 +132,17 @@ def simulate_rollout(
 def _admit(
     call_id: str, parent: StagedCall | None, clock: int, rng: random.Random, root: int
 ) -> Admitted:
+    fingerprint = f"req-{rng.getrandbits(64):016x}"
+    splice_cause = rng.choice(SPLICE_CAUSES) if parent and rng.random() < 0.35 else None
     return Admitted(
         call_id=call_id,
         parent_id=parent.call_id if parent else None,
         prefix_len=parent.cum_len if parent else 0,
         admitted_at=clock,
-        request_fingerprint=f"req-{rng.getrandbits(64):016x}",
+        request_fingerprint=fingerprint,
+        formation="root" if parent is None else ("splice" if splice_cause else "extend"),
         break_cause="history_rewritten" if parent is None and root > 0 else None,
+        splice_cause=splice_cause,
     )
 
 

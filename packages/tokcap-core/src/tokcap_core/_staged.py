@@ -69,6 +69,9 @@ class StagedCall:
     carry_len: int
     gen_len: int
     weight_version: int
+    """The engine's weight version at the first generated token."""
+    weight_version_last: int
+    """The version at the last generated token (greater when weights were pushed mid-call)."""
     finish_reason: str
     tokens: array[int]
     logprobs: array[float]
@@ -81,7 +84,7 @@ class StagedCall:
         validate_call_id(self.call_id)
         if self.parent_id is not None:
             validate_call_id(self.parent_id)
-        for name in ("prefix_len", "carry_len", "gen_len", "weight_version"):
+        for name in ("prefix_len", "carry_len", "gen_len", "weight_version", "weight_version_last"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidStagedCall(
@@ -155,6 +158,7 @@ class StagedCall:
             carry_len=self.carry_len,
             gen_len=self.gen_len,
             weight_version=self.weight_version,
+            weight_version_last=self.weight_version_last,
             finish_reason=self.finish_reason,
             tokens=self.tokens,
             logprobs=self.logprobs,
@@ -175,6 +179,7 @@ class StagedCall:
         logprobs: Iterable[float],
         finish_reason: str,
         weight_version: int,
+        weight_version_last: int | None = None,
         routes: Routes | None = None,
     ) -> StagedCall:
         """Build a staged call from raw engine data and compute its digest and chain hash.
@@ -182,7 +187,9 @@ class StagedCall:
         ``prompt_ids`` is the full prompt the engine saw (its first ``parent_cum_len``
         tokens are the parent's cumulative tokens); ``routes``, if any, cover the
         prompt and output as the engine returns them (``[tokens-1]`` or ``[tokens]`` rows).
+        ``weight_version_last`` defaults to ``weight_version`` (no push during the call).
         """
+        last = weight_version if weight_version_last is None else weight_version_last
         prompt = token_array(prompt_ids)
         output = token_array(output_ids)
         if parent_id is None and parent_cum_len != 0:
@@ -208,6 +215,7 @@ class StagedCall:
             carry_len=carry_len,
             gen_len=len(output),
             weight_version=weight_version,
+            weight_version_last=last,
             finish_reason=finish_reason,
             tokens=tokens,
             logprobs=lp,
@@ -221,6 +229,7 @@ class StagedCall:
             carry_len=carry_len,
             gen_len=len(output),
             weight_version=weight_version,
+            weight_version_last=last,
             finish_reason=finish_reason,
             tokens=tokens,
             logprobs=lp,
@@ -239,12 +248,13 @@ def compute_call_digest(
     carry_len: int,
     gen_len: int,
     weight_version: int,
+    weight_version_last: int,
     finish_reason: str,
     tokens: array[int],
     logprobs: array[float],
     routes: Routes | None,
 ) -> str:
-    """The call digest: commits to every field of a staged call (domain ``tokcap/call/v1``)."""
+    """The call digest: commits to every field of a staged call (domain ``tokcap/call/v2``)."""
     canon = (
         Canon(CALL_DOMAIN)
         .text(rollout_id)
@@ -254,6 +264,7 @@ def compute_call_digest(
         .u64(carry_len)
         .u64(gen_len)
         .u64(weight_version)
+        .u64(weight_version_last)
         .text(finish_reason)
         .buffer(tokens)
         .buffer(logprobs)

@@ -1,6 +1,6 @@
 """Staged calls as strict JSON (examples, golden vectors, debug dumps; sinks use their own layout).
 
-A document is ``{"format": "tokcap/staged/v1", "calls": [...]}``; each call lists every
+A document is ``{"format": "tokcap/staged/v2", "calls": [...]}``; each call lists every
 `StagedCall` field, tokens and logprobs as JSON arrays, routes as an ``nrlre1`` envelope
 or null. Logprobs are f32 values written as the shortest decimal that reads back the same.
 """
@@ -25,10 +25,10 @@ __all__ = [
     "staged_to_json",
 ]
 
-STAGED_FORMAT: Final = "tokcap/staged/v1"
+STAGED_FORMAT: Final = "tokcap/staged/v2"
 _FIELDS: Final = (
     "rollout_id", "call_id", "parent_id", "prefix_len", "carry_len", "gen_len", "weight_version",
-    "finish_reason", "tokens", "logprobs", "routes", "digest", "chain_hash",
+    "weight_version_last", "finish_reason", "tokens", "logprobs", "routes", "digest", "chain_hash",
 )  # fmt: skip
 
 
@@ -42,6 +42,7 @@ def staged_to_json(call: StagedCall) -> dict[str, Any]:
         "carry_len": call.carry_len,
         "gen_len": call.gen_len,
         "weight_version": call.weight_version,
+        "weight_version_last": call.weight_version_last,
         "finish_reason": call.finish_reason,
         "tokens": call.tokens.tolist(),
         "logprobs": call.logprobs.tolist(),
@@ -57,7 +58,7 @@ def staged_from_json(obj: object) -> StagedCall:
         raise InvalidStagedCall("wrong_type", "a staged call must be an object")
     if set(obj) != set(_FIELDS):
         raise InvalidStagedCall("bad_fields", f"fields must be exactly {sorted(_FIELDS)}")
-    ints = ("prefix_len", "carry_len", "gen_len", "weight_version")
+    ints = ("prefix_len", "carry_len", "gen_len", "weight_version", "weight_version_last")
     if any(isinstance(obj[k], bool) or not isinstance(obj[k], int) for k in ints):
         raise InvalidStagedCall("wrong_type", f"{ints} must be integers")
     tokens, logprobs = obj["tokens"], obj["logprobs"]
@@ -80,6 +81,7 @@ def staged_from_json(obj: object) -> StagedCall:
             carry_len=obj["carry_len"],
             gen_len=obj["gen_len"],
             weight_version=obj["weight_version"],
+            weight_version_last=obj["weight_version_last"],
             finish_reason=obj["finish_reason"],
             tokens=array("I", tokens),
             logprobs=array("f", logprobs),

@@ -1,7 +1,7 @@
 """Verification of staged calls against a receipt.
 
 Every call of every segment must be present, be the call the ledger committed
-(identity, parent, lengths, weight version, finish reason), hash to the
+(identity, parent, lengths, weight versions, finish reason), hash to the
 committed digest, and link by chain hash to the call before it; segment 0 must
 end at the terminal. Any mismatch is a `VerificationError` with a stable code.
 """
@@ -70,9 +70,13 @@ def _check_call(
         link.gen_len,
     ):
         raise VerificationError("length_mismatch", f"{where}: lengths differ from the ledger")
-    if (call.weight_version, call.finish_reason) != (link.weight_version, link.finish_reason):
+    if (call.weight_version, call.weight_version_last, call.finish_reason) != (
+        link.weight_version,
+        link.weight_version_last,
+        link.finish_reason,
+    ):
         raise VerificationError(
-            "metadata_mismatch", f"{where}: weight version or finish reason differ"
+            "metadata_mismatch", f"{where}: weight versions or finish reason differ"
         )
     if call.digest != link.call_digest or call.compute_digest() != link.call_digest:
         raise VerificationError("digest_mismatch", f"{where}: digest does not match the ledger")

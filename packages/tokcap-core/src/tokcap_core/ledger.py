@@ -7,6 +7,8 @@ from ._digest import (
 )
 from ._events import (
     BREAK_CAUSES,
+    FORMATIONS,
+    SPLICE_CAUSES,
     Admitted,
     Closed,
     Event,
@@ -48,9 +50,11 @@ __all__ = [
     "BREAK_CAUSES",
     "CLOSED",
     "FAILED",
+    "FORMATIONS",
     "MANIFEST_FORMAT",
     "MAX_MANIFEST_BYTES",
     "OPEN",
+    "SPLICE_CAUSES",
     "STAGED",
     "ZERO_HASH",
     "Admitted",

@@ -4,6 +4,7 @@ from ._metrics import (
     break_cause_counts,
     calls_per_rollout,
     failure_counts,
+    splice_cause_counts,
     terminal_selection_breakdown,
 )
 
@@ -11,5 +12,6 @@ __all__ = [
     "break_cause_counts",
     "calls_per_rollout",
     "failure_counts",
+    "splice_cause_counts",
     "terminal_selection_breakdown",
 ]

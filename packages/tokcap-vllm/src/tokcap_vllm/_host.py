@@ -36,6 +36,9 @@ class EngineResult:
     logprobs: array[float]
     finish_reason: str | None
     weight_version: int
+    """The engine's weight version at the first generated token."""
+    weight_version_last: int
+    """The version at the last generated token (differs when weights were pushed mid-call)."""
     text: str
     routes: Routes | None = None
 
@@ -121,15 +124,17 @@ class CaptureHost:
             if out.prompt_token_ids is not None:  # the same list on every output: copy once
                 prompt_ids = out.prompt_token_ids
             if out.finished:
+                first, last = _weight_versions(
+                    completion.weight_versions, self.default_weight_version
+                )
                 result = EngineResult(
                     request_id=request_id,
                     prompt_ids=list(prompt_ids),
                     output_ids=output_ids,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
-                    weight_version=_weight_version(
-                        completion.weight_versions, self.default_weight_version
-                    ),
+                    weight_version=first,
+                    weight_version_last=last,
                     text=text,
                     routes=self._routes(completion.routed_experts),
                 )
@@ -165,13 +170,24 @@ def _sampled_logprobs(token_ids: Any, logprobs: Any) -> Sequence[float]:
     return [step[token].logprob for token, step in zip(token_ids, logprobs, strict=True)]
 
 
-def _weight_version(spans: Any, default: int) -> int:
+def _weight_versions(spans: Any, default: int) -> tuple[int, int]:
+    """``(first, last)``: the versions of the first and last output tokens.
+
+    vLLM reports ``weight_versions`` as spans over output tokens, in order; a push while a
+    call generated (pause mode ``keep``) gives more than one. Labels that are not integer
+    strings (vLLM's own ``"default"``) count as ``default``.
+    """
     if not spans:
-        return default
+        return default, default
+    return _version(spans[0].version, default), _version(spans[-1].version, default)
+
+
+def _version(label: Any, default: int) -> int:
     try:
-        return max(int(span.version) for span in spans)
+        value = int(label)
     except (TypeError, ValueError):
         return default
+    return value if value >= 0 else default
 
 
 def _num_experts(engine: Any) -> int:

@@ -11,14 +11,18 @@ otherwise the span is unknown (-1). A chain call whose extras digest commits to 
 that were not sent (a base snapshot) is ``extras_not_loaded``: the row would silently
 lose what they hold; `linearize_gym_rollout` alone never reads extras.
 
-Two optional extras keys, written by `export_gym_capture` and ignored by Gym, make a
-tokcap capture survive the trip: ``tokcap_finish_reason`` (``"length"`` marks the row
-truncated) and ``tokcap_prefill_route`` (the engine's route for the parent's last
-generated token, which backfills that unknown row exactly as tokcap's reassembly does).
+Optional extras keys, written by `export_gym_capture` and ignored by Gym, make a tokcap
+capture survive the trip: ``tokcap_finish_reason`` (``"length"`` marks the row
+truncated), ``tokcap_prefill_route`` (the engine's route for the parent's last generated
+token, which backfills that unknown row exactly as tokcap's reassembly does),
+``tokcap_weight_version_last`` (Gym keeps one weight version per call, the one at its
+first generated token; a call generated across a weight push records its last one here)
+and ``tokcap_splice_cause`` (a child tokcap formed by splicing, and why).
 
 Gym records no ledger: the receipt's ``ledger_head`` is ``(manifest rows, terminal
-chain hash)``, its ``finish_reason`` per call ``"unknown"`` unless the extras say, and
-every root after the first counts as a ``no_parent_match`` break.
+chain hash)``, its ``finish_reason`` per call ``"unknown"`` unless the extras say, a
+child's formation ``extend`` unless the extras name a splice cause, and every root
+after the first counts as a ``no_parent_match`` break.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Final
 
 from .._digest import ZERO_HASH
 from .._errors import RoutesError
+from .._events import SPLICE_CAUSES
 from .._ids import StagingKey
 from .._receipt import Receipt, ReceiptCall, TerminalSelection
 from .._routes import (
@@ -52,6 +57,8 @@ __all__ = [
     "ROUTED_EXPERTS_KEY",
     "TOKCAP_FINISH_REASON_KEY",
     "TOKCAP_PREFILL_ROUTE_KEY",
+    "TOKCAP_SPLICE_CAUSE_KEY",
+    "TOKCAP_WEIGHT_VERSION_LAST_KEY",
     "GymVerification",
     "verify_gym_rollout",
 ]
@@ -62,6 +69,10 @@ TOKCAP_FINISH_REASON_KEY: Final = "tokcap_finish_reason"
 """An extras key tokcap's export adds (Gym ignores it): the call's finish reason."""
 TOKCAP_PREFILL_ROUTE_KEY: Final = "tokcap_prefill_route"
 """An extras key tokcap's export adds: a child's leading route row (backfills its parent)."""
+TOKCAP_WEIGHT_VERSION_LAST_KEY: Final = "tokcap_weight_version_last"
+"""An extras key tokcap's export adds when a call spanned a weight push: its last version."""
+TOKCAP_SPLICE_CAUSE_KEY: Final = "tokcap_splice_cause"
+"""An extras key tokcap's export adds to a spliced child: its splice cause."""
 GYM_UNKNOWN_FINISH: Final = "unknown"
 """The finish reason of a Gym call whose extras do not record one."""
 _WIDTH: Final = {"int8": 0, "int16": 1, "int32": 2}
@@ -136,9 +147,12 @@ def verify_gym_rollout(
             carry_len=carried,
             gen_len=generated,
             weight_version=records[call_id].weight_version,
+            weight_version_last=_weight_version_last(by_id[call_id]),
             finish_reason=_finish_reason(by_id[call_id]),
             call_digest=records[call_id].digest,
             chain_hash=records[call_id].chain_hash,
+            formation=_formation(by_id[call_id]),
+            splice_cause=_splice_cause(by_id[call_id]),
         )
         for call_id, carried, generated in linearized.link_spans
     )
@@ -165,6 +179,26 @@ def _finish_reason(snapshot: GymStagedRecord) -> str:
     return value if value in ("stop", "length") else GYM_UNKNOWN_FINISH
 
 
+def _weight_version_last(snapshot: GymStagedRecord) -> int:
+    value = _extras(snapshot).get(TOKCAP_WEIGHT_VERSION_LAST_KEY)
+    if type(value) is int and value >= 0:
+        return value
+    return snapshot.weight_version
+
+
+def _splice_cause(snapshot: GymStagedRecord) -> str | None:
+    value = _extras(snapshot).get(TOKCAP_SPLICE_CAUSE_KEY)
+    if snapshot.parent_call_id is None or value not in SPLICE_CAUSES:
+        return None
+    return str(value)
+
+
+def _formation(snapshot: GymStagedRecord) -> str:
+    if snapshot.parent_call_id is None:
+        return "root"
+    return "splice" if _splice_cause(snapshot) is not None else "extend"
+
+
 def _training_row(
     receipt: GymReceipt,
     lin: GymLinearizedRow,
@@ -184,6 +218,7 @@ def _training_row(
             carry_len=c.carry_len,
             gen_len=c.gen_len,
             weight_version=c.weight_version,
+            weight_version_last=c.weight_version_last,
         )
         for c in segment
     )
@@ -198,7 +233,7 @@ def _training_row(
         prompt_len=lin.prompt_len,
         call_spans=spans,
         weight_version_min=min(lin.weight_versions),
-        weight_version_max=max(lin.weight_versions),
+        weight_version_max=max(max(lin.weight_versions), *(c.weight_version_last for c in segment)),
         truncated=segment[-1].finish_reason == "length",
         reward=receipt.reward,
         sample_mask=1,

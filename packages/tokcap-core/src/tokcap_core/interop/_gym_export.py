@@ -4,10 +4,13 @@ Every call of the receipt's segments (checked first with tokcap's own `verify_st
 becomes one Gym staged record, in admission order: the delta is the call's carried and
 generated tokens (mask 0.0 then 1.0, logprob 0.0 on carried tokens), the chain and
 cumulative hashes are Gym's, recomputed along the parent links. Extras carry the routes
-Gym's way (``routed_experts``: the delta's rows as an ``nrlre1`` envelope) plus two keys
-Gym ignores and tokcap reads back: ``tokcap_finish_reason`` and, for a child with
-routes, ``tokcap_prefill_route`` (its leading route row). Importing the export with
-`verify_gym_rollout` therefore gives back tokcap's own segment-0 row.
+Gym's way (``routed_experts``: the delta's rows as an ``nrlre1`` envelope) plus keys
+Gym ignores and tokcap reads back: ``tokcap_finish_reason``; for a child with routes,
+``tokcap_prefill_route`` (its leading route row); for a call generated across a weight
+push, ``tokcap_weight_version_last`` (Gym's ``weight_version`` is the call's first one,
+the version its sampling started under, so Gym's staleness stays conservative); for a
+spliced child, ``tokcap_splice_cause``. Importing the export with `verify_gym_rollout`
+therefore gives back tokcap's own segment-0 row.
 
 The receipt names tokcap's terminal. tokcap's selection label is kept, except that a
 ``heuristic`` terminal Gym's own rule would not pick is exported as ``declared``: the
@@ -28,7 +31,13 @@ from .._receipt import Receipt
 from .._routes import Routes, encode_routes
 from .._staged import StagedCall
 from .._verify import verify_staged
-from ._gym_convert import ROUTED_EXPERTS_KEY, TOKCAP_FINISH_REASON_KEY, TOKCAP_PREFILL_ROUTE_KEY
+from ._gym_convert import (
+    ROUTED_EXPERTS_KEY,
+    TOKCAP_FINISH_REASON_KEY,
+    TOKCAP_PREFILL_ROUTE_KEY,
+    TOKCAP_SPLICE_CAUSE_KEY,
+    TOKCAP_WEIGHT_VERSION_LAST_KEY,
+)
 from ._gym_digest import (
     GYM_DIGEST_VERSION,
     GYM_EXTRAS_DIGEST_VERSION,
@@ -68,6 +77,9 @@ def export_gym_capture(
         raise GymConversionError("receipt_poisoned", f"{receipt.rollout_id} is not verified")
     order = {key: i for i, key in enumerate(receipt.sink_keys)}
     calls = {c.call_id: c for segment in verify_staged(receipt, staged) for c in segment}
+    splices = {
+        c.call_id: c.splice_cause for segment in receipt.segments for c in segment if c.splice_cause
+    }
     ordered = sorted(calls.values(), key=lambda c: order.get(c.key, len(order)))
     cumulative: dict[str, list[int]] = {}
     chains: dict[str, str] = {}
@@ -79,7 +91,11 @@ def export_gym_capture(
         cumulative[call.call_id] = (cumulative[parent] if parent else []) + tokens
         chains[call.call_id] = compute_chain_hash(chains[parent] if parent else None, tokens)
         snapshot = _snapshot(
-            call, schema_version, chains[call.call_id], hash_token_ids(cumulative[call.call_id])
+            call,
+            schema_version,
+            chains[call.call_id],
+            hash_token_ids(cumulative[call.call_id]),
+            splices.get(call.call_id),
         )
         snapshots.append(snapshot)
         records.append(_record(snapshot, state))
@@ -105,8 +121,12 @@ def _route_rows(routes: Routes, first: int) -> Routes:
     return Routes(dtype=routes.dtype, shape=(len(data) // width, *routes.shape[1:]), data=data)
 
 
-def _extras(call: StagedCall) -> dict[str, Any]:
+def _extras(call: StagedCall, splice_cause: str | None) -> dict[str, Any]:
     extras: dict[str, Any] = {TOKCAP_FINISH_REASON_KEY: call.finish_reason}
+    if call.weight_version_last != call.weight_version:
+        extras[TOKCAP_WEIGHT_VERSION_LAST_KEY] = call.weight_version_last
+    if splice_cause is not None:
+        extras[TOKCAP_SPLICE_CAUSE_KEY] = splice_cause
     if call.routes is not None:
         lead = 0 if call.parent_id is None else 1
         extras[ROUTED_EXPERTS_KEY] = encode_routes(_route_rows(call.routes, lead))
@@ -121,9 +141,13 @@ def _extras(call: StagedCall) -> dict[str, Any]:
 
 
 def _snapshot(
-    call: StagedCall, schema_version: int, chain_hash: str, cumulative_hash: str
+    call: StagedCall,
+    schema_version: int,
+    chain_hash: str,
+    cumulative_hash: str,
+    splice_cause: str | None,
 ) -> GymStagedRecord:
-    extras = _extras(call)
+    extras = _extras(call, splice_cause)
     fields: dict[str, Any] = {
         "schema_version": schema_version,
         "digest_version": GYM_DIGEST_VERSION,

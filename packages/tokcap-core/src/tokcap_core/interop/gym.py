@@ -19,6 +19,8 @@ from ._gym_convert import (
     ROUTED_EXPERTS_KEY,
     TOKCAP_FINISH_REASON_KEY,
     TOKCAP_PREFILL_ROUTE_KEY,
+    TOKCAP_SPLICE_CAUSE_KEY,
+    TOKCAP_WEIGHT_VERSION_LAST_KEY,
     GymVerification,
     verify_gym_rollout,
 )
@@ -77,6 +79,8 @@ __all__ = [
     "ROUTED_EXPERTS_KEY",
     "TOKCAP_FINISH_REASON_KEY",
     "TOKCAP_PREFILL_ROUTE_KEY",
+    "TOKCAP_SPLICE_CAUSE_KEY",
+    "TOKCAP_WEIGHT_VERSION_LAST_KEY",
     "GymCallRecord",
     "GymCapture",
     "GymConversionError",
