@@ -1,0 +1,144 @@
+"""Tiny Mistral-family models next to the real tokenizers ``mistral_common`` ships (no hub).
+
+A random-weight ``MistralForCausalLM`` (hidden 64, 2 layers, head_dim 32, fp32, seeded)
+whose vocabulary matches one of the tokenizer files in ``mistral_common``'s package data,
+copied into the model folder under the name vLLM's ``--tokenizer-mode mistral`` looks for:
+- ``"tekken"``: ``tekken_240911.json`` (Tekken, instruct v3, vocab 131,072) as ``tekken.json``;
+- ``"spm"``: ``mistral_instruct_tokenizer_240323.model.v3`` (SentencePiece, instruct v3,
+  vocab 32,768) as ``tokenizer.model.v3``.
+Served the way Mistral's model cards ask (`mistral_vllm_args`), these exercise the gate's
+id-level planner (`tokcap_vllm._render_ids`) and Mistral's tool-call format.
+
+Builds are deterministic and cached like `tokcap._tiny.build_tiny_model`: a finished folder
+holds a stamp with the hash of its recipe (tokenizer file digest included), and a later call
+with the same recipe returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from ._tiny import _hash, _library_versions, _staging_dir, _stamp_matches, _write_stamp
+
+__all__ = ["MISTRAL_TOKENIZERS", "MistralTokenizerKind", "build_tiny_mistral", "mistral_vllm_args"]
+
+MistralTokenizerKind = Literal["tekken", "spm"]
+MISTRAL_TOKENIZERS: Final[dict[str, tuple[str, str]]] = {
+    "tekken": ("tekken_240911.json", "tekken.json"),
+    "spm": ("mistral_instruct_tokenizer_240323.model.v3", "tokenizer.model.v3"),
+}
+"""Tokenizer kind → (file in ``mistral_common/data``, name in the model folder)."""
+RECIPE_VERSION: Final = 1
+MODEL_SEED: Final = 0
+
+
+def mistral_vllm_args(*, tools: bool = True) -> list[str]:
+    """The vLLM options Mistral's model cards ask for (tool calls: the ``mistral`` parser)."""
+    args = ["--tokenizer-mode", "mistral"]
+    if tools:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
+    return args
+
+
+def build_tiny_mistral(out_dir: Path, *, tokenizer: MistralTokenizerKind = "tekken") -> Path:
+    """Build (or reuse) a tiny random ``MistralForCausalLM`` with a shipped Mistral tokenizer.
+
+    The folder holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and
+    the tokenizer file (see the module docstring); serve it with `mistral_vllm_args`.
+    """
+    if tokenizer not in MISTRAL_TOKENIZERS:
+        raise ValueError(
+            f"tokenizer must be one of {sorted(MISTRAL_TOKENIZERS)}, not {tokenizer!r}"
+        )
+    out_dir = Path(out_dir)
+    source, target = MISTRAL_TOKENIZERS[tokenizer]
+    tok_file = _mistral_data() / source
+    recipe = {
+        "what": "mistral-model",
+        "version": RECIPE_VERSION,
+        "tokenizer": {"file": source, "sha256": _file_digest(tok_file)},
+        "config": _config_args(),
+        "seed": MODEL_SEED,
+        "versions": {**_library_versions(), "mistral_common": _version("mistral_common")},
+    }
+    recipe_hash = _hash(recipe)
+    if _stamp_matches(out_dir, recipe_hash):
+        return out_dir
+    with _staging_dir(out_dir) as tmp:
+        shutil.copy2(tok_file, tmp / target)
+        special = _special_ids(tmp / target)
+        _save_random_model(tmp, special)
+        _write_stamp(tmp, recipe, recipe_hash)
+    return out_dir
+
+
+def _mistral_data() -> Path:
+    import mistral_common
+
+    return Path(mistral_common.__file__).parent / "data"
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _special_ids(tokenizer_file: Path) -> dict[str, int]:
+    """Vocabulary size and bos/eos/pad ids, as ``mistral_common`` loads the tokenizer."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    inner = MistralTokenizer.from_file(str(tokenizer_file)).instruct_tokenizer.tokenizer
+    return {
+        "vocab_size": inner.n_words,
+        "bos_token_id": inner.bos_id,
+        "eos_token_id": inner.eos_id,
+        "pad_token_id": inner.pad_id if inner.pad_id >= 0 else inner.eos_id,
+    }
+
+
+def _config_args() -> dict[str, Any]:
+    """Architecture settings; vocabulary and special ids come from the tokenizer file."""
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    }
+
+
+def _save_random_model(out_dir: Path, special: dict[str, int]) -> None:
+    import torch
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    args: dict[str, Any] = {**_config_args(), **special}
+    config = transformers.MistralConfig(**args)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(MODEL_SEED)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=special["bos_token_id"],
+        eos_token_id=special["eos_token_id"],
+        pad_token_id=special["pad_token_id"],
+    )
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
