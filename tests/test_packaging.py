@@ -2,8 +2,14 @@
 
 - the core installs from its wheel alone into a clean environment (no torch, no
   msgspec, no adapter) and its golden vectors and CLI work there;
+- every other package installs from its wheel with only what it declares (and what
+  that brings), into a clean environment of its own, imports, and runs its CLI there;
+  ``tokcap-vllm serve`` without vLLM says how to install it in one line;
 - every workspace member builds a wheel;
 - the packages are clean under ``mypy --strict`` and ``ruff check``.
+
+Installs are offline: each package's locked closure (``uv export --package``), from the
+uv cache, ``.wheels/`` (the CPU torch) and the freshly built wheels.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,6 +78,114 @@ def test_core_wheel_works_alone_in_a_clean_environment(
     cli = _run(venv / "bin" / "tokcap-core", "golden", cwd=tmp_path)
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "OK" in cli.stdout
+
+
+def _requirements(uv: str, package: str, wheels: Path, out: Path) -> Path:
+    """``package``'s locked closure (it, what it declares, what that brings), as a
+    requirements file naming the freshly built wheels for workspace members."""
+    export = _run(
+        uv, "export", "--package", package, "--frozen", "--no-hashes", "--no-default-groups",
+        "--quiet",
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    lines = []
+    for line in export.stdout.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line.startswith("-e "):  # a workspace member: "." or "./packages/<name>"
+            path = line.removeprefix("-e ").split(";")[0].strip()
+            member = "tokcap" if path == "." else Path(path).name
+            (wheel,) = wheels.glob(f"{member.replace('-', '_')}-*.whl")
+            line = str(wheel)
+        lines.append(line)
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _install_alone(uv: str, wheels: Path, venv: Path, package: str) -> Path:
+    """A fresh venv holding ``package`` and its locked closure, nothing else; its ``bin``.
+
+    ``--no-deps`` over the exported closure: installs straight from the uv cache (a
+    resolution would want index metadata the cache may not hold); ``uv pip check`` then
+    proves every installed distribution's requirements are met, the package's first.
+    """
+    assert _run(uv, "venv", "--quiet", "--python", sys.executable, venv).returncode == 0
+    python = venv / "bin" / "python"
+    requirements = _requirements(uv, package, wheels, venv.parent / f"{package}.txt")
+    installed = _run(
+        uv, "pip", "install", "--quiet", "--offline", "--no-deps", "--python", python,
+        "--find-links", ROOT / ".wheels", "-r", requirements,
+    )  # fmt: skip
+    assert installed.returncode == 0, installed.stderr
+    checked = _run(uv, "pip", "check", "--python", python)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    return venv / "bin"
+
+
+@dataclass(frozen=True)
+class Alone:
+    """What a package's clean venv must do: ``check`` prints ``expect``; ``absent`` are
+    modules it must not have pulled in."""
+
+    check: str
+    expect: str
+    absent: tuple[str, ...]
+
+
+ALONE = {
+    "tokcap-ray": Alone(
+        "import tokcap_ray; print(tokcap_ray.PoolConfig(num_workers=2).scheduling_strategy)",
+        "SPREAD",
+        ("torch", "transfer_queue", "vllm", "sniffio"),
+    ),
+    "tokcap-tq": Alone(
+        "import tokcap_tq; from tokcap_core.simulate import simulate_rollout;"
+        "calls = simulate_rollout('alone', seed=1, routes=True).calls;"
+        "print(tokcap_tq.decode_staged(tokcap_tq.encode_staged(calls)) == calls)",
+        "True",
+        ("vllm", "tokcap_ray", "tokcap_vllm"),
+    ),
+    "tokcap-vllm": Alone(
+        "import tokcap_vllm; print(tokcap_vllm.GateConfig.__name__)",
+        "GateConfig",
+        ("vllm", "torch", "ray", "transfer_queue"),
+    ),
+    "tokcap": Alone("import tokcap; print(tokcap.__name__)", "tokcap", ("vllm",)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("package", sorted(ALONE))
+def test_every_package_installs_alone_and_imports(
+    uv: str, wheels: Path, tmp_path: Path, package: str
+) -> None:
+    bin_dir = _install_alone(uv, wheels, tmp_path / "venv", package)
+    alone = ALONE[package]
+    present = f"import importlib.util as u; print([m for m in {alone.absent!r} if u.find_spec(m)])"
+    result = _run(bin_dir / "python", "-c", f"{alone.check}\n{present}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    *_, said, pulled_in = result.stdout.strip().splitlines()
+    assert said == alone.expect, result.stdout
+    assert pulled_in == "[]", f"{package} pulled in {pulled_in}"
+    if package == "tokcap-vllm":
+        _check_vllm_cli_without_vllm(bin_dir, tmp_path)
+    if package == "tokcap":
+        cli = _run(bin_dir / "tokcap", "--help", cwd=tmp_path)
+        assert cli.returncode == 0, cli.stdout + cli.stderr
+        assert "demo" in cli.stdout
+
+
+def _check_vllm_cli_without_vllm(bin_dir: Path, cwd: Path) -> None:
+    helped = _run(bin_dir / "tokcap-vllm", "--help", cwd=cwd)
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: tokcap-vllm serve MODEL")
+    served = _run(bin_dir / "tokcap-vllm", "serve", "some/model", cwd=cwd)
+    assert served.returncode != 0
+    assert served.stdout == ""
+    lines = served.stderr.strip().splitlines()
+    assert len(lines) == 1, served.stderr  # the install hint, not a traceback
+    assert "pip install vllm" in lines[0]
+    assert "Traceback" not in served.stderr
 
 
 def test_packages_pass_mypy_strict() -> None:

@@ -36,11 +36,17 @@ def server_argv(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: replace this process with the vLLM server."""
+    """Console entry point: replace this process with the vLLM server.
+
+    Without vLLM it exits with status 1 and the install command on one line (stderr).
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return
     command = server_argv(args)
-    require_vllm("vllm.entrypoints.openai.api_server")
+    try:
+        require_vllm("vllm.entrypoints.openai.api_server")
+    except ImportError as e:
+        raise SystemExit(f"tokcap-vllm: {e}") from None
     os.execv(command[0], command)
