@@ -17,13 +17,23 @@ with the same recipe returns at once.
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from ._tiny import _hash, _library_versions, _staging_dir, _stamp_matches, _write_stamp
 
-__all__ = ["MISTRAL_TOKENIZERS", "MistralTokenizerKind", "build_tiny_mistral", "mistral_vllm_args"]
+__all__ = [
+    "MISTRAL_TOKENIZERS",
+    "MistralTokenizerKind",
+    "build_tiny_mistral",
+    "force_tool_calls",
+    "mistral_vllm_args",
+    "tiny_mistral",
+    "tool_calls_token_id",
+]
 
 MistralTokenizerKind = Literal["tekken", "spm"]
 MISTRAL_TOKENIZERS: Final[dict[str, tuple[str, str]]] = {
@@ -41,6 +51,57 @@ def mistral_vllm_args(*, tools: bool = True) -> list[str]:
     if tools:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
     return args
+
+
+def tiny_mistral(
+    cache_dir: Path, *, tokenizer: MistralTokenizerKind = "tekken"
+) -> tuple[Path, list[str]]:
+    """``(model folder, vLLM options)``: a tiny Mistral model built (or reused) under
+    ``cache_dir`` and the options that serve it as Mistral's model cards ask (what a demo's
+    ``--model-family mistral`` needs)."""
+    model = build_tiny_mistral(Path(cache_dir) / f"mistral-{tokenizer}", tokenizer=tokenizer)
+    return model, mistral_vllm_args()
+
+
+def tool_calls_token_id(model_dir: Path) -> int:
+    """The id of the ``[TOOL_CALLS]`` control token of the tokenizer in ``model_dir``."""
+    from mistral_common.tokens.tokenizers.base import SpecialTokens
+
+    for _, target in MISTRAL_TOKENIZERS.values():
+        if (Path(model_dir) / target).is_file():
+            inner = _load(Path(model_dir) / target).instruct_tokenizer.tokenizer
+            return int(inner.get_special_token(SpecialTokens.tool_calls.value))
+    raise FileNotFoundError(f"{model_dir} holds no Mistral tokenizer file")
+
+
+def force_tool_calls(
+    model_dir: Path, arguments: Mapping[str, str], *, calls: int = 1
+) -> dict[str, Any]:
+    """``extra_body`` fields that make a tiny random Mistral model call tools, in Mistral's format.
+
+    The output becomes ``[TOOL_CALLS]`` + a JSON array of ``calls`` objects
+    ``{"name": N, "arguments": A}`` (``A`` matching the regex ``arguments[N]``, a JSON
+    object) + ``</s>``, which vLLM's ``mistral`` tool parser turns into ``tool_calls``.
+    How: a regex for vLLM's structured outputs (xgrammar, which runs on CPU; vLLM declares
+    no special tokens to it for Mistral tokenizers, so ``[TOOL_CALLS]`` in the regex may
+    match the control token) and a ``logit_bias`` of 100 on that control token, so the
+    model takes it rather than spelling the text out. Send with ``tools`` and the default
+    ``tool_choice`` (``"auto"``): ``"required"`` makes vLLM emit a bare JSON array instead.
+    """
+    if calls < 1 or not arguments:
+        raise ValueError("force at least one call of at least one tool")
+    one = (
+        "("
+        + "|".join(
+            r'\{"name": "' + re.escape(name) + r'", "arguments": ' + args + r"\}"
+            for name, args in sorted(arguments.items())
+        )
+        + ")"
+    )
+    return {
+        "structured_outputs": {"regex": r"\[TOOL_CALLS\]\[" + ", ".join([one] * calls) + r"\]"},
+        "logit_bias": {str(tool_calls_token_id(model_dir)): 100},
+    }
 
 
 def build_tiny_mistral(out_dir: Path, *, tokenizer: MistralTokenizerKind = "tekken") -> Path:
@@ -91,11 +152,15 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _special_ids(tokenizer_file: Path) -> dict[str, int]:
-    """Vocabulary size and bos/eos/pad ids, as ``mistral_common`` loads the tokenizer."""
+def _load(tokenizer_file: Path) -> Any:
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
-    inner = MistralTokenizer.from_file(str(tokenizer_file)).instruct_tokenizer.tokenizer
+    return MistralTokenizer.from_file(str(tokenizer_file))
+
+
+def _special_ids(tokenizer_file: Path) -> dict[str, int]:
+    """Vocabulary size and bos/eos/pad ids, as ``mistral_common`` loads the tokenizer."""
+    inner = _load(tokenizer_file).instruct_tokenizer.tokenizer
     return {
         "vocab_size": inner.n_words,
         "bos_token_id": inner.bos_id,
