@@ -1,10 +1,14 @@
-"""The demo's agent harness: a black box that only speaks the OpenAI API.
+"""The demo's agent harness: a black box that only speaks the OpenAI API, with real tool calls.
 
-A tool-using arithmetic task. The harness offers a ``calc`` tool in its system prompt
-(``CALL calc(<expression>)``), feeds the tool's output back as a ``role: "tool"``
-message, and scores the final assistant message. The tiny random model writes
-gibberish, so most tool calls are "not found" observations: what matters is that each
-episode is several real chat calls through the gate, exactly as an agent makes them.
+A tool-using arithmetic task. The harness offers a ``calc`` tool through ``tools=[...]``;
+vLLM's own ``hermes`` tool parser turns the model's ``<tool_call>`` blocks into OpenAI
+``tool_calls``, the harness echoes them in the assistant message it sends back and answers
+each with a ``role: "tool"`` message, and it scores the final assistant message. The tiny
+random model never calls a tool by itself, so every turn but the last *forces* calls
+through vLLM's guided decoding (`forced_tool_calls`: an xgrammar structural tag with the
+tool's JSON schema; the first turn forces two calls in parallel); the last turn is free
+text. What matters is that each episode is several real chat calls through the gate,
+exactly as an agent makes them, tool-call JSON re-serialised by the parser included.
 
 Behaviours, one per rollout slot of a group (the rest are ``plain``):
 
@@ -21,26 +25,58 @@ compares every reassembled row with the ids the engine itself reported to the ha
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import openai
 
-__all__ = ["BEHAVIOURS", "Behaviour", "EngineCall", "Episode", "Task", "run_episode"]
+__all__ = [
+    "BEHAVIOURS",
+    "TOOLS",
+    "Behaviour",
+    "EngineCall",
+    "Episode",
+    "Task",
+    "forced_tool_calls",
+    "run_episode",
+]
 
 Behaviour = Literal["response_id", "content", "declared", "rewrite", "plain"]
 BEHAVIOURS: tuple[Behaviour, ...] = ("response_id", "content", "declared", "rewrite")
 """Behaviours of rollout slots 0..3 of every group; later slots are ``plain``."""
 
 SYSTEM = (
-    "You solve arithmetic with a calculator. To use it, write CALL calc(<expression>). "
-    "When you know the result, write ANSWER <number>."
+    "You solve arithmetic with the calc tool. When you know the result, answer with the number."
 )
-_CALL = re.compile(r"CALL\s+calc\(([^)]*)\)")
+TOOLS: Final[tuple[dict[str, Any], ...]] = (
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Compute a op b for integers a and b.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "op": {"type": "string", "enum": ["+", "-", "*"]},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["a", "op", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+)
+"""The tools the harness offers on every call (OpenAI ``tools=[...]``)."""
 _NUMBER = re.compile(r"-?\d+")
+_TOOL_TURN_TOKENS: Final = 232
+"""Room on top of ``max_tokens`` for forced calls: one takes ~50 tokens of this tokenizer,
+more when the model spells the forced text in short pieces."""
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -79,6 +115,8 @@ class EngineCall:
     logprobs: list[float]
     content: str
     finish_reason: str
+    tool_calls: int = 0
+    """How many tool calls vLLM's parser found in the answer."""
 
 
 @dataclass(slots=True)
@@ -119,15 +157,49 @@ def calc(expression: str) -> float:
     return ev(tree.body)
 
 
-def tool_output(content: str) -> str:
-    """The calc tool's reply to an assistant message."""
-    match = _CALL.search(content)
-    if match is None:
-        return "error: no tool call found; write CALL calc(<expression>) or ANSWER <number>"
+def tool_result(call: Mapping[str, Any]) -> str:
+    """The calc tool's reply to one OpenAI tool call (``{"function": {"arguments": ...}}``)."""
     try:
-        return f"calc({match.group(1)}) = {calc(match.group(1)):g}"
-    except ValueError as e:
+        args = json.loads(call["function"]["arguments"])
+        expression = f"{int(args['a'])} {args['op']} {int(args['b'])}"
+        return f"{expression} = {calc(expression):g}"
+    except (KeyError, TypeError, ValueError) as e:
         return f"error: {e}"
+
+
+def forced_tool_calls(tools: Sequence[Mapping[str, Any]], count: int) -> dict[str, Any]:
+    """Request fields that force ``count`` tool calls through vLLM's guided decoding.
+
+    A structural tag (xgrammar) in ``structured_outputs``: ``count`` Hermes-style
+    ``<tool_call>`` blocks, newline-separated, each naming one of ``tools`` with arguments
+    that follow its JSON schema, then the end of the turn. ``tool_choice="auto"`` keeps
+    vLLM's ``hermes`` parser in charge of turning them into ``tool_calls``. Why not
+    ``tool_choice="required"``: it does reach xgrammar on CPU, but vLLM's built-in Hermes
+    tag leaves JSON whitespace unbounded and a random model fills ``max_tokens`` with it;
+    here at most one whitespace character may sit between JSON tokens.
+    """
+    if count < 1:
+        raise ValueError("count must be at least 1")
+    tags = [
+        {
+            "type": "tag",
+            "begin": '<tool_call>\n{"name": "' + t["function"]["name"] + '", "arguments": ',
+            "content": {
+                "type": "json_schema",
+                "json_schema": t["function"]["parameters"],
+                "max_whitespace_cnt": 1,
+            },
+            "end": "}\n</tool_call>",
+        }
+        for t in tools
+    ]
+    one: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    elements: list[dict[str, Any]] = [one]
+    for _ in range(count - 1):
+        elements += [{"type": "const_string", "value": "\n"}, one]
+    shape = one if count == 1 else {"type": "sequence", "elements": elements}
+    tag = json.dumps({"type": "structural_tag", "format": shape})
+    return {"structured_outputs": {"structural_tag": tag}}
 
 
 def score(task: Task, content: str) -> float:
@@ -149,7 +221,12 @@ async def run_episode(
     max_tokens: int,
     seed: int,
 ) -> Episode:
-    """Play ``turns`` chat calls of ``episode``; fills its calls, transcript and reward."""
+    """Play ``turns`` chat calls of ``episode``; fills its calls, transcript and reward.
+
+    Every turn but the last forces tool calls (two on the first turn, in parallel); the
+    assistant message goes back as vLLM returned it (``content`` and ``tool_calls``),
+    followed by one ``role: "tool"`` answer per call.
+    """
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": episode.task.prompt},
@@ -157,17 +234,32 @@ async def run_episode(
     for turn in range(turns):
         if episode.behaviour == "rewrite" and turn == max(1, turns // 2):
             messages = _compact(messages, episode.task)
-        response = await client.chat.completions.create(
+        last = turn == turns - 1
+        extra: dict[str, Any] = {"return_token_ids": True}
+        if not last:
+            extra.update(forced_tool_calls(TOOLS, 2 if turn == 0 else 1))
+        response = await client.chat.completions.create(  # type: ignore[call-overload]
             model=model,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
+            messages=messages,
+            tools=list(TOOLS),
+            tool_choice="auto",
+            max_tokens=max_tokens if last else max_tokens + _TOOL_TURN_TOKENS,
             temperature=1.0,
             seed=seed * 1000 + turn,
             logprobs=True,
-            extra_body={"return_token_ids": True},
+            extra_body=extra,
         )
         choice = response.choices[0]
-        content = choice.message.content or ""
+        message = choice.message
+        calls = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in message.tool_calls or ()
+            if c.type == "function"
+        ]
         episode.calls.append(
             EngineCall(
                 response_id=response.id,
@@ -176,15 +268,18 @@ async def run_episode(
                 logprobs=[
                     t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []
                 ],
-                content=content,
+                content=message.content or "",
                 finish_reason=choice.finish_reason or "",
+                tool_calls=len(calls),
             )
         )
-        messages.append({"role": "assistant", "content": content})
-        if turn < turns - 1:
-            messages.append(
-                {"role": "tool", "tool_call_id": f"calc-{turn}", "content": tool_output(content)}
-            )
+        assistant: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if calls:
+            assistant["tool_calls"] = calls
+        messages.append(assistant)
+        messages += [
+            {"role": "tool", "tool_call_id": c["id"], "content": tool_result(c)} for c in calls
+        ]
     episode.messages = messages
     episode.reward = score(episode.task, episode.final.content)
     return episode
@@ -192,6 +287,6 @@ async def run_episode(
 
 def _compact(messages: list[dict[str, Any]], task: Task) -> list[dict[str, Any]]:
     """Context compaction: everything after the system prompt becomes one summary message."""
-    tools = sum(1 for m in messages if m["role"] == "tool")
-    summary = f"{task.prompt} (Summary: {tools} earlier calculator turns gave no answer yet.)"
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    summary = f"{task.prompt} (Summary: the calculator said {'; '.join(results) or 'nothing'}.)"
     return [messages[0], {"role": "user", "content": summary}]

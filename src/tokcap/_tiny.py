@@ -22,7 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_model", "build_tiny_tokenizer"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "CHATML_TOOLS_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+]
 
 STAMP = "tokcap-tiny.json"
 RECIPE_VERSION = 1
@@ -32,6 +38,50 @@ PAD_TOKEN = "<|endoftext|>"
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2.5-style ChatML with tools: the tool list in the system turn, each call as one
+# ``<tool_call>`` JSON object (arguments re-serialised with ``tojson``), consecutive tool
+# results grouped in one user turn as ``<tool_response>`` blocks. Requests pass it as
+# ``chat_template`` (the tokenizer keeps `CHATML_TEMPLATE`).
+CHATML_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and not message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

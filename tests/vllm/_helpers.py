@@ -28,13 +28,18 @@ VLLM_ARGS = [
     "128",
     "--worker-extension-cls",
     "tokcap_vllm.WeightSyncWorker",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
 ]
 """vLLM options of every test server (the CPU engine, fast start)."""
 
 LLAMA3_TEMPLATE = (
     "{{- '<|begin_of_text|>' }}{%- for m in messages %}"
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- m['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 # DeepSeek-R1 style: the generation prompt opens <think>, and history drops the reasoning.
 STRIP_REASONING_TEMPLATE = (
@@ -53,7 +58,7 @@ def client(server: InProcessServer, rollout_id: str) -> openai.AsyncOpenAI:
 def close_and_reassemble(
     server: InProcessServer, rollout_id: str, *, segments: str = "terminal"
 ) -> tuple[Any, list[TrainingRow], dict[str, StagedCall]]:
-    """Close the rollout on the gate, verify its manifest, build its receipt and rows from the sink."""
+    """Close the rollout on the gate, verify its manifest, build its receipt and rows (sink)."""
     gate = server.gate
 
     async def run() -> tuple[Any, list[TrainingRow], dict[str, StagedCall]]:
