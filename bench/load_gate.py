@@ -259,7 +259,7 @@ def main() -> None:
 
     from tests.vllm._helpers import VLLM_ARGS
     from tokcap._tiny import build_tiny_model
-    from tokcap_core import MemorySink
+    from tokcap_core import CaptureConfig, MemorySink
     from tokcap_vllm import Gate, GateConfig, InProcessServer
 
     model = build_tiny_model(
@@ -269,7 +269,9 @@ def main() -> None:
     vllm_args[vllm_args.index("--max-num-seqs") + 1] = str(args.max_num_seqs)
     with tempfile.TemporaryDirectory() as tmp:
         config = GateConfig(
-            control_token=TOKEN, ledger_path=f"{tmp}/ledger.jsonl", parent_commit_timeout_s=600
+            capture=CaptureConfig(control_token=TOKEN),
+            ledger_path=f"{tmp}/ledger.jsonl",
+            parent_commit_timeout_s=600,
         )
         server = InProcessServer(
             str(model), gate=Gate(config, sink=MemorySink()), vllm_args=vllm_args

@@ -7,9 +7,11 @@ fast-start mode and Ray's "do not re-run ``uv run`` in workers".
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,31 @@ for _name, _value in {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     "TQ_NUM_THREADS": "2",
     "TOKENIZERS_PARALLELISM": "false",
+    # torch's C++ notes (NUMA binding, ...) go straight to stderr unless silenced here
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    # the multiprocessing resource tracker (a child process) warns about semaphores that
+    # vLLM's engine leaves for it to clean up at exit: nothing the user can act on
+    "PYTHONWARNINGS": "ignore::UserWarning:multiprocessing.resource_tracker",
 }.items():
     os.environ.setdefault(_name, _value)
+
+
+def quiet_third_parties() -> None:
+    """Keep the screen for tokcap's progress: third-party warnings and notes go nowhere.
+
+    torch/vLLM/transformers ``FutureWarning``s and deprecations at import, "Triton not
+    available" notes and the like say nothing a demo user can act on; tokcap's own warnings
+    and every error still show.
+    """
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings(
+            "ignore", category=category, module=r"(torch|vllm|transformers|ray|transfer_queue)"
+        )
+    for name in ("torch", "vllm", "ray", "transfer_queue", "transformers", "httpx", "uvicorn"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+quiet_third_parties()
 
 from rich.console import Console  # noqa: E402
 

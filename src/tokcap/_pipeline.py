@@ -1,46 +1,41 @@
-"""The whole capture pipeline on one machine: the composition a custom trainer copies.
+"""The demo's run on one machine: the services, the black-box harness, then the trainer.
 
-1. a TransferQueue sink on a local (loopback) Ray;
-2. vLLM's OpenAI server with the tokcap gate, staging every call into that sink;
-3. a black-box harness (the real ``openai`` client) playing G groups x N rollouts;
-4. the trainer closes each rollout with its reward and witnesses over the control plane,
-   keeps the returned ledger head, and fetches verified receipts against those heads;
-5. metadata-only `ReassemblyRequest`s go to a Ray `ReassemblerPool`, which publishes
-   training rows (placeholders for invalid rollouts) into the sink's training partition;
-6. the trainer reads the rows and computes mask-aware GRPO advantages.
+1. a TransferQueue sink on a local (loopback) Ray and vLLM's OpenAI server with the
+   tokcap gate, started concurrently (the engine builds while Ray and TransferQueue start);
+2. a black-box harness (the real ``openai`` client) plays G groups x N rollouts;
+3. the trainer's side is `examples/custom_trainer.py`, unchanged: close with rewards and
+   witnesses, verified receipts, the Ray pool, the group policy, advantages for accepted
+   groups only, then free the rows and release the rollouts.
+
+What is demo-only (the harness behaviours, the manifests kept for the report's checks)
+stays here; the composition a trainer copies lives in the example.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import secrets
+import os
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import openai
 
-from tokcap_core import (
-    FinalizedGroup,
-    Manifest,
-    ReassemblyRequest,
-    Receipt,
-    TrainingRow,
-    decide_group,
-    grpo,
-)
+from tokcap_core import CaptureConfig, FinalizedGroup, Manifest, Receipt, TrainingRow
 from tokcap_ray import ReassemblerPool
 from tokcap_tq import TQSink, TQSinkConfig, local_tq
 from tokcap_vllm import ControlPlaneClient, Gate, GateConfig, InProcessServer
 
+from ._examples import load_example
 from ._harness import BEHAVIOURS, Episode, Task, run_episode
 from ._stages import Stages
 
-__all__ = ["DemoConfig", "DemoRun", "run_pipeline"]
+__all__ = ["VLLM_ARGS", "DemoConfig", "DemoRun", "run_pipeline"]
 
 VLLM_ARGS = (
     "--enforce-eager",
@@ -49,6 +44,7 @@ VLLM_ARGS = (
     "--dtype", "float32",
     "--disable-log-stats",
     "--max-num-seqs", "64",
+    "--no-use-tqdm-on-load",
 )  # fmt: skip
 
 
@@ -86,21 +82,42 @@ class DemoRun:
     advantages: list[float] = field(default_factory=list)
 
 
+def capture_config(config: DemoConfig) -> CaptureConfig:
+    """The demo's one configuration, shared by the gate and the trainer (token minted here).
+
+    ``return_token_ids``: the demo's independent check compares every row with the ids the
+    engine itself returned to the harness.
+    """
+    return CaptureConfig(
+        segments=config.segments,
+        max_seq_len=config.max_seq_len,
+        min_valid_fraction=0.5,
+        return_token_ids=True,
+    ).with_derived(environ=os.environ)
+
+
 def run_pipeline(config: DemoConfig, stages: Stages) -> DemoRun:
     """Start everything, run the rollouts, reassemble, and shut everything down again."""
     run = DemoRun(config)
     tag = config.tag.replace("-", "_")
+    capture = capture_config(config)
     sink = TQSink(
         TQSinkConfig(staging_partition=f"{tag}_staging", training_partition=f"{tag}_rows")
     )
-    token = secrets.token_urlsafe(32)  # the control plane's bearer token (never printed)
-    gate = Gate(GateConfig(parent_commit_timeout_s=60, control_token=token), sink=sink)
+    gate = Gate(GateConfig(parent_commit_timeout_s=60, capture=capture), sink=sink)
     server = InProcessServer(str(config.model), gate=gate, vllm_args=VLLM_ARGS)
-    with tempfile.TemporaryDirectory(prefix="tokcap-") as tmp, contextlib.ExitStack() as stack:
-        with stages.stage("start Ray + TransferQueue"):
-            stack.enter_context(local_tq(tmp, storage_units=1, extra_cpus=config.workers))
-        stack.callback(_stop, server)  # exits first: the engine and its sink writes before TQ
-        anyio.run(_drive, run, server, sink, token, stages)
+    with tempfile.TemporaryDirectory(prefix="tokcap-") as tmp, contextlib.ExitStack() as ray:
+        with stages.stage("start Ray + TransferQueue (vLLM building)"):
+            server.launch()  # the engine builds in its thread while Ray and TQ start
+            try:
+                ray.enter_context(local_tq(tmp, storage_units=1, extra_cpus=config.workers))
+            except BaseException:
+                _stop(server)
+                raise
+        try:  # the engine and its sink writes stop before TransferQueue does
+            anyio.run(_drive, run, server, sink, capture, stages)
+        finally:
+            _stop(server)
     return run
 
 
@@ -118,39 +135,43 @@ def _stop(server: InProcessServer, timeout_s: float = 180.0) -> None:
 
 
 async def _drive(
-    run: DemoRun, server: InProcessServer, sink: TQSink, token: str, stages: Stages
+    run: DemoRun, server: InProcessServer, sink: TQSink, capture: CaptureConfig, stages: Stages
 ) -> None:
+    trainer: Any = load_example("custom_trainer")
     config = run.config
     factory = functools.partial(TQSink.connect, sink.config)
     pool = ReassemblerPool(config.workers, factory, num_cpus=1.0)
     try:
         with stages.stage("start vLLM + gate, Ray pool"):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(functools.partial(anyio.to_thread.run_sync, server.start))
+                tg.start_soon(functools.partial(anyio.to_thread.run_sync, server.wait_ready))
                 await pool.start()
         await _rollouts(run, server, stages)
-        async with ControlPlaneClient(server.base_url, token) as control:
-            await _custody(run, control, stages)
-        with stages.stage("reassemble on the Ray pool", total=config.groups) as advance:
-            async with pool.as_completed(_requests(run)) as results:
-                async for finalized in results:
-                    run.groups.append(finalized)
-                    run.decisions[finalized.group_id] = type(
-                        decide_group(finalized, min_valid_fraction=0.5)
-                    ).__name__
+        assert capture.control_token is not None
+        async with ControlPlaneClient(server.base_url, capture.control_token) as control:
+            await _declare_terminals(run, control)
+            finished = [
+                trainer.Finished(
+                    rollout_id=e.rollout_id,
+                    group_id=f"{config.tag}-g{e.group:02d}",
+                    reward=e.reward,
+                    response_id=e.final.response_id
+                    if e.behaviour in ("response_id", "rewrite")
+                    else None,
+                    content=e.final.content if e.behaviour == "content" else None,
+                )
+                for e in run.episodes
+            ]
+            with stages.stage("close, receipts, Ray pool, policy"):
+                batch = await trainer.collect(control, pool, sink, finished, capture)
+            run.receipts, run.groups = batch.receipts, batch.groups
+            run.decisions = {g: type(d).__name__ for g, d in batch.decisions.items()}
+            run.rows, run.advantages = batch.rows, batch.advantages
+            with stages.stage("manifests for the checks", total=len(run.episodes)) as advance:
+                for episode in run.episodes:  # only for the engine-parity check and the report
+                    run.manifests[episode.rollout_id] = await control.manifest(episode.rollout_id)
                     advance(1)
-        with stages.stage("read rows, advantages"):
-            run.groups.sort(key=lambda g: g.group_id)
-            keys = [key for g in run.groups for key in g.training_keys]
-            run.rows = await sink.fetch(keys)
-            group_of = {rid: g.group_id for g in run.groups for rid in g.rollout_ids}
-            run.advantages = grpo(
-                [r.reward or 0.0 for r in run.rows],
-                [group_of[r.rollout_id] for r in run.rows],
-                [r.sample_mask for r in run.rows],
-                rollout_ids_N=[r.rollout_id for r in run.rows],
-            )
-            await sink.clear_rows(keys)  # a trainer frees its rows once it has batched them
+            await trainer.finish(control, sink, batch)
     finally:
         with anyio.CancelScope(shield=True):
             pool.close()
@@ -189,48 +210,10 @@ async def _rollouts(run: DemoRun, server: InProcessServer, stages: Stages) -> No
                 tg.start_soon(play, episode, config.seed * 100_000 + n)
 
 
-async def _custody(run: DemoRun, control: ControlPlaneClient, stages: Stages) -> None:
-    """Close every rollout (reward + witnesses), keep the heads, fetch verified receipts."""
-    heads: dict[str, tuple[int, str]] = {}
-    with stages.stage("close rollouts", total=len(run.episodes)) as advance:
-        for episode in run.episodes:
-            final = episode.final
-            response_id = (
-                final.response_id if episode.behaviour in ("response_id", "rewrite") else None
-            )
-            content = final.content if episode.behaviour == "content" else None
-            if episode.behaviour == "declared":
-                await control.declare_terminal(episode.rollout_id, response_id=final.response_id)
-            heads[episode.rollout_id] = await control.close(
-                episode.rollout_id, reward=episode.reward, response_id=response_id, content=content
-            )
-            advance(1)
-    ids = [e.rollout_id for e in run.episodes]
-    with stages.stage("fetch manifests, receipts", total=len(ids)) as advance:
-        receipts = await control.fetch_receipts(
-            ids,
-            expected_heads=heads,
-            segments=run.config.segments,  # type: ignore[arg-type]
-        )
-        run.receipts = {r.rollout_id: r for r in receipts}
-        for rollout_id in ids:
-            # Only for the demo's engine-parity check (call id -> response id) and its report.
-            run.manifests[rollout_id] = await control.manifest(rollout_id)
-            await control.release(rollout_id)
-            advance(1)
-
-
-def _requests(run: DemoRun) -> list[ReassemblyRequest]:
-    by_group: dict[int, list[Episode]] = {}
+async def _declare_terminals(run: DemoRun, control: ControlPlaneClient) -> None:
+    """The ``declared`` behaviour: the harness names its terminal before the trainer closes."""
     for episode in run.episodes:
-        by_group.setdefault(episode.group, []).append(episode)
-    return [
-        ReassemblyRequest(
-            group_id=f"{run.config.tag}-g{g:02d}",
-            rollout_ids=tuple(e.rollout_id for e in episodes),
-            receipts=tuple(run.receipts[e.rollout_id] for e in episodes),
-            rewards=tuple(e.reward for e in episodes),
-            max_seq_len=run.config.max_seq_len,
-        )
-        for g, episodes in sorted(by_group.items())
-    ]
+        if episode.behaviour == "declared":
+            await control.declare_terminal(
+                episode.rollout_id, response_id=episode.final.response_id
+            )

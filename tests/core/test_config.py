@@ -55,7 +55,6 @@ def test_all_segments_mode_has_no_warning() -> None:
         ({"model_is_moe": "yes"}, "bad_type"),
         ({"control_token": ""}, "bad_token"),
         ({"control_token_env": ""}, "bad_token_env"),
-        ({"capture_dir": ""}, "bad_capture_dir"),
     ],
 )
 def test_an_unsupported_combination_raises_its_code(kwargs: dict[str, Any], code: str) -> None:
@@ -124,7 +123,7 @@ def test_the_token_is_never_printed() -> None:
 
 @given(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=24))
 def test_no_token_text_reaches_repr_str_summary_or_warnings(token: str) -> None:
-    config = CaptureConfig(control_token=token).with_derived(environ={}, capture_dir_default="/c")
+    config = CaptureConfig(control_token=token).with_derived(environ={})
     secret_free(config, token)
 
 
@@ -133,7 +132,7 @@ def test_a_missing_token_is_shown_as_none() -> None:
 
 
 def test_the_config_is_picklable_with_its_token() -> None:
-    config = CaptureConfig(control_token=SECRET, capture_dir="/tmp/c")
+    config = CaptureConfig(control_token=SECRET)
     assert pickle.loads(pickle.dumps(config)) == config
 
 
@@ -142,11 +141,9 @@ def test_with_derived_takes_the_token_from_the_named_env_var() -> None:
     derived = config.with_derived(
         environ={"TOKCAP_TOKEN": SECRET},
         token_factory=lambda: pytest.fail("the factory must not be called"),
-        capture_dir_default="/var/tokcap",
     )
     assert derived.control_token == SECRET
     assert derived.control_token_env is None
-    assert derived.capture_dir == "/var/tokcap"
     assert config.control_token is None  # the original is untouched
     secret_free(derived, SECRET)
 
@@ -155,36 +152,58 @@ def test_with_derived_takes_the_token_from_the_named_env_var() -> None:
 def test_a_named_env_var_that_is_missing_or_empty_is_an_error(environ: dict[str, str]) -> None:
     config = CaptureConfig(control_token_env="TOKCAP_TOKEN")
     with pytest.raises(ConfigError) as e:
-        config.with_derived(environ=environ, capture_dir_default="/c")
+        config.with_derived(environ=environ)
     assert e.value.code == "token_env_missing"
     assert "TOKCAP_TOKEN" in str(e.value)
 
 
 def test_with_derived_mints_a_token_from_the_factory_when_none_is_set() -> None:
-    derived = CaptureConfig().with_derived(
-        environ={}, token_factory=lambda: SECRET, capture_dir_default="/c"
-    )
+    derived = CaptureConfig().with_derived(environ={}, token_factory=lambda: SECRET)
     assert derived.control_token == SECRET
 
 
 def test_the_default_factory_mints_distinct_url_safe_tokens() -> None:
-    first = CaptureConfig().with_derived(environ={}, capture_dir_default="/c").control_token
-    second = CaptureConfig().with_derived(environ={}, capture_dir_default="/c").control_token
+    first = CaptureConfig().with_derived(environ={}).control_token
+    second = CaptureConfig().with_derived(environ={}).control_token
     assert first
     assert second
     assert first != second
     assert len(first) >= 32
 
 
-def test_with_derived_keeps_a_set_token_and_capture_dir() -> None:
-    config = CaptureConfig(control_token=SECRET, capture_dir="/mine")
-    derived = config.with_derived(
-        environ={"X": "y"}, token_factory=lambda: "other", capture_dir_default="/c"
-    )
+def test_with_derived_keeps_a_set_token() -> None:
+    config = CaptureConfig(control_token=SECRET)
+    derived = config.with_derived(environ={"X": "y"}, token_factory=lambda: "other")
     assert derived == config
 
 
 def test_a_factory_returning_an_empty_token_is_refused() -> None:
     with pytest.raises(ConfigError) as e:
-        CaptureConfig().with_derived(environ={}, token_factory=lambda: "", capture_dir_default="/c")
+        CaptureConfig().with_derived(environ={}, token_factory=lambda: "")
     assert e.value.code == "bad_token"
+
+
+class _Field:
+    name = "workers"
+
+
+def test_the_shared_validators_raise_bad_field_codes() -> None:
+    from tokcap_core.config import at_least, non_empty_text, one_of, positive_number
+
+    cases = [
+        (at_least(1), 0),
+        (at_least(1), True),
+        (at_least(1), 1.5),
+        (positive_number, 0),
+        (positive_number, float("inf")),
+        (positive_number, False),
+        (non_empty_text, ""),
+        (non_empty_text, 3),
+        (one_of("a", "b"), "c"),
+    ]
+    for check, value in cases:
+        with pytest.raises(ConfigError) as e:
+            check(None, _Field(), value)
+        assert e.value.code == "bad_workers", (check, value)
+    for check, value in [(at_least(1), 1), (positive_number, 0.5), (non_empty_text, "x")]:
+        check(None, _Field(), value)

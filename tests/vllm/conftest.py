@@ -21,7 +21,7 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS  # noqa: E402
-from tokcap_core import MemorySink, SinkError, StagedCall  # noqa: E402
+from tokcap_core import CaptureConfig, MemorySink, SinkError, StagedCall
 from tokcap_vllm import Gate, GateConfig, InProcessServer  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """The gate (control token set, ledger persisted to a file) on vLLM's OpenAI server."""
     config = GateConfig(
         parent_commit_timeout_s=30,
-        control_token=CONTROL_TOKEN,
+        capture=CaptureConfig(control_token=CONTROL_TOKEN, return_token_ids=True),
         ledger_path=str(tmp_path_factory.mktemp("gate") / "ledger.jsonl"),
     )
     gate = Gate(config, sink=FailingSink())

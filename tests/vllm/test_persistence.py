@@ -31,10 +31,9 @@ from tokcap_vllm import (
     ControlPlaneClient,
     Gate,
     GateConfig,
-    LedgerFile,
     LedgerFileError,
-    read_ledger_records,
 )
+from tokcap_vllm.persist import LedgerFile, read_ledger_records
 
 
 def _gate(path: Path, **config: object) -> Gate:
@@ -44,11 +43,10 @@ def _gate(path: Path, **config: object) -> Gate:
 def _feed(gate: Gate, rollout_id: str, *, seed: int, close: bool) -> bytes | None:
     """Replay a simulated rollout's events into the gate (closing it through `Gate.close`)."""
     sim = simulate_rollout(rollout_id, seed=seed, turns=3)
-    rollout = gate.rollout_for_call(rollout_id)
-    assert rollout is not None
+    record = gate.registry.join(rollout_id)
     *body, last = sim.ledger.entries
     for entry in body:
-        rollout.ledger.append(entry.event)
+        gate._append(record, entry.event)  # what the capture path appends, without an engine
     if not close:
         return None
     assert isinstance(last.event, Closed)
@@ -71,7 +69,7 @@ def test_closed_manifests_come_back_byte_identical_and_open_ones_poisoned(tmp_pa
     assert state.poisoned == Poisoned(reason="gate_restarted")
     assert assemble_receipt(state).failure_reason == "gate_restarted"
     with pytest.raises(Exception, match="rollout_closed"):
-        restarted.rollout_for_call("open-1")  # never silently resumed
+        restarted.begin("open-1", kind="chat")  # never silently resumed
 
     third = _gate(path)  # the poisoning was persisted: it is not applied twice
     assert encode_manifest(manifest_of(third.ledger("open-1"))) == encode_manifest(
@@ -159,10 +157,9 @@ def test_released_rollouts_are_compacted_away(tmp_path: Path) -> None:
 
 
 def _feed_events(gate: Gate, rollout_id: str, *, seed: int) -> None:
-    rollout = gate.rollout_for_call(rollout_id)
-    assert rollout is not None
+    record = gate.registry.join(rollout_id)
     for entry in simulate_rollout(rollout_id, seed=seed, turns=2).ledger.entries[:-1]:
-        rollout.ledger.append(entry.event)
+        gate._append(record, entry.event)  # what the capture path appends, without an engine
 
 
 def test_a_released_id_used_again_starts_a_new_ledger(tmp_path: Path) -> None:

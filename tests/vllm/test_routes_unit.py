@@ -15,11 +15,12 @@ from typing import Any
 import anyio
 import numpy as np
 
-from tokcap_core import assemble_receipt, reassemble, verify_manifest
+from tokcap_core import CaptureConfig, assemble_receipt, reassemble, verify_manifest
 from tokcap_core.ledger import manifest_of
-from tokcap_vllm import CaptureHost, Gate
+from tokcap_vllm import Gate, GateConfig
 from tokcap_vllm._admission import ChatPlan
 from tokcap_vllm._host import CURRENT_TICKET, Ticket
+from tokcap_vllm.extend import CaptureHost
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
 
@@ -67,7 +68,7 @@ class FakeEngine:
 
 def test_routes_are_aligned_and_backfilled_across_a_chain() -> None:
     """Three chained calls: the row's routes cover every token; parents' last rows come from child prefill."""
-    gate = Gate()
+    gate = Gate(GateConfig(capture=CaptureConfig(capture_routes=True)))
     host = CaptureHost(FakeEngine(gen=3))
     host.install()
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -75,8 +76,6 @@ def test_routes_are_aligned_and_backfilled_across_a_chain() -> None:
     async def main() -> list[Any]:
         async with anyio.create_task_group() as tg:
             await tg.start(gate.serve)
-            rollout = gate.rollout_for_call("moe-1")
-            assert rollout is not None
             cum: list[int] = []
             for turn in range(3):
                 suffix = [10 + turn, 11 + turn]
@@ -86,10 +85,12 @@ def test_routes_are_aligned_and_backfilled_across_a_chain() -> None:
                     prompt_ids=cum + suffix,
                     prompt_text="",
                     request_fingerprint=f"fp{turn}",
+                    formation="extend" if turn else "root",
                 )
-                call = await gate.admit(
-                    rollout, lambda *_: plan, kind="completion", messages=None, idempotency_key=None
-                )
+                call = gate.begin("moe-1", kind="completion")
+                assert call is not None
+                assert await gate.claim(call) is None
+                await gate.admit(call, lambda *_, plan=plan: plan)
                 ticket = Ticket(
                     prompt_ids=plan.prompt_ids,
                     on_finish=lambda r, call=call: gate.engine_finished(call, r),

@@ -25,9 +25,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.vllm._helpers import CONTROL_TOKEN, client, control
-from tokcap_core import decode_manifest
+from tokcap_core import CaptureConfig, decode_manifest
 from tokcap_core.errors import ManifestError
-from tokcap_vllm import ControlPlane, ControlPlaneClient, Gate, GateConfig, InProcessServer
+from tokcap_vllm import ControlPlaneClient, Gate, GateConfig, InProcessServer
+from tokcap_vllm.extend import ControlPlane
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -161,12 +162,10 @@ def test_the_token_never_shows_in_logs_repr_metrics_or_error_bodies(
             headers=RIGHT,
         )
         shown += [chat.text]
-    env_plane = ControlPlane(
-        Gate(GateConfig(control_token=None)), environ={"TOKCAP_CONTROL_TOKEN": CONTROL_TOKEN}
-    )
+    env_plane = ControlPlane(Gate(GateConfig()), environ={"TOKCAP_CONTROL_TOKEN": CONTROL_TOKEN})
     shown += [
-        repr(GateConfig(control_token=CONTROL_TOKEN)),
-        str(GateConfig(control_token=CONTROL_TOKEN)),
+        repr(GateConfig(capture=CaptureConfig(control_token=CONTROL_TOKEN))),
+        str(GateConfig(capture=CaptureConfig(control_token=CONTROL_TOKEN))),
         repr(server.gate.config),
         repr(server.gate),
         repr(env_plane),
@@ -335,11 +334,12 @@ def test_the_gate_refuses_to_serve_a_manifest_over_its_bound() -> None:
     """``GateConfig.max_manifest_bytes``: 413 ``manifest_too_large``, never a truncated manifest."""
     from tokcap_core.simulate import simulate_rollout
 
-    gate = Gate(GateConfig(control_token=CONTROL_TOKEN, max_manifest_bytes=600))
-    rollout = gate.rollout_for_call("sec-big")
-    assert rollout is not None
+    gate = Gate(
+        GateConfig(capture=CaptureConfig(control_token=CONTROL_TOKEN), max_manifest_bytes=600)
+    )
+    record = gate.registry.join("sec-big")
     for entry in simulate_rollout("sec-big", seed=1, turns=3).ledger.entries[:-1]:
-        rollout.ledger.append(entry.event)
+        gate._append(record, entry.event)  # what the capture path appends, without an engine
 
     async def main() -> httpx.Response:
         transport = httpx.ASGITransport(app=ControlPlane(gate))  # type: ignore[arg-type]

@@ -1,10 +1,16 @@
-"""Capture configuration: what the gate captures and how strict the trainer is about it.
+"""Capture configuration: the one place users say what is captured and how strictly.
 
-Stdlib only (the adapters wrap it in their own attrs configs). An unsupported
-combination cannot be built: the constructor raises `ConfigError` with a code, and
-`CaptureConfig.validate` re-checks and returns warnings for risky-but-legal choices.
-Derived fields (control-plane token, capture dir) are filled by `with_derived`, whose
+`CaptureConfig` is written once and read by both sides: the gate (``GateConfig.capture``:
+the control token, the staging timeout, whether routes are staged and whether token ids
+may reach the harness) and the trainer (segments, ``min_valid_fraction``,
+``max_seq_len``). An unsupported combination cannot be built: the constructor raises
+`ConfigError` with a code, and `CaptureConfig.validate` re-checks and returns warnings for
+risky-but-legal choices. The control token can be minted by `with_derived`, whose
 environment and randomness come in as arguments. The token is never printed.
+
+Every adapter rejects bad configuration the same way: a `ConfigError` whose code is
+``bad_<field>``; the attrs-compatible validators here (`at_least`, `positive_number`,
+`non_empty_text`, `one_of`) are what their config classes use.
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ import math
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ._errors import ConfigError
 from ._policy import check_min_valid_fraction
 from ._receipt import SEGMENT_MODES
 from ._routes import dtype_for_experts
 
-__all__ = ["CaptureConfig"]
+__all__ = ["CaptureConfig", "at_least", "non_empty_text", "one_of", "positive_number"]
 
 _MAX_INT32_EXPERTS = 2**31
 _REDACTED = "<redacted>"
@@ -54,6 +61,8 @@ class CaptureConfig:
     segments: str = "terminal"
     """``"terminal"`` (only the terminal's chain) or ``"all"`` (one row per root)."""
     capture_routes: bool = False
+    """Routes are required: a call the engine returns without routed experts fails
+    (``routes_missing``). Routes the engine returns are staged either way."""
     model_is_moe: bool | None = None
     """None: unknown (route capture cannot be checked against the model)."""
     num_experts: int | None = None
@@ -64,8 +73,8 @@ class CaptureConfig:
     stage_timeout_s: float = 30.0
     control_token: str | None = field(default=None, repr=False)
     control_token_env: str | None = None
-    """Name of an environment variable holding the control token."""
-    capture_dir: str | None = None
+    """Name of an environment variable holding the control token (the gate falls back to
+    ``TOKCAP_CONTROL_TOKEN`` when neither this nor ``control_token`` is set)."""
 
     def __post_init__(self) -> None:
         self._check()
@@ -103,7 +112,6 @@ class CaptureConfig:
         )
         _check(_optional_text(self.control_token), "bad_token", "control_token: non-empty str")
         _check(_optional_text(self.control_token_env), "bad_token_env", "control_token_env: str")
-        _check(_optional_text(self.capture_dir), "bad_capture_dir", "capture_dir: non-empty str")
         _check(
             self.control_token is None or self.control_token_env is None,
             "ambiguous_token",
@@ -120,7 +128,7 @@ class CaptureConfig:
 
         Raises `ConfigError` (as the constructor does): ``bad_type``, ``bad_segments``,
         ``bad_min_valid_fraction``, ``bad_max_seq_len``, ``bad_num_experts``,
-        ``bad_timeout``, ``bad_token``, ``bad_token_env``, ``bad_capture_dir``,
+        ``bad_timeout``, ``bad_token``, ``bad_token_env``,
         ``ambiguous_token``, ``routes_without_moe``. The default config warns once
         (``segments="terminal"``); warnings never quote the token.
         """
@@ -158,18 +166,13 @@ class CaptureConfig:
         return values
 
     def with_derived(
-        self,
-        *,
-        environ: Mapping[str, str],
-        token_factory: Callable[[], str] = _new_token,
-        capture_dir_default: str,
+        self, *, environ: Mapping[str, str], token_factory: Callable[[], str] = _new_token
     ) -> CaptureConfig:
-        """A copy with the control token and capture dir filled in; pure given its arguments.
+        """A copy with the control token filled in; pure given its arguments.
 
         The token comes from ``environ[control_token_env]`` if that is named (missing or
         empty: `ConfigError` ``token_env_missing``; the copy then holds the token and no
         env name), else from ``token_factory()`` if unset; a set token is kept.
-        ``capture_dir`` becomes ``capture_dir_default`` if unset.
         """
         token, env = self.control_token, self.control_token_env
         if env is not None:
@@ -180,7 +183,52 @@ class CaptureConfig:
             env = None
         elif token is None:
             token = token_factory()
-        capture_dir = self.capture_dir if self.capture_dir is not None else capture_dir_default
-        return dataclasses.replace(
-            self, control_token=token, control_token_env=env, capture_dir=capture_dir
-        )
+        return dataclasses.replace(self, control_token=token, control_token_env=env)
+
+
+# ---- validators shared by every adapter's config class (attrs-compatible) ---------------
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Validator = Callable[[Any, Any, Any], None]
+"""``check(instance, attribute, value)``: raises `ConfigError` ``bad_<attribute.name>``."""
+
+
+def _bad(attribute: _Named, message: str) -> ConfigError:
+    return ConfigError(f"bad_{attribute.name}", f"{attribute.name} {message}")
+
+
+def at_least(low: int) -> Validator:
+    """An int (not a bool) ``>= low``."""
+
+    def check(_: object, attribute: _Named, value: Any) -> None:
+        if not _is_int(value) or value < low:
+            raise _bad(attribute, f"must be an int >= {low}: {value!r}")
+
+    return check
+
+
+def positive_number(_: object, attribute: _Named, value: Any) -> None:
+    """A finite int or float (not a bool) ``> 0``."""
+    if not (type(value) in (int, float) and math.isfinite(value) and value > 0):
+        raise _bad(attribute, f"must be a finite number > 0: {value!r}")
+
+
+def non_empty_text(_: object, attribute: _Named, value: Any) -> None:
+    """A non-empty str."""
+    if type(value) is not str or not value:
+        raise _bad(attribute, f"must be a non-empty str: {value!r}")
+
+
+def one_of(*allowed: object) -> Validator:
+    """One of ``allowed`` (compared with ``==``)."""
+
+    def check(_: object, attribute: _Named, value: Any) -> None:
+        if value not in allowed:
+            raise _bad(attribute, f"must be one of {allowed!r}: {value!r}")
+
+    return check

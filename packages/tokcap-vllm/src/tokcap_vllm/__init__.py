@@ -10,90 +10,60 @@ response path, and committed once the sink acknowledged. vLLM itself is not a
 dependency: importing vLLM-facing parts without it raises an `ImportError` that names
 the install command.
 
-The trainer talks to the gate's authenticated control plane (``/tokcap/v1/...``,
-`ControlPlane`) through `ControlPlaneClient`: close rollouts (keeping the ledger head),
-declare terminals, fetch and verify manifests into receipts, release. With
-``GateConfig.ledger_path`` the ledgers are persisted (`LedgerFile`), so a restarted gate
-serves closed manifests byte-identical and poisons rollouts that were open at the crash.
-Prometheus metrics are at ``/tokcap/v1/metrics``.
+The trainer talks to the gate's authenticated control plane (``/tokcap/v1/...``)
+through `ControlPlaneClient`: close rollouts (keeping the ledger head), declare
+terminals, fetch and verify manifests into receipts, release. With
+``GateConfig.ledger_path`` the ledgers are persisted, so a restarted gate serves closed
+manifests byte-identical and poisons rollouts that were open at the crash. Trainers
+push new weights into the running engine with `WeightSync`.
+
+Named submodules hold the rest: `tokcap_vllm.api` (control-plane wire bodies),
+`tokcap_vllm.errors`, `tokcap_vllm.fingerprints` (message and output fingerprints),
+`tokcap_vllm.persist` (the ledger file), `tokcap_vllm.weights` (push states and
+checks) and `tokcap_vllm.extend` (hooks, metrics, the capture host: for extending the
+gate).
 """
 
-from ._admission import message_fingerprints, normalize_message, output_fingerprint
-from ._api import CloseBody, Head, HeadResponse, Health, RolloutItem, RolloutPage, TerminalBody
-from ._client import MANIFEST_FAILURE_BUCKET, ControlPlaneClient
+from ._client import ControlPlaneClient
 from ._config import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, GateConfig
-from ._control import ControlPlane
 from ._errors import (
-    BadRequest,
     ControlAuthError,
     ControlConflict,
     ControlNotFound,
     ControlPlaneError,
     ControlRequestError,
-    ControlUnavailable,
     ControlUnreachable,
     GateError,
-    InvalidBody,
-    RolloutConflict,
-    RolloutNotFound,
-    TooLarge,
-    Unauthorized,
-    Unsupported,
 )
-from ._gate import Gate, PendingCall
-from ._hooks import GateHooks
-from ._host import CaptureHost, EngineResult
+from ._gate import Gate
 from ._inproc import InProcessServer
-from ._middleware import GateMiddleware, default_gate, install_gate
-from ._persist import LedgerFile, LedgerFileError, read_ledger_records
-from ._prom import GateMetrics
-from ._vllm import INSTALL_HINT, require_vllm
+from ._middleware import GateMiddleware, install_gate
+from ._persist import LedgerFileError
+from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
+from ._weights import WeightSync
+from ._worker import WeightSyncWorker
 
 __all__ = [
     "CONTROL_TOKEN_ENV",
-    "INSTALL_HINT",
     "LEDGER_PATH_ENV",
-    "MANIFEST_FAILURE_BUCKET",
-    "BadRequest",
-    "CaptureHost",
-    "CloseBody",
     "ControlAuthError",
     "ControlConflict",
     "ControlNotFound",
-    "ControlPlane",
     "ControlPlaneClient",
     "ControlPlaneError",
     "ControlRequestError",
-    "ControlUnavailable",
     "ControlUnreachable",
-    "EngineResult",
     "Gate",
     "GateConfig",
     "GateError",
-    "GateHooks",
-    "GateMetrics",
     "GateMiddleware",
-    "Head",
-    "HeadResponse",
-    "Health",
     "InProcessServer",
-    "InvalidBody",
-    "LedgerFile",
     "LedgerFileError",
-    "PendingCall",
-    "RolloutConflict",
-    "RolloutItem",
-    "RolloutNotFound",
-    "RolloutPage",
-    "TerminalBody",
-    "TooLarge",
-    "Unauthorized",
-    "Unsupported",
-    "default_gate",
+    "WeightPhase",
+    "WeightPushError",
+    "WeightState",
+    "WeightSync",
+    "WeightSyncError",
+    "WeightSyncWorker",
     "install_gate",
-    "message_fingerprints",
-    "normalize_message",
-    "output_fingerprint",
-    "read_ledger_records",
-    "require_vllm",
 ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ._errors import BadRequest
@@ -59,7 +59,13 @@ class PriorCall:
 
 @dataclass(slots=True)
 class ChatPlan:
-    """Admission's answer: the parent (None: root), the exact engine prompt, and the text it is."""
+    """Admission's answer: the parent (None: root), the exact engine prompt, and the text it is.
+
+    ``formation`` says how the prompt was formed: ``"root"`` (no parent; ``break_cause``
+    says why when the rollout had calls before), ``"extend"`` (the rendered history starts
+    with the parent's exact text) or ``"splice"`` (the parent's exact ids, then the
+    tokenised new messages; ``splice_cause`` says why the template's rendering differed).
+    """
 
     parent_id: str | None
     prefix_len: int
@@ -67,7 +73,8 @@ class ChatPlan:
     prompt_text: str
     break_cause: str | None = None
     request_fingerprint: str = ""
-    details: dict[str, int] = field(default_factory=dict)
+    formation: str = "root"
+    splice_cause: str | None = None
 
 
 def _text_of(content: object) -> str:
@@ -212,7 +219,7 @@ def plan_chat(
             prompt_ids=prompt_ids,
             prompt_text=full,
             request_fingerprint=request_fp,
-            details={"template_tail_chars": len(prefix) - len(parent.cum_text)},
+            formation="extend",
         )
     return _root(full, encode, request_fp, "no_parent_match" if priors else None)
 
@@ -271,4 +278,5 @@ def plan_completion(
         prompt_ids=ids,
         prompt_text=text,
         request_fingerprint=request_fp,
+        formation="extend",
     )

@@ -94,7 +94,7 @@ class RolloutPage(msgspec.Struct):
 class Health(msgspec.Struct):
     """``GET /tokcap/v1/health``."""
 
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "degraded", "down"]
     serving: bool
     rollouts_open: int
     rollouts_closed: int
@@ -128,6 +128,11 @@ _TYPES = {
 
 
 def error_json(code: str, message: str, status: int) -> bytes:
-    """An error body for ``status`` carrying ``code``."""
+    """The one error body the gate answers with: OpenAI's error shape with a stable ``code``.
+
+    The message starts with ``[code]`` because the ``openai`` client shows only the message
+    in its exceptions; `ControlPlaneClient` strips it again.
+    """
     kind = _TYPES.get(status, "InternalServerError")
-    return msgspec.json.encode(ErrorBody(error=_ErrorDetail(message=message, type=kind, code=code)))
+    detail = _ErrorDetail(message=f"[{code}] {message}", type=kind, code=code)
+    return msgspec.json.encode(ErrorBody(error=detail))

@@ -9,8 +9,8 @@ errors and 5xx answers. POST close/terminal are not idempotent (a second close a
 `fetch_receipts` fetches manifests concurrently (bounded), replays and verifies them with
 the core against the heads kept at close, and returns one receipt per rollout id, in
 order. A rollout the gate does not know, or whose manifest does not decode or verify,
-becomes a *poisoned* receipt whose reason is ``reassembly_failed:manifest:<code>`` (never
-dropped); failures of the control plane itself (auth, unreachable) raise.
+becomes a *poisoned* receipt whose reason is ``manifest_invalid:<code>`` (never dropped);
+failures of the control plane itself (auth, unreachable) raise.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ _BY_STATUS: dict[int, type[ControlPlaneError]] = {
 def _error(status: int, body: bytes, what: str) -> ControlPlaneError:
     try:
         detail = msgspec.json.decode(body, type=ErrorBody).error
-        code, message = detail.code, detail.message
+        code, message = detail.code, detail.message.removeprefix(f"[{detail.code}] ")
     except msgspec.MsgspecError:
         code, message = f"http_{status}", f"{what}: HTTP {status}"
     kind = _BY_STATUS.get(status)

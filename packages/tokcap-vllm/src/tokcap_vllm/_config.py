@@ -1,11 +1,19 @@
-"""Gate configuration (attrs, frozen, validated)."""
+"""Gate configuration (attrs, frozen, validated: a bad value raises `ConfigError` ``bad_<field>``).
+
+What is captured and the secrets live in the core's `CaptureConfig` (``GateConfig.capture``),
+the one configuration a trainer and a gate share; ``GateConfig`` adds how the gate routes,
+bounds and persists.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
+from tokcap_core import CaptureConfig, ConfigError
+from tokcap_core.config import at_least, non_empty_text, positive_number
 from tokcap_core.ledger import MAX_MANIFEST_BYTES
 
 __all__ = ["CONTROL_TOKEN_ENV", "LEDGER_PATH_ENV", "GateConfig"]
@@ -16,53 +24,68 @@ LEDGER_PATH_ENV = "TOKCAP_LEDGER_PATH"
 """The environment variable `GateConfig.from_environ` reads the ledger file path from."""
 
 
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+def _capture(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, CaptureConfig):
+        raise ConfigError("bad_capture", f"capture must be a CaptureConfig: {value!r}")
+
+
+def _path_prefix(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not (isinstance(value, str) and value.startswith("/") and value.endswith("/")):
+        raise ConfigError("bad_path_prefix", f"path_prefix must start and end with '/': {value!r}")
+
+
+def _markers(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not (isinstance(value, tuple) and all(isinstance(m, str) and m for m in value)):
+        raise ConfigError(
+            "bad_reasoning_markers", f"reasoning_markers must be a tuple of str: {value!r}"
+        )
+
+
+def _optional_text(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        non_empty_text(_, attribute, value)
 
 
 @attrs.frozen(kw_only=True)
 class GateConfig:
-    """How the gate routes, admits and stages captured calls.
+    """How the gate routes, admits, bounds and persists captured calls.
 
-    ``parent_commit_timeout_s`` bounds how long a child waits for its parent's sink
-    acknowledgement; ``stage_timeout_s`` bounds one sink write; ``weight_version`` is
-    recorded when the engine reports none (or a non-integer label).
+    ``capture`` holds the capture policy and secrets (token, staging timeout, routes,
+    token ids to the harness). ``parent_commit_timeout_s`` bounds how long a child (or a
+    retry) waits for the call it depends on; ``weight_version`` is recorded when the
+    engine reports none (or a non-integer label).
     """
 
-    path_prefix: str = "/tokcap/rollouts/"
-    rollout_header: str = "x-tokcap-rollout-id"
-    idempotency_header: str = "idempotency-key"
-    parent_commit_timeout_s: float = attrs.field(default=60.0, validator=_positive)
-    stage_timeout_s: float = attrs.field(default=60.0, validator=_positive)
-    max_body_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=attrs.validators.ge(1))
-    weight_version: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    reasoning_markers: tuple[str, ...] = ("<think>",)
-    """Text whose disappearance from re-rendered history means 'reasoning_stripped'."""
-
-    # ---- control plane and persistence (part 2) ---------------------------------------
-    control_token: str | None = attrs.field(default=None, repr=False)
-    """The control plane's bearer token (a secret: never in ``repr``, logs or metrics)."""
-    control_token_env: str | None = CONTROL_TOKEN_ENV
-    """Where to read the token from when ``control_token`` is None."""
-    ledger_path: str | None = None
+    capture: CaptureConfig = attrs.field(factory=CaptureConfig, validator=_capture)
+    path_prefix: str = attrs.field(default="/tokcap/rollouts/", validator=_path_prefix)
+    rollout_header: str = attrs.field(default="x-tokcap-rollout-id", validator=non_empty_text)
+    idempotency_header: str = attrs.field(default="idempotency-key", validator=non_empty_text)
+    parent_commit_timeout_s: float = attrs.field(default=60.0, validator=positive_number)
+    max_body_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=at_least(1))
+    max_chars_per_token: int = attrs.field(default=32, validator=at_least(1))
+    """A prompt longer than ``max_model_len * max_chars_per_token`` characters is refused
+    (``prompt_too_long``) before it is tokenised: natural text averages ~4 per token."""
+    max_open_rollouts: int = attrs.field(default=100_000, validator=at_least(1))
+    """More open rollouts than this are refused (``too_many_open_rollouts``, 503)."""
+    weight_version: int = attrs.field(default=0, validator=at_least(0))
+    reasoning_markers: tuple[str, ...] = attrs.field(default=("<think>",), validator=_markers)
+    """Text that opens a reasoning block: history re-rendered without it is a
+    ``reasoning_stripped`` break."""
+    ledger_path: str | None = attrs.field(default=None, validator=_optional_text)
     """The append-only ledger file (None: ledgers live in memory only)."""
-    compact_after_releases: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    compact_after_releases: int = attrs.field(default=1024, validator=at_least(1))
     """Rewrite the ledger file without released rollouts once this many were released."""
-    max_manifest_bytes: int = attrs.field(
-        default=MAX_MANIFEST_BYTES, validator=attrs.validators.ge(1)
-    )
+    max_manifest_bytes: int = attrs.field(default=MAX_MANIFEST_BYTES, validator=at_least(1))
     """A manifest larger than this is refused (``manifest_too_large``), never truncated."""
-    max_page_size: int = attrs.field(default=1000, validator=attrs.validators.ge(1))
+    max_page_size: int = attrs.field(default=1000, validator=at_least(1))
     """The largest page ``GET /tokcap/v1/rollouts`` returns."""
 
     def resolve_token(self, environ: Mapping[str, str]) -> str | None:
-        """The control token: ``control_token``, else ``environ[control_token_env]``, else None."""
-        if self.control_token:
-            return self.control_token
-        if self.control_token_env is None:
-            return None
-        return environ.get(self.control_token_env) or None
+        """The control token: ``capture.control_token``, else the variable
+        ``capture.control_token_env`` names (default ``TOKCAP_CONTROL_TOKEN``), else None."""
+        if self.capture.control_token:
+            return self.capture.control_token
+        return environ.get(self.capture.control_token_env or CONTROL_TOKEN_ENV) or None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> GateConfig:

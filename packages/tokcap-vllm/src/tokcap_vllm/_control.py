@@ -2,33 +2,36 @@
 
 Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``):
 
-- ``GET  health`` · ``GET metrics`` (Prometheus text of this gate)
+- ``GET  health`` (503 while the gate is not serving) · ``GET metrics`` (Prometheus text)
 - ``GET  rollouts?state=open|closed&limit=N&after=ID`` (ascending ids, paged)
 - ``GET  rollouts/{id}/manifest`` — exactly ``encode_manifest`` bytes
 - ``POST rollouts/{id}/terminal`` `TerminalBody` · ``POST rollouts/{id}/close`` `CloseBody`
   — both answer the ledger head; close answers once the head is durable
 - ``DELETE rollouts/{id}`` — the gate forgets a closed rollout (sink keys are the trainer's)
 
-Statuses: 400 bad JSON or id, 401 no/wrong token, 404 unknown rollout or route, 405,
-409 an illegal ledger transition (the ledger's code: ``rollout_closed``,
-``terminal_already_declared``, ...), 413 manifest over the bound, 422 a body that decodes
-but is invalid, 503 no token configured or the ledger file failed. The token is compared
-in constant time and never appears in a log line, ``repr``, metric or error.
+Statuses: 400 bad JSON or id, a duplicated ``Authorization`` header, or a token in the
+query string (refused, and redacted from the request before any access log sees it);
+401 no/wrong token; 404 unknown rollout or route; 405; 409 an illegal ledger transition
+(the ledger's code: ``rollout_closed``, ``terminal_already_declared``, ...); 413 manifest
+over the bound; 422 a body that decodes but is invalid; 503 no token configured, the head
+could not be made durable, or the gate is down. The token is compared in constant time
+and never appears in a log line, ``repr``, metric or error.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
-from urllib.parse import parse_qs, unquote
+from typing import TypeVar
+from urllib.parse import parse_qs, parse_qsl, unquote, urlencode
 
 import msgspec
 
-from tokcap_core import InvalidId, LedgerProtocolError
-from tokcap_core.ids import validate_rollout_id
+from tokcap_core import LedgerProtocolError
+from tokcap_core.errors import InvalidId
+from tokcap_core.ids import RolloutId
 from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 
 from ._admission import output_fingerprint
@@ -44,42 +47,42 @@ from ._api import (
     TerminalBody,
     error_json,
 )
+from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
 from ._errors import (
     BadRequest,
     ControlUnavailable,
     GateError,
     InvalidBody,
+    MethodNotAllowed,
     RolloutConflict,
     RolloutNotFound,
     TooLarge,
     Unauthorized,
 )
 from ._gate import Gate
+from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ._persist import LedgerFileError
-from ._prom import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ._wire import read_body
+from ._routing import parse_rollout_id
 
 __all__ = ["ControlPlane"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 _Body = TypeVar("_Body", TerminalBody, CloseBody)
 
 _MAX_BODY = 1 << 20
-_JSON = b"application/json"
+_SECRET_PARAMS = frozenset({"token", "access_token", "authorization", "auth", "bearer", "key"})
 
 
 class _Reply:
     __slots__ = ("body", "content_type", "status")
 
-    def __init__(self, body: bytes, *, status: int = 200, content_type: bytes = _JSON) -> None:
+    def __init__(
+        self, body: bytes, *, status: int = 200, content_type: bytes = b"application/json"
+    ) -> None:
         self.body, self.status, self.content_type = body, status, content_type
 
 
-def _json(value: msgspec.Struct) -> _Reply:
-    return _Reply(msgspec.json.encode(value))
+def _json(value: msgspec.Struct, status: int = 200) -> _Reply:
+    return _Reply(msgspec.json.encode(value), status=status)
 
 
 class ControlPlane:
@@ -98,33 +101,32 @@ class ControlPlane:
             self._authorize(scope)
             reply = await self._route(scope, receive)
         except GateError as e:
-            reply = _Reply(error_json(e.code, e.message, type(e).status), status=type(e).status)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": reply.status,
-                "headers": [
-                    (b"content-type", reply.content_type),
-                    (b"content-length", str(len(reply.body)).encode()),
-                    *([(b"www-authenticate", b"Bearer")] if reply.status == 401 else []),
-                ],
-            }
+            status = type(e).status
+            reply = _Reply(error_json(e.code, e.message, status), status=status)
+        headers = [(b"www-authenticate", b"Bearer")] if reply.status == 401 else []
+        await send_body(
+            send, reply.status, reply.body, content_type=reply.content_type, headers=headers
         )
-        await send({"type": "http.response.body", "body": reply.body, "more_body": False})
 
     def _authorize(self, scope: Scope) -> None:
+        if _redact_query(scope):
+            raise BadRequest(
+                "token_in_query", "send the token in the Authorization header, never in the URL"
+            )
         if self._token is None:
             raise ControlUnavailable(
                 "control_plane_disabled",
-                "no control token configured (GateConfig.control_token or the variable "
-                "named by control_token_env)",
+                "no control token configured (CaptureConfig.control_token or the variable "
+                "named by control_token_env, default TOKCAP_CONTROL_TOKEN)",
             )
+        values = header_values(scope, b"authorization")
+        if len(values) > 1:
+            raise BadRequest("duplicate_authorization", "more than one Authorization header")
         given = b""
-        for name, value in scope.get("headers", ()):
-            if name.lower() == b"authorization":
-                scheme, _, credentials = bytes(value).partition(b" ")
-                if scheme.lower() == b"bearer":
-                    given = credentials.strip()
+        if values:
+            scheme, _, credentials = values[0].encode("latin-1").partition(b" ")
+            if scheme.lower() == b"bearer":
+                given = credentials.strip()
         if not hmac.compare_digest(given, self._token):
             raise Unauthorized("unauthorized", "a valid bearer token is required")
 
@@ -137,12 +139,12 @@ class ControlPlane:
             return self._health()
         if parts == ["metrics"]:
             _allow(method, "GET")
-            return _Reply(self.gate.prometheus.render(), content_type=METRICS_CONTENT_TYPE.encode())
+            return _Reply(self.gate.telemetry.render(), content_type=METRICS_CONTENT_TYPE.encode())
         if parts == ["rollouts"]:
             _allow(method, "GET")
             return self._list(scope.get("query_string", b""))
         if len(parts) in (2, 3) and parts[0] == "rollouts":
-            rollout_id = _rollout_id(parts[1])
+            rollout_id = parse_rollout_id(unquote(parts[1]))
             action = parts[2] if len(parts) == 3 else None
             if action is None:
                 _allow(method, "DELETE")
@@ -161,19 +163,16 @@ class ControlPlane:
     # ---- handlers ---------------------------------------------------------------------
 
     def _health(self) -> _Reply:
-        states = self.gate.rollouts().values()
-        file = self.gate.ledger_file
-        error = file.error if file is not None else None
-        return _json(
-            Health(
-                status="ok" if error is None else "degraded",
-                serving=self.gate.running,
-                rollouts_open=sum(1 for s in states if s == "open"),
-                rollouts_closed=sum(1 for s in states if s == "closed"),
-                ledger_file=file is not None,
-                ledger_error=error,
-            )
+        health = self.gate.health()
+        body = Health(
+            status=health.status,  # type: ignore[arg-type]
+            serving=health.serving,
+            rollouts_open=health.rollouts_open,
+            rollouts_closed=health.rollouts_closed,
+            ledger_file=self.gate.ledger_file is not None,
+            ledger_error=health.ledger_problem,
         )
+        return _json(body, status=503 if health.status == "down" else 200)
 
     def _list(self, query: bytes) -> _Reply:
         params = parse_qs(query.decode("latin-1"), keep_blank_values=True)
@@ -199,7 +198,7 @@ class ControlPlane:
         items = [RolloutItem(rollout_id=rid, state=s) for rid, s in page]  # type: ignore[arg-type]
         return _json(RolloutPage(rollouts=items, next_cursor=next_cursor))
 
-    def _manifest(self, rollout_id: str) -> _Reply:
+    def _manifest(self, rollout_id: RolloutId) -> _Reply:
         body = encode_manifest(manifest_of(self.gate.ledger(rollout_id)))
         bound = self.gate.config.max_manifest_bytes
         if len(body) > bound:
@@ -208,7 +207,7 @@ class ControlPlane:
             )
         return _Reply(body)
 
-    def _terminal(self, rollout_id: str, body: TerminalBody) -> _Reply:
+    def _terminal(self, rollout_id: RolloutId, body: TerminalBody) -> _Reply:
         if (body.call_id is None) == (body.response_id is None):
             raise InvalidBody("bad_body", "give exactly one of call_id, response_id")
         with _ledger_errors():
@@ -217,7 +216,7 @@ class ControlPlane:
             )
         return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=entry.seq, hash=entry.hash)))
 
-    async def _close(self, rollout_id: str, body: CloseBody) -> _Reply:
+    async def _close(self, rollout_id: RolloutId, body: CloseBody) -> _Reply:
         w = body.witnesses
         fingerprint = None
         if w is not None:
@@ -236,9 +235,7 @@ class ControlPlane:
             seq, head = await self.gate.close(rollout_id, body.reward, witnesses)
         return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=seq, hash=head)))
 
-    async def _release(self, rollout_id: str) -> _Reply:
-        if self.gate.rollouts().get(rollout_id) == "open":
-            raise RolloutConflict("rollout_open", f"{rollout_id} is open; close it first")
+    async def _release(self, rollout_id: RolloutId) -> _Reply:
         self.gate.release(rollout_id)
         file = self.gate.ledger_file
         if file is not None and file.should_compact:
@@ -263,18 +260,21 @@ def _ledger_errors() -> Iterator[None]:
 
 def _allow(method: str, allowed: str) -> None:
     if method != allowed:
-        raise _MethodNotAllowed("method_not_allowed", f"use {allowed}")
+        raise MethodNotAllowed("method_not_allowed", f"use {allowed}")
 
 
-class _MethodNotAllowed(GateError, ValueError):
-    status = 405
-
-
-def _rollout_id(segment: str) -> str:
-    try:
-        return validate_rollout_id(unquote(segment))
-    except InvalidId as e:
-        raise BadRequest("bad_rollout_id", e.message or str(e)) from e
+def _redact_query(scope: Scope) -> bool:
+    """Blank secret-looking query parameters in place (uvicorn's access log reads the same
+    scope); True if there were any."""
+    query = scope.get("query_string", b"")
+    if not query:
+        return False
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    if not any(name.lower() in _SECRET_PARAMS for name, _ in pairs):
+        return False
+    kept = [(n, "redacted" if n.lower() in _SECRET_PARAMS else v) for n, v in pairs]
+    scope["query_string"] = urlencode(kept).encode("latin-1")
+    return True
 
 
 def _one(params: dict[str, list[str]], name: str) -> str | None:
@@ -294,3 +294,7 @@ async def _body(receive: Receive, kind: type[_Body]) -> _Body:
         raise InvalidBody("bad_body", f"invalid body: {e}") from e
     except msgspec.DecodeError as e:
         raise BadRequest("bad_json", f"body is not JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRequest("bad_json", "body is nested too deeply") from e
+    except UnicodeDecodeError as e:
+        raise BadRequest("bad_json", "body is not valid UTF-8") from e

@@ -18,9 +18,11 @@ __all__ = [
     "ControlUnreachable",
     "GateError",
     "InvalidBody",
+    "MethodNotAllowed",
     "RolloutConflict",
     "RolloutNotFound",
     "TooLarge",
+    "TooManyRollouts",
     "Unauthorized",
     "Unsupported",
 ]
@@ -81,6 +83,18 @@ class ControlUnavailable(GateError, RuntimeError):
     """The control plane cannot serve: no token configured, or the ledger file failed."""
 
     status = 503
+
+
+class TooManyRollouts(GateError, RuntimeError):
+    """``GateConfig.max_open_rollouts`` rollouts are open: close some before starting more."""
+
+    status = 503
+
+
+class MethodNotAllowed(GateError, ValueError):
+    """A control route called with the wrong HTTP method."""
+
+    status = 405
 
 
 # ---- what the client raises -------------------------------------------------------------

@@ -1,127 +1,121 @@
-"""The gate: the open and closed rollouts of one vLLM server, their ledgers, and staging.
+"""The gate: captures every call of its rollouts, and keeps each failure inside its rollout.
 
-Per captured call: `admit` (resolve the parent, append ``Admitted``) → the engine runs on
-the admitted ids (`CaptureHost`) → `engine_finished` starts the sink write at once → the
-middleware reports the response complete (`response_complete`) → a background task
-commits ``Staged`` once the sink acknowledged, or ``Failed(served=True)`` if it did not.
-A call whose response never completed is `abandon`-ed: ``Failed(served=False)`` and its
-staged row (if any) cleared. A child waits for its parent's commit before it is admitted.
+Per captured request (see `tokcap_vllm._lifecycle` for the phases): `begin` joins the
+rollout; `claim` holds its idempotency key and request id (or finds the earlier call to
+replay); `admit` resolves the parent and appends ``Admitted``; the engine runs on the
+admitted ids (`CaptureHost`); `engine_finished` starts the sink write at once;
+`response_complete` (just before the response's last byte) makes the call a parent and
+schedules its commit, which appends ``Staged`` once the sink acknowledged, or
+``Failed(served=True)`` if it did not. A request refused before admission is `drop`-ped; a
+call whose response never completed is `abandon`-ed (``Failed(served=False)``, its staged
+row cleared).
 
-The control plane (`ControlPlane`) is a thin HTTP layer over `ledger`, `declare_terminal`,
-`close`, `release` and `rollouts`. Observers (`GateHooks`: the ledger file, Prometheus
-metrics) see every appended entry; with ``GateConfig.ledger_path`` the gate replays its
-ledger file when built, and rollouts that were open at a crash are poisoned
+Containment: nothing that goes wrong with one call reaches the task group `serve` runs.
+A sink failure, a ledger refusal (``ledger_refused``) or an unexpected error
+(``gate_failed``) fails that call and poisons its rollout; a ledger-file write failure
+(``ledger_write_failed``) poisons its rollout (``Poisoned`` at close); each is logged
+with its code and counted. Every other rollout goes on capturing.
+
+The control operations (`declare_terminal`, `close`, `release`) are what the control
+plane (`ControlPlane`) serves over HTTP. With ``GateConfig.ledger_path`` the gate
+replays its ledger file when built; rollouts that were open at a crash are poisoned
 (``gate_restarted``), never resumed.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from array import array
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 from anyio.abc import TaskGroup
 
-from tokcap_core import Entry, Ledger, MemorySink, StagedCall, TokcapError, TokenSink
-from tokcap_core.ids import validate_rollout_id
+from tokcap_core import Entry, Ledger, LedgerProtocolError, MemorySink, StagedCall, TokcapError
+from tokcap_core.ids import CallId, RolloutId
 from tokcap_core.ledger import (
+    OPEN,
     Admitted,
     Closed,
+    Event,
     Failed,
     Poisoned,
     Staged,
     TerminalDeclared,
     Witnesses,
 )
-from tokcap_core.reasons import GATE_RESTARTED, STAGE_FAILED, UNCOMMITTED_CALL, make_reason
+from tokcap_core.reasons import (
+    GATE_FAILED,
+    GATE_RESTARTED,
+    LEDGER_REFUSED,
+    LEDGER_WRITE_FAILED,
+    STAGE_FAILED,
+    UNCOMMITTED_CALL,
+    make_reason,
+)
+from tokcap_core.sink import TokenSink
 
 from ._admission import ChatPlan, PriorCall
 from ._config import GateConfig
-from ._errors import RolloutConflict, RolloutNotFound
+from ._errors import RolloutConflict
 from ._hooks import GateHooks
 from ._host import EngineResult
-from ._persist import LedgerFile
-from ._prom import GateMetrics
+from ._lifecycle import (
+    ABANDONED,
+    COMMITTED,
+    DROPPED,
+    FAILED,
+    FINISHED,
+    PLANNING,
+    RESPONDED,
+    GateCall,
+)
+from ._metrics import GateMetrics
+from ._persist import LedgerFile, LedgerFileError
+from ._registry import RolloutRecord, RolloutRegistry
 
-__all__ = ["Gate", "PendingCall"]
+__all__ = ["Gate", "GateHealth"]
 
-CallPhase = Literal["admitted", "finished", "responded", "committed", "failed"]
+_log = logging.getLogger("tokcap_vllm.gate")
+
+Planner = Callable[[list[PriorCall], dict[CallId, int]], ChatPlan]
+"""``plan(priors, gen_starts) -> ChatPlan``: resolves the parent and forms the prompt."""
 
 
-@dataclass(slots=True, eq=False)
-class PendingCall:
-    """The gate's working record of one captured call (tokens live here until committed)."""
+class GateHealth:
+    """What ``GET /tokcap/v1/health`` reports: ``ok``, ``degraded`` or ``down``."""
 
-    rollout_id: str
-    call_id: str
-    kind: str
-    plan: ChatPlan
-    parent_chain_hash: str | None
-    request_messages: list[dict[str, Any]] | None
-    idempotency_key: str | None
-    phase: CallPhase = "admitted"
-    result: EngineResult | None = None
-    staged: StagedCall | None = None
-    stage_error: str | None = None
-    prior: PriorCall | None = None
-    response_id: str | None = None
-    output_fp: str | None = None
-    replay: tuple[dict[str, Any], list[bytes]] | None = None
-    sink_done: anyio.Event = field(default_factory=anyio.Event)
-    settled: anyio.Event = field(default_factory=anyio.Event)
+    __slots__ = ("ledger_problem", "rollouts_closed", "rollouts_open", "serving")
+
+    def __init__(
+        self, *, serving: bool, rollouts_open: int, rollouts_closed: int, ledger_problem: str | None
+    ) -> None:
+        self.serving = serving
+        self.rollouts_open = rollouts_open
+        self.rollouts_closed = rollouts_closed
+        self.ledger_problem = ledger_problem
 
     @property
-    def committed(self) -> bool:
-        """Whether the call's ``Staged`` entry is in the ledger."""
-        return self.phase == "committed"
-
-
-class _HookedLedger(Ledger):
-    """A ledger that tells the gate's hooks about every entry it appends (part 2)."""
-
-    __slots__ = ("hooks",)
-
-    def __init__(self, rollout_id: str, hooks: list[GateHooks] | None = None) -> None:
-        super().__init__(rollout_id)
-        self.hooks: list[GateHooks] = hooks if hooks is not None else []
-
-    def append(self, event: Any) -> Entry:
-        entry = super().append(event)
-        for hook in self.hooks:
-            hook.on_entry(self.rollout_id, entry)
-        return entry
-
-
-@dataclass(slots=True, eq=False)
-class _Rollout:
-    ledger: Ledger
-    calls: dict[str, PendingCall] = field(default_factory=dict)
-    priors: list[PriorCall] = field(default_factory=list)
-    gen_starts: dict[str, int] = field(default_factory=dict)
-    by_key: dict[str, PendingCall] = field(default_factory=dict)
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-    served_failure: bool = False
+    def status(self) -> str:
+        """``down`` when the gate is not serving, ``degraded`` when its ledger file has a
+        problem, else ``ok``."""
+        if not self.serving:
+            return "down"
+        return "degraded" if self.ledger_problem is not None else "ok"
 
 
 class Gate:
-    """Holds every rollout this server captures; serves their ledgers in-process."""
+    """Holds every rollout this server captures, stages their calls and serves their ledgers."""
 
     def __init__(self, config: GateConfig | None = None, *, sink: TokenSink | None = None) -> None:
         self.config = config or GateConfig()
         self.sink: TokenSink = sink if sink is not None else MemorySink()
-        self._open: dict[str, _Rollout] = {}
-        self._closed: dict[str, Ledger] = {}
+        self.registry = RolloutRegistry(max_open=self.config.max_open_rollouts)
+        self.telemetry = GateMetrics(self.registry.counts)
+        self._observers: list[GateHooks] = [self.telemetry]
         self._tg: TaskGroup | None = None
-        self._counts: Counter[str] = Counter()
-        # ---- part 2: observers and the ledger file ----
-        self._hooks: list[GateHooks] = []
-        self.prometheus = GateMetrics(self)
-        self.attach(self.prometheus)
         self.ledger_file: LedgerFile | None = None
         if self.config.ledger_path is not None:
             self.ledger_file, stored = LedgerFile.open(
@@ -151,244 +145,222 @@ class Gate:
         """Whether `serve` is running (captured calls need it)."""
         return self._tg is not None
 
-    # ---- the in-process API (part 2 wraps this in HTTP) --------------------------------
+    def attach(self, hooks: GateHooks) -> None:
+        """Add an observer of every entry, staging write, close and release."""
+        self._observers.append(hooks)
+
+    # ---- reading ---------------------------------------------------------------------
 
     def ledger(self, rollout_id: str) -> Ledger:
         """The ledger of an open or closed rollout; `RolloutNotFound` otherwise."""
-        validate_rollout_id(rollout_id)
-        if rollout_id in self._open:
-            return self._open[rollout_id].ledger
-        if rollout_id in self._closed:
-            return self._closed[rollout_id]
-        raise RolloutNotFound("unknown_rollout", f"no rollout {rollout_id}")
+        return self.registry.ledger(rollout_id)
 
-    def rollouts(self) -> dict[str, str]:
+    def rollouts(self) -> dict[RolloutId, str]:
         """Every rollout held, ``{rollout_id: "open" | "closed"}``."""
-        return {**{r: "closed" for r in self._closed}, **{r: "open" for r in self._open}}
-
-    def declare_terminal(
-        self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
-    ) -> Entry:
-        """Name the rollout's terminal call (by call id or by response id)."""
-        if (call_id is None) == (response_id is None):
-            raise ValueError("give exactly one of call_id, response_id")
-        rollout = self._open_rollout(rollout_id)
-        if call_id is not None:
-            return rollout.ledger.append(TerminalDeclared(by="call_id", value=call_id))
-        return rollout.ledger.append(TerminalDeclared(by="response_id", value=response_id or ""))
-
-    async def close(
-        self, rollout_id: str, reward: float | None, witnesses: Witnesses | None = None
-    ) -> tuple[int, str]:
-        """Wait for in-flight commits, append ``Closed`` and return the ledger head."""
-        rollout = self._open_rollout(rollout_id)
-        await self.drain(rollout_id)
-        rollout.ledger.append(Closed(reward=reward, witnesses=witnesses or Witnesses()))
-        self._closed[rollout_id] = rollout.ledger
-        del self._open[rollout_id]
-        for hook in self._hooks:  # part 2: the head is returned once it is durable
-            await hook.on_close(rollout_id)
-        return rollout.ledger.head
-
-    def release(self, rollout_id: str) -> None:
-        """Forget a closed rollout (its manifest is no longer served)."""
-        if self._closed.pop(rollout_id, None) is None:
-            raise RolloutNotFound("unknown_rollout", f"no closed rollout {rollout_id}")
-        for hook in self._hooks:
-            hook.on_release(rollout_id)
-
-    async def drain(self, rollout_id: str | None = None) -> None:
-        """Wait until every call that finished on the engine is committed or failed."""
-        rollouts = [self._open[rollout_id]] if rollout_id is not None else list(self._open.values())
-        for rollout in rollouts:
-            for call in list(rollout.calls.values()):
-                if call.phase in ("finished", "responded"):
-                    await call.settled.wait()
-
-    def staged_call(self, rollout_id: str, call_id: str) -> StagedCall | None:
-        """The staged call the gate built for a call (None if it never finished)."""
-        rollout = self._open.get(rollout_id)
-        call = rollout.calls.get(call_id) if rollout else None
-        return call.staged if call else None
+        return self.registry.states()
 
     def metrics(self) -> dict[str, float]:
-        """Counters ready for any logger: calls by outcome, breaks by cause, rollouts."""
-        out = {f"tokcap/{k}": float(v) for k, v in sorted(self._counts.items())}
-        out["tokcap/rollouts_open"] = float(len(self._open))
-        out["tokcap/rollouts_closed"] = float(len(self._closed))
-        return out
+        """Every counter of `GateMetrics`, ready for any logger."""
+        return self.telemetry.as_dict()
 
-    # ---- part 2: observers, restore after a restart ------------------------------------
-
-    def attach(self, hooks: GateHooks) -> None:
-        """Add an observer of every entry, staging write, close and release."""
-        self._hooks.append(hooks)
+    def health(self) -> GateHealth:
+        """Whether the gate serves, what it holds, and any ledger-file problem."""
+        held_open, held_closed = self.registry.counts()
+        return GateHealth(
+            serving=self.running,
+            rollouts_open=held_open,
+            rollouts_closed=held_closed,
+            ledger_problem=self.ledger_file.problem if self.ledger_file is not None else None,
+        )
 
     def held_ledgers(self) -> list[Ledger]:
         """Every ledger held, open and closed (what a ledger-file compaction keeps)."""
-        return [*self._closed.values(), *(r.ledger for r in self._open.values())]
+        return self.registry.held_ledgers()
 
-    def restore(self, ledgers: Iterable[Ledger]) -> list[str]:
-        """Take back stored ledgers after a restart; return the ids poisoned on the way.
+    # ---- the capture path ------------------------------------------------------------
 
-        A closed ledger is served as it was. One that was still open is poisoned with
-        ``Poisoned(gate_restarted)`` (appended, so the hooks persist it) and held as
-        closed: its in-flight calls are gone, so it is never resumed.
-        """
-        poisoned = []
-        for stored in ledgers:
-            ledger = _HookedLedger.from_entries(stored.rollout_id, stored.entries)
-            assert isinstance(ledger, _HookedLedger)
-            ledger.hooks = self._hooks
-            if ledger.state.closed is None and ledger.state.poisoned is None:
-                ledger.append(Poisoned(reason=make_reason(GATE_RESTARTED)))
-                poisoned.append(ledger.rollout_id)
-                self._counts["rollouts_poisoned/gate_restarted"] += 1
-            self._closed[ledger.rollout_id] = ledger
-        return poisoned
-
-    # ---- the capture path (used by the middleware and the host) -----------------------
-
-    def _open_rollout(self, rollout_id: str) -> _Rollout:
-        validate_rollout_id(rollout_id)
-        rollout = self._open.get(rollout_id)
-        if rollout is None:
-            if rollout_id in self._closed:
-                raise RolloutConflict("rollout_closed", f"{rollout_id} is closed")
-            raise RolloutNotFound("unknown_rollout", f"no open rollout {rollout_id}")
-        return rollout
-
-    def rollout_for_call(self, rollout_id: str) -> _Rollout | None:
-        """The open rollout a new call joins (created on first use); None if served uncaptured."""
-        if rollout_id in self._closed:
-            raise RolloutConflict(
-                "rollout_closed", f"{rollout_id} is closed; start a new rollout id"
-            )
-        rollout = self._open.get(rollout_id)
-        if rollout is None:
-            rollout = self._open[rollout_id] = _Rollout(
-                ledger=_HookedLedger(rollout_id, self._hooks)
-            )
-        if rollout.served_failure:
-            self._counts["calls_uncaptured_after_failure"] += 1
-            return None
-        return rollout
-
-    def replay_of(self, rollout: _Rollout, key: str | None) -> PendingCall | None:
-        """An earlier call with the same idempotency key (committed or still in flight)."""
-        if key is None:
-            return None
-        call = rollout.by_key.get(key)
-        if call is None or call.phase == "failed":
-            return None
-        return call
-
-    async def admit(
+    def begin(
         self,
-        rollout: _Rollout,
-        plan_fn: Any,
+        rollout_id: str,
         *,
         kind: str,
-        messages: list[dict[str, Any]] | None,
-        idempotency_key: str | None,
-    ) -> PendingCall:
-        """Plan (``plan_fn(priors, gen_starts) -> ChatPlan``, run in a thread) and admit a call.
+        idempotency_key: str | None = None,
+        body_fingerprint: str = "",
+        request_id: str | None = None,
+    ) -> GateCall | None:
+        """A new captured request joins its rollout; None when it is to be served uncaptured.
+
+        A rollout that already failed (poisoned) serves its later calls uncaptured.
+        """
+        record = self.registry.join(rollout_id)
+        if record.uncaptured_reason is not None:
+            self.telemetry.uncaptured_after_failure.inc()
+            return None
+        call = GateCall(
+            rollout=record,
+            kind=kind,
+            idempotency_key=idempotency_key,
+            body_fingerprint=body_fingerprint,
+            request_id=request_id,
+        )
+        record.live.add(call)
+        return call
+
+    async def claim(self, call: GateCall) -> GateCall | None:
+        """Hold ``call``'s idempotency key and request id, or return the earlier call to replay.
+
+        One key is one call: a retry waits for the call holding its key and replays its
+        answer once that call settled with a response; if it never completed, the first
+        waiter takes the key over. A retry whose body differs is refused
+        (``idempotency_key_reused``); a request id another call of the rollout used is
+        refused (``duplicate_request_id``: ids name responses, which must be unique).
+        """
+        record: RolloutRecord = call.rollout
+        key = call.idempotency_key
+        while key is not None:
+            holder = record.keys.get(key)
+            if holder is None or holder is call or holder.phase in (ABANDONED, DROPPED):
+                break
+            if holder.body_fingerprint != call.body_fingerprint:
+                raise RolloutConflict(
+                    "idempotency_key_reused",
+                    "this Idempotency-Key was used with a different request body",
+                )
+            if holder.replay is not None and holder.phase in (COMMITTED, FAILED):
+                return holder
+            if holder.final:
+                break
+            with anyio.move_on_after(self.config.parent_commit_timeout_s):
+                await holder.settled.wait()
+            if not holder.final:
+                raise RolloutConflict(
+                    "retry_in_flight", "the call holding this Idempotency-Key is still running"
+                )
+            if not record.accepting:
+                raise RolloutConflict("rollout_closed", f"{record.rollout_id} is closed")
+        if key is not None:
+            record.keys[key] = call
+        if call.request_id is not None:
+            other = record.request_ids.get(call.request_id)
+            if other is not None and other is not call:
+                raise RolloutConflict(
+                    "duplicate_request_id",
+                    f"request id {call.request_id!r} was already used in this rollout",
+                )
+            record.request_ids[call.request_id] = call
+        return None
+
+    async def admit(self, call: GateCall, plan: Planner) -> None:
+        """Plan (in a worker thread) and admit a call: ``Admitted`` is appended.
 
         The plan is made under the rollout's lock; if its parent has not committed yet the
         lock is released, the parent awaited (bounded), and the plan made again.
         """
+        record: RolloutRecord = call.rollout
         while True:
-            async with rollout.lock:
-                priors = list(rollout.priors)
-                plan: ChatPlan = await anyio.to_thread.run_sync(
-                    plan_fn, priors, dict(rollout.gen_starts)
+            async with record.lock:
+                _check_accepting(record)
+                made = await anyio.to_thread.run_sync(
+                    plan, list(record.priors), dict(record.gen_starts)
                 )
-                parent = rollout.calls.get(plan.parent_id) if plan.parent_id else None
-                if parent is None or parent.phase == "committed":
-                    return self._append_admitted(
-                        rollout, plan, parent, kind, messages, idempotency_key
-                    )
+                _check_accepting(record)
+                parent = record.calls.get(CallId(made.parent_id)) if made.parent_id else None
+                if parent is None or parent.phase is COMMITTED:
+                    self._admitted(call, made, parent)
+                    return
             with anyio.move_on_after(self.config.parent_commit_timeout_s):
                 await parent.settled.wait()
-            if not parent.committed:
+            if parent.phase is not COMMITTED:
                 raise RolloutConflict(
                     "parent_not_committed", f"parent {parent.call_id} did not commit"
                 )
 
-    def _append_admitted(
-        self,
-        rollout: _Rollout,
-        plan: ChatPlan,
-        parent: PendingCall | None,
-        kind: str,
-        messages: list[dict[str, Any]] | None,
-        key: str | None,
-    ) -> PendingCall:
-        call_id = rollout.ledger.next_call_id()
-        rollout.ledger.append(
-            Admitted(
-                call_id=call_id,
-                parent_id=plan.parent_id,
-                prefix_len=plan.prefix_len,
-                admitted_at=time.time_ns(),
-                request_fingerprint=plan.request_fingerprint,
-                break_cause=plan.break_cause,
-            )
-        )
-        self._counts["calls_admitted"] += 1
-        if plan.break_cause is not None:
-            self._counts[f"breaks/{plan.break_cause}"] += 1
-        chain = (
-            parent.staged.chain_hash if parent is not None and parent.staged is not None else None
-        )
-        call = PendingCall(
-            rollout_id=rollout.ledger.rollout_id,
-            call_id=call_id,
-            kind=kind,
-            plan=plan,
-            parent_chain_hash=chain,
-            request_messages=messages,
-            idempotency_key=key,
-        )
-        rollout.calls[call_id] = call
-        if key is not None:
-            rollout.by_key[key] = call
-        return call
-
-    def engine_finished(self, call: PendingCall, result: EngineResult) -> None:
-        """The engine produced the final output: build the staged call and start the sink write."""
-        call.result = result
-        call.phase = "finished"
+    def _admitted(self, call: GateCall, plan: ChatPlan, parent: GateCall | None) -> None:
+        record: RolloutRecord = call.rollout
+        call_id = CallId(record.ledger.next_call_id())
         try:
-            if result.finish_reason not in ("stop", "length") or not result.output_ids:
-                raise TokcapError("engine_incomplete", f"finish_reason={result.finish_reason!r}")
-            if any(map(math.isnan, result.logprobs)):
-                raise TokcapError("bad_logprobs", "NaN logprob")
-            call.staged = StagedCall.from_engine_output(
-                rollout_id=call.rollout_id,
-                call_id=call.call_id,
-                parent_id=call.plan.parent_id,
-                parent_cum_len=call.plan.prefix_len,
-                parent_chain_hash=call.parent_chain_hash,
-                prompt_ids=result.prompt_ids,
-                output_ids=result.output_ids,
-                logprobs=result.logprobs,
-                finish_reason=result.finish_reason or "",
-                weight_version=result.weight_version,
-                routes=result.routes,
+            self._append(
+                record,
+                Admitted(
+                    call_id=call_id,
+                    parent_id=plan.parent_id,
+                    prefix_len=plan.prefix_len,
+                    admitted_at=time.time_ns(),
+                    request_fingerprint=plan.request_fingerprint,
+                    formation=plan.formation,
+                    break_cause=plan.break_cause,
+                    splice_cause=plan.splice_cause,
+                ),
             )
+        except LedgerProtocolError as e:
+            raise RolloutConflict(e.code, e.message) from e
+        call.call_id, call.plan, call.parent = call_id, plan, parent
+        call.step("admit")
+        record.calls[call_id] = call
+
+    def drop(self, call: GateCall) -> None:
+        """A request refused before admission: it leaves nothing behind."""
+        record: RolloutRecord = call.rollout
+        if call.phase is PLANNING:
+            call.step("drop")
+        _release_claims(record, call)
+        record.live.discard(call)
+        self.registry.forget_if_idle(record)
+
+    def engine_finished(self, call: GateCall, result: EngineResult) -> None:
+        """The engine produced the final output: build the staged call and start the sink write."""
+        try:
+            if call.step("finish") is ABANDONED:
+                return  # the harness left (or the rollout closed) while it generated
+            call.result = result
+            call.staged = self._staged_call(call, result)
         except TokcapError as e:
             call.stage_error = e.code
+        except Exception as e:  # containment: never let one call's bug reach the engine
+            call.stage_error = type(e).__name__
+            _log.exception("tokcap gate: building the staged call of %s failed", call.call_id)
+        if call.staged is None or self._tg is None:
+            call.stage_error = call.stage_error or "gate_not_serving"
             call.sink_done.set()
             return
-        assert self._tg is not None, "Gate.serve is not running"
-        self._tg.start_soon(self._stage, call)
+        self._tg.start_soon(self._guarded, self._stage, call)
 
-    async def _stage(self, call: PendingCall) -> None:
+    def _staged_call(self, call: GateCall, result: EngineResult) -> StagedCall:
+        if result.finish_reason not in ("stop", "length") or not result.output_ids:
+            raise TokcapError("engine_incomplete", f"finish_reason={result.finish_reason!r}")
+        if any(map(math.isnan, result.logprobs)):
+            raise TokcapError("bad_logprobs", "NaN logprob")
+        if result.routes is None and self.config.capture.capture_routes:
+            raise TokcapError(
+                "routes_missing",
+                "CaptureConfig.capture_routes is set but the engine returned no routed experts "
+                "(start vLLM with routed-experts capture enabled)",
+            )
+        assert call.plan is not None
+        assert call.call_id is not None
+        parent = call.parent
+        return StagedCall.from_engine_output(
+            rollout_id=call.rollout_id,
+            call_id=call.call_id,
+            parent_id=call.plan.parent_id,
+            parent_cum_len=call.plan.prefix_len,
+            parent_chain_hash=parent.staged.chain_hash
+            if parent is not None and parent.staged is not None
+            else None,
+            prompt_ids=result.prompt_ids,
+            output_ids=result.output_ids,
+            logprobs=result.logprobs,
+            finish_reason=result.finish_reason or "",
+            weight_version=result.weight_version,
+            weight_version_last=result.weight_version_last,
+            routes=result.routes,
+        )
+
+    async def _stage(self, call: GateCall) -> None:
         assert call.staged is not None
         started = time.perf_counter()
         try:
-            with anyio.fail_after(self.config.stage_timeout_s):
+            with anyio.fail_after(self.config.capture.stage_timeout_s):
                 await self.sink.put([call.staged])
         except TimeoutError:
             call.stage_error = "timeout"
@@ -396,12 +368,12 @@ class Gate:
             call.stage_error = getattr(e, "code", None) or type(e).__name__
         finally:
             call.sink_done.set()
-            for hook in self._hooks:  # part 2: metrics
+            for hook in self._observers:
                 hook.on_sink_write(call.staged, time.perf_counter() - started, call.stage_error)
 
     def response_complete(
         self,
-        call: PendingCall,
+        call: GateCall,
         *,
         response_id: str | None,
         output_fp: str | None,
@@ -409,75 +381,251 @@ class Gate:
         conversation_fp: str | None,
     ) -> None:
         """The harness got the whole response: index the call as a parent, commit it later."""
-        call.phase = "responded"
+        if call.step("respond") is ABANDONED:
+            return
         call.response_id = response_id
         call.output_fp = output_fp
-        rollout = self._open.get(call.rollout_id)
-        if (
-            rollout is not None
-            and call.staged is not None
-            and cum_text is not None
-            and call.result is not None
-        ):
-            cum_ids = array("I", call.result.prompt_ids)
-            cum_ids.extend(call.result.output_ids)
-            prior = PriorCall(call.call_id, call.kind, cum_text, cum_ids, conversation_fp)
-            call.prior = prior
-            rollout.priors.append(prior)
-            rollout.gen_starts[call.call_id] = len(call.plan.prompt_text)
-        assert self._tg is not None, "Gate.serve is not running"
-        self._tg.start_soon(self._commit, call)
+        record: RolloutRecord = call.rollout
+        result = call.result
+        if call.staged is not None and cum_text is not None and result is not None:
+            assert call.call_id is not None
+            assert call.plan is not None
+            cum_ids = array("I", result.prompt_ids)
+            cum_ids.extend(result.output_ids)
+            call.prior = PriorCall(call.call_id, call.kind, cum_text, cum_ids, conversation_fp)
+            record.priors.append(call.prior)
+            record.gen_starts[call.call_id] = len(call.plan.prompt_text)
+        if self._tg is None:
+            call.stage_error = call.stage_error or "gate_not_serving"
+            self._settle(call)
+            return
+        self._tg.start_soon(self._guarded, self._commit, call)
 
-    async def _commit(self, call: PendingCall) -> None:
+    async def _commit(self, call: GateCall) -> None:
         await call.sink_done.wait()
-        rollout = self._open.get(call.rollout_id)
-        try:
-            if rollout is None:
-                return
-            if call.stage_error is None and call.staged is not None:
-                staged = call.staged
-                rollout.ledger.append(
+        self._settle(call)
+
+    def _settle(self, call: GateCall) -> None:
+        """Commit a responded call, or fail it (served) with the reason it could not commit."""
+        record: RolloutRecord = call.rollout
+        record.live.discard(call)
+        staged = call.staged
+        if call.stage_error is None and staged is not None:
+            try:
+                self._append(
+                    record,
                     Staged(
-                        call_id=call.call_id,
+                        call_id=staged.call_id,
                         carry_len=staged.carry_len,
                         gen_len=staged.gen_len,
                         weight_version=staged.weight_version,
+                        weight_version_last=staged.weight_version_last,
                         finish_reason=staged.finish_reason,
                         call_digest=staged.digest,
                         chain_hash=staged.chain_hash,
                         response_id=call.response_id,
                         output_fingerprint=call.output_fp,
-                    )
+                    ),
                 )
-                call.phase = "committed"
-                self._counts["calls_staged"] += 1
+            except LedgerProtocolError as e:
+                reason = make_reason(LEDGER_REFUSED, e.code)
+                _log.warning(
+                    "tokcap gate: the ledger refused call %s of %s (%s); the rollout is poisoned",
+                    call.call_id,
+                    record.rollout_id,
+                    e.code,
+                )
+                self.telemetry.contained.labels(e.code).inc()
+                self._fail_served(call, reason)
                 return
-            self._fail(rollout, call, make_reason(STAGE_FAILED, call.stage_error), served=True)
-        finally:
-            call.settled.set()
-
-    def _fail(self, rollout: _Rollout, call: PendingCall, reason: str, *, served: bool) -> None:
-        call.phase = "failed"
-        if call.prior is not None and call.prior in rollout.priors:
-            rollout.priors.remove(call.prior)
-        rollout.ledger.append(Failed(call_id=call.call_id, reason=reason, served=served))
-        self._counts[f"calls_failed/{'served' if served else 'unserved'}"] += 1
-        if served:
-            rollout.served_failure = True
-
-    async def abandon(self, call: PendingCall, detail: str) -> None:
-        """The response never completed: ``Failed(served=False)``, and clear any staged row."""
-        rollout = self._open.get(call.rollout_id)
-        if call.phase in ("committed", "failed", "responded"):
+            call.step("commit")
             return
-        with anyio.CancelScope(shield=True):
-            if call.phase == "finished":
-                await call.sink_done.wait()
-                if call.stage_error is None and call.staged is not None:
-                    try:
-                        await self.sink.clear([call.staged.key])
-                    except Exception:  # best effort: the key is named by no receipt
-                        self._counts["abandoned_clear_failed"] += 1
-            if rollout is not None:
-                self._fail(rollout, call, make_reason(UNCOMMITTED_CALL, detail), served=False)
-            call.settled.set()
+        self._fail_served(call, make_reason(STAGE_FAILED, call.stage_error))
+
+    def _fail_served(self, call: GateCall, reason: str) -> None:
+        record: RolloutRecord = call.rollout
+        call.step("fail")
+        if call.prior is not None and call.prior in record.priors:
+            record.priors.remove(call.prior)
+        record.uncaptured_reason = reason
+        assert call.call_id is not None
+        if record.ledger.status is OPEN:
+            self._append(record, Failed(call_id=call.call_id, reason=reason, served=True))
+
+    async def abandon(self, call: GateCall, detail: str) -> None:
+        """The response never completed: ``Failed(served=False)``, and clear any staged row."""
+        record: RolloutRecord = call.rollout
+        if call.phase is PLANNING:
+            self.drop(call)
+            return
+        if not call.in_flight:
+            return
+        was_finished = call.phase is FINISHED
+        call.step("abandon")
+        record.live.discard(call)
+        _release_claims(record, call)
+        assert call.call_id is not None
+        if record.ledger.status is OPEN:
+            reason = make_reason(UNCOMMITTED_CALL, detail)
+            self._append(record, Failed(call_id=call.call_id, reason=reason, served=False))
+        if was_finished:
+            with anyio.CancelScope(shield=True):
+                await self._clear_orphan(call)
+
+    async def _clear_orphan(self, call: GateCall) -> None:
+        """Free the staged row of a call no ledger commits (best effort, counted)."""
+        await call.sink_done.wait()
+        if call.stage_error is not None or call.staged is None:
+            return
+        try:
+            with anyio.fail_after(self.config.capture.stage_timeout_s):
+                await self.sink.clear([call.staged.key])
+        except Exception:  # the key is named by no receipt; a sweep of the sink finds it
+            self.telemetry.orphan_clears.labels("failed").inc()
+            return
+        self.telemetry.orphan_clears.labels("ok").inc()
+
+    async def _guarded(self, step: Callable[[GateCall], Awaitable[None]], call: GateCall) -> None:
+        """Run a background step of one call; any failure stays with that call's rollout."""
+        try:
+            await step(call)
+        except Exception as e:
+            self._contain(call, e)
+
+    def _contain(self, call: GateCall, error: Exception) -> None:
+        record: RolloutRecord = call.rollout
+        code = error.code if isinstance(error, TokcapError) else type(error).__name__
+        reason = make_reason(GATE_FAILED, code)
+        _log.error(
+            "tokcap gate: call %s of %s failed inside the gate (%s); the rollout is poisoned",
+            call.call_id,
+            record.rollout_id,
+            code,
+            exc_info=error,
+        )
+        self.telemetry.contained.labels(code).inc()
+        record.uncaptured_reason = record.uncaptured_reason or reason
+        record.poison_reason = record.poison_reason or reason
+        record.live.discard(call)
+        call.sink_done.set()
+        call.settled.set()
+
+    # ---- ledger entries and their observers -------------------------------------------
+
+    def _append(self, record: RolloutRecord, event: Event) -> Entry:
+        """Append to a rollout's ledger and tell the observers.
+
+        `LedgerProtocolError` (the ledger refused the event) propagates and changes nothing.
+        An observer's failure (the ledger file could not write) poisons the rollout.
+        """
+        entry = record.ledger.append(event)
+        for hook in self._observers:
+            try:
+                hook.on_entry(record.rollout_id, entry)
+            except Exception as e:  # a LedgerFileError above all; never the caller's problem
+                self._persistence_failed(record, e)
+        return entry
+
+    def _persistence_failed(self, record: RolloutRecord, error: Exception) -> None:
+        detail = error.detail if isinstance(error, LedgerFileError) else type(error).__name__
+        reason = make_reason(LEDGER_WRITE_FAILED, detail)
+        if record.poison_reason is None:
+            _log.warning(
+                "tokcap gate: %s could not be persisted (%s); the rollout is poisoned",
+                record.rollout_id,
+                error,
+            )
+            self.telemetry.ledger_write_failures.inc()
+        record.poison_reason = record.poison_reason or reason
+        record.uncaptured_reason = record.uncaptured_reason or reason
+
+    # ---- control operations ------------------------------------------------------------
+
+    def declare_terminal(
+        self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
+    ) -> Entry:
+        """Name the rollout's terminal call (by call id or by response id)."""
+        if (call_id is None) == (response_id is None):
+            raise ValueError("give exactly one of call_id, response_id")
+        record = self.registry.open_record(rollout_id)
+        if call_id is not None:
+            return self._append(record, TerminalDeclared(by="call_id", value=call_id))
+        return self._append(record, TerminalDeclared(by="response_id", value=response_id or ""))
+
+    async def close(
+        self, rollout_id: str, reward: float | None, witnesses: Witnesses | None = None
+    ) -> tuple[int, str]:
+        """Close a rollout and return its ledger head, once durable.
+
+        Calls still generating or still sending their response are abandoned
+        (``uncommitted_call:closed_in_flight``, off-chain); responded calls are awaited
+        until committed or failed. A rollout the gate poisoned gets ``Poisoned`` instead
+        of ``Closed``. Raises `LedgerProtocolError` for a bad reward, `LedgerFileError` if
+        the head could not be made durable (the rollout is closed all the same).
+        """
+        record = self.registry.open_record(rollout_id)
+        record.closing = True
+        try:
+            for call in list(record.live):
+                if call.in_flight:
+                    await self.abandon(call, "closed_in_flight")
+            for call in list(record.live):
+                if call.phase is RESPONDED:
+                    await call.settled.wait()
+            if record.poison_reason is not None:
+                self._append(record, Poisoned(reason=record.poison_reason))
+            else:
+                self._append(record, Closed(reward=reward, witnesses=witnesses or Witnesses()))
+        finally:
+            if record.ledger.status is OPEN:
+                record.closing = False
+        self.registry.mark_closed(record)
+        for hook in self._observers:
+            await hook.on_close(record.rollout_id)
+        return record.ledger.head
+
+    def release(self, rollout_id: str) -> None:
+        """Forget a closed rollout (its manifest is no longer served)."""
+        self.registry.release(rollout_id)
+        for hook in self._observers:
+            try:
+                hook.on_release(rollout_id)
+            except Exception as e:  # the release holds in memory; the file keeps stale entries
+                _log.warning("tokcap gate: the release of %s was not persisted: %s", rollout_id, e)
+
+    async def drain(self, rollout_id: str | None = None) -> None:
+        """Wait until every call that finished on the engine is committed or failed."""
+        if rollout_id is not None:
+            records = [self.registry.open_record(rollout_id)]
+        else:
+            records = self.registry.records()
+        for record in records:
+            for call in list(record.live):
+                if call.phase is FINISHED or call.phase is RESPONDED:
+                    await call.settled.wait()
+
+    def restore(self, ledgers: Iterable[Ledger]) -> list[RolloutId]:
+        """Take back stored ledgers after a restart; return the ids poisoned on the way.
+
+        A closed ledger is served as it was. One that was still open is poisoned with
+        ``Poisoned(gate_restarted)`` (appended, so the ledger file keeps it) and held as
+        closed: its in-flight calls are gone, so it is never resumed.
+        """
+        poisoned = []
+        for record in self.registry.adopt(ledgers):
+            self._append(record, Poisoned(reason=make_reason(GATE_RESTARTED)))
+            self.registry.mark_closed(record)
+            poisoned.append(record.rollout_id)
+        return poisoned
+
+
+def _check_accepting(record: RolloutRecord) -> None:
+    if not record.accepting:
+        raise RolloutConflict("rollout_closed", f"{record.rollout_id} is closed")
+
+
+def _release_claims(record: RolloutRecord, call: GateCall) -> None:
+    if call.idempotency_key is not None and record.keys.get(call.idempotency_key) is call:
+        del record.keys[call.idempotency_key]
+    if call.request_id is not None and record.request_ids.get(call.request_id) is call:
+        del record.request_ids[call.request_id]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextvars
 from array import array
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
@@ -30,7 +30,6 @@ __all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket"]
 class EngineResult:
     """What the engine saw and produced for one captured call."""
 
-    request_id: str
     prompt_ids: list[int]
     output_ids: array[int]
     logprobs: array[float]
@@ -51,7 +50,6 @@ class Ticket:
     on_finish: Callable[[EngineResult], None]
     used: bool = False
     result: EngineResult | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 CURRENT_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
@@ -128,7 +126,6 @@ class CaptureHost:
                     completion.weight_versions, self.default_weight_version
                 )
                 result = EngineResult(
-                    request_id=request_id,
                     prompt_ids=list(prompt_ids),
                     output_ids=output_ids,
                     logprobs=logprobs,

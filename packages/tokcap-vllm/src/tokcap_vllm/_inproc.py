@@ -39,6 +39,8 @@ class InProcessServer:
         self.host = host
         self.vllm_args = list(vllm_args)
         self.port = 0
+        self.engine_client: Any = None
+        """vLLM's engine client (``AsyncLLM``) once started: what `WeightSync` pushes into."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
         self._ready = threading.Event()
@@ -56,7 +58,17 @@ class InProcessServer:
 
     def start(self, timeout: float = 600.0) -> InProcessServer:
         """Build the engine and serve; returns once the server accepts connections."""
-        self._thread.start()
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start building the engine in the server's thread and return at once (other
+        start-up work can overlap); `wait_ready` waits for it."""
+        if not self._thread.is_alive() and not self._ready.is_set():
+            self._thread.start()
+
+    def wait_ready(self, timeout: float = 600.0) -> InProcessServer:
+        """Wait until the launched server accepts connections (or failed to start)."""
         if not self._ready.wait(timeout):
             raise TimeoutError(f"vLLM server not ready after {timeout} s")
         if self._error is not None:
@@ -120,6 +132,7 @@ class InProcessServer:
         )
         install_gate(self.gate)
         async with build_async_engine_client(args) as engine:
+            self.engine_client = engine
             supported = await engine.get_supported_tasks()
             app = build_app(args, supported, engine.model_config)
             await init_app_state(engine, app.state, args, supported)

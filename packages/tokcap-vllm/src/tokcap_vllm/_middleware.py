@@ -3,50 +3,41 @@
 ``--middleware tokcap_vllm.GateMiddleware`` (or the ``vllm.general_plugins`` entry point,
 or ``tokcap-vllm serve``) puts it in front of vLLM's routes. Plain traffic passes through
 untouched. A captured call (``/tokcap/rollouts/{id}/v1/...`` or the rollout header) is
-decoded and admitted, then handed to vLLM's own handler on the ``/v1/...`` path with a
-`Ticket` in its context, so chat templates, tool and reasoning parsers stay vLLM's. The
-response is watched on its way out; just before its last byte the call is indexed as a
-parent and its commit scheduled. On lifespan start-up the middleware runs `Gate.serve`.
+decoded, claimed and admitted, then handed to vLLM's own handler on the ``/v1/...`` path
+with a `Ticket` in its context, so chat templates, tool and reasoning parsers stay vLLM's.
+The response is watched on its way out; just before its last byte the call is indexed as
+a parent and its commit scheduled. On lifespan start-up the middleware runs `Gate.serve`.
+
+Every refusal is a typed error answer (`GateError`: 4xx with a stable ``code``); anything
+unexpected while capturing one request answers 500 ``gate_failed`` for that request alone
+and is logged: it never reaches vLLM's server or the gate's task group.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import anyio
 
-from ._admission import (
-    message_fingerprints,
-    normalize_message,
-    output_fingerprint,
-    plan_chat,
-    plan_completion,
-)
-from ._api import CONTROL_PREFIX
+from ._admission import message_fingerprints, normalize_message, output_fingerprint
+from ._api import CONTROL_PREFIX, error_json
+from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
 from ._config import GateConfig
 from ._control import ControlPlane
 from ._errors import BadRequest, GateError
-from ._gate import Gate, PendingCall
+from ._gate import Gate
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
+from ._lifecycle import PLANNING, GateCall
+from ._render import RequestRenderer, request_renderer
 from ._routing import route_request
-from ._wire import (
-    ChatBody,
-    CompletionBody,
-    ResponseObserver,
-    decode_body,
-    error_body,
-    read_body,
-)
+from ._wire import ResponseObserver, decode_body
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
+_log = logging.getLogger("tokcap_vllm.gate")
 _installed: Gate | None = None
 
 
@@ -71,14 +62,13 @@ def default_gate() -> Gate:
 class GateMiddleware:
     """ASGI middleware: routes rollout calls through admission and capture, the rest through."""
 
-    def __init__(
-        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gate: Gate | None = None
-    ) -> None:
+    def __init__(self, app: App, gate: Gate | None = None) -> None:
         self.app = app
         self.gate = gate if gate is not None else default_gate()
         self._host: CaptureHost | None = None
-        self._templates: dict[str | None, str | None] = {}
-        self._control = ControlPlane(self.gate)  # part 2: /tokcap/v1/...
+        self._renderer: RequestRenderer | None = None
+        self._control = ControlPlane(self.gate)
+        self._rollout_header = self.gate.config.rollout_header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -87,27 +77,19 @@ class GateMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if scope["path"].startswith(CONTROL_PREFIX):  # part 2: the control plane
+        if scope["path"].startswith(CONTROL_PREFIX):
             await self._control(scope, receive, send)
             return
-        config = self.gate.config
-        raw_headers = [
-            (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ())
-        ]
-        headers = dict(raw_headers)
         try:
-            if sum(k == config.rollout_header.lower() for k, _ in raw_headers) > 1:
-                # two rollout headers (e.g. a CRLF-split value) are ambiguous: never pick one
-                raise BadRequest("bad_rollout_id", "more than one rollout-id header")
             route = route_request(
                 scope.get("raw_path") or scope["path"].encode(),
                 scope["path"],
-                headers,
-                prefix=config.path_prefix,
-                header=config.rollout_header,
+                scope.get("method", "GET"),
+                header_values(scope, self._rollout_header),
+                prefix=self.gate.config.path_prefix,
             )
         except GateError as e:
-            await _send_error(send, e)
+            await self._refuse(send, e)
             return
         if route.rollout_id is None:
             await self.app(scope, receive, send)
@@ -116,10 +98,7 @@ class GateMiddleware:
         if route.endpoint is None or scope.get("method") != "POST":
             await self.app(inner, receive, send)
             return
-        try:
-            await self._captured(inner, receive, send, route.rollout_id, route.endpoint, headers)
-        except GateError as e:
-            await _send_error(send, e)
+        await self._captured(inner, receive, send, route.rollout_id, route.endpoint)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.gate.running:
@@ -142,49 +121,86 @@ class GateMiddleware:
             self._host = host
         return self._host
 
+    def _request_renderer(self, scope: Scope, host: CaptureHost) -> RequestRenderer:
+        if self._renderer is None:
+            args = getattr(scope["app"].state, "args", None)
+            max_len = int(host.engine.model_config.max_model_len)
+            self._renderer = request_renderer(host.tokenizer, args, self.gate.config, max_len)
+        return self._renderer
+
+    async def _refuse(self, send: Send, error: GateError) -> None:
+        self.gate.telemetry.refused.labels(error.code).inc()
+        status = type(error).status
+        await send_body(send, status, error_json(error.code, error.message, status))
+
     async def _captured(
+        self, scope: Scope, receive: Receive, send: Send, rollout_id: str, kind: str
+    ) -> None:
+        call: GateCall | None = None
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            body = await read_body(receive, self.gate.config.max_body_bytes)
+            parsed = decode_body(
+                body, kind, token_ids_allowed=self.gate.config.capture.return_token_ids
+            )
+            host = self._capture_host(scope)
+            renderer = self._request_renderer(scope, host)
+            call = self.gate.begin(
+                rollout_id,
+                kind=kind,
+                idempotency_key=_one_header(scope, self.gate.config.idempotency_header),
+                body_fingerprint=hashlib.sha256(body).hexdigest(),
+                request_id=_one_header(scope, "x-request-id") or parsed.request_id,
+            )
+            replay_receive = _replaying(body, receive)
+            if call is None:  # the rollout already failed: served, not captured
+                await self.app(scope, replay_receive, send)
+                return
+            earlier = await self.gate.claim(call)
+            if earlier is not None:
+                self.gate.drop(call)
+                await _replay(send, earlier)
+                return
+            messages, plan = renderer.planner(parsed)
+            await self.gate.admit(call, plan)
+            await self._generate(scope, replay_receive, watched_send, call, host, messages)
+        except GateError as e:
+            if call is not None and call.phase is PLANNING:
+                self.gate.drop(call)
+            if not started:
+                await self._refuse(send, e)
+        except Exception as e:  # containment: one request's failure answers for itself alone
+            _log.exception("tokcap gate: a captured request of %s failed", rollout_id)
+            if call is not None and call.phase is PLANNING:
+                self.gate.drop(call)
+            if not started:
+                error = GateError(
+                    "gate_failed", f"the gate failed on this request ({type(e).__name__})"
+                )
+                self.gate.telemetry.refused.labels(error.code).inc()
+                await send_body(send, 500, error_json(error.code, error.message, 500))
+
+    async def _generate(
         self,
         scope: Scope,
         receive: Receive,
         send: Send,
-        rollout_id: str,
-        kind: str,
-        headers: dict[str, str],
+        call: GateCall,
+        host: CaptureHost,
+        messages: list[dict[str, Any]] | None,
     ) -> None:
-        body = await read_body(receive, self.gate.config.max_body_bytes)
-        parsed = decode_body(body, kind)
-        host = self._capture_host(scope)
-        rollout = self.gate.rollout_for_call(rollout_id)
-        replay_receive = _replaying(body, receive)
-        if rollout is None:
-            await self.app(scope, replay_receive, send)
-            return
-        key = headers.get(self.gate.config.idempotency_header)
-        earlier = self.gate.replay_of(rollout, key)
-        if earlier is not None:
-            with anyio.move_on_after(self.gate.config.parent_commit_timeout_s):
-                await earlier.settled.wait()
-            if earlier.phase == "committed" and earlier.replay is not None:
-                start, chunks = earlier.replay
-                await send(start)
-                for i, chunk in enumerate(chunks):
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": chunk,
-                            "more_body": i < len(chunks) - 1,
-                        }
-                    )
-                return
-        messages, plan_fn = self._planner(scope, host, parsed)
-        call = await self.gate.admit(
-            rollout, plan_fn, kind=kind, messages=messages, idempotency_key=key
-        )
+        assert call.plan is not None
         ticket = Ticket(
             prompt_ids=call.plan.prompt_ids,
             on_finish=lambda result: self.gate.engine_finished(call, result),
         )
-        observer = ResponseObserver(keep=key is not None)
+        observer = ResponseObserver(keep=call.idempotency_key is not None)
 
         async def watch(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -198,94 +214,49 @@ class GateMiddleware:
 
         token = CURRENT_TICKET.set(ticket)
         try:
-            await self.app(scope, replay_receive, watch)
+            await self.app(scope, receive, watch)
         finally:
             CURRENT_TICKET.reset(token)
-            if call.phase in ("admitted", "finished"):
-                detail = (
-                    "client_disconnected"
-                    if observer.status in (0, 200)
-                    else f"http_{observer.status}"
-                )
+            if call.in_flight:
+                if observer.status not in (0, 200):
+                    detail = f"http_{observer.status}"
+                elif observer.done:
+                    detail = "no_final_output"
+                else:
+                    detail = "client_disconnected"
                 await self.gate.abandon(call, detail)
 
-    def _planner(
-        self, scope: Scope, host: CaptureHost, parsed: ChatBody | CompletionBody
-    ) -> tuple[Any, Any]:
-        tokenizer = host.tokenizer
-        markers = self.gate.config.reasoning_markers
-
-        def encode(text: str) -> list[int]:
-            return list(tokenizer.encode(text, add_special_tokens=False))
-
-        if isinstance(parsed, CompletionBody):
-            prompt = parsed.prompt
-            return None, lambda priors, _: plan_completion(prompt, priors=priors, encode=encode)
-        messages = [normalize_message(m) for m in parsed.messages]
-        template = self._template(scope, parsed.chat_template)
-        args = getattr(scope["app"].state, "args", None)
-        kwargs = dict(getattr(args, "default_chat_template_kwargs", None) or {})
-        kwargs.update(parsed.chat_template_kwargs or {})
-        tools = parsed.tools
-
-        def render(msgs: Any, add_generation_prompt: bool) -> str:
-            text = tokenizer.apply_chat_template(
-                [dict(m) for m in msgs],
-                tools=tools,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
-            return str(text)
-
-        def plan(priors: Any, gen_starts: Any) -> Any:
-            return plan_chat(
-                messages,
-                priors=priors,
-                gen_starts=gen_starts,
-                render=render,
-                encode=encode,
-                add_generation_prompt=parsed.add_generation_prompt,
-                markers=markers,
-            )
-
-        return messages, plan
-
-    def _template(self, scope: Scope, requested: str | None) -> str | None:
-        if requested is not None:
-            return requested
-        if None not in self._templates:
-            args = getattr(scope["app"].state, "args", None)
-            configured = getattr(args, "chat_template", None)
-            if configured is not None:
-                from vllm.renderers.chat_utils import load_chat_template
-
-                configured = load_chat_template(configured)
-            self._templates[None] = configured
-        return self._templates[None]
-
     def _respond(
-        self, call: PendingCall, host: CaptureHost, observer: ResponseObserver, messages: Any
+        self, call: GateCall, host: CaptureHost, observer: ResponseObserver, messages: Any
     ) -> None:
         """The last byte is about to go out: index the call as a parent, schedule its commit."""
-        if observer.status != 200 or call.result is None:
+        if observer.status != 200 or call.result is None or not call.in_flight:
             return
-        result = call.result
-        tool_calls = observer.tool_calls()
-        output_fp = output_fingerprint(observer.content, tool_calls)
-        conversation_fp = None
-        if call.kind == "chat":
-            generated = host.tokenizer.decode(list(result.output_ids), skip_special_tokens=False)
-            cum_text = call.plan.prompt_text + generated
-            assistant = normalize_message(
-                {"role": "assistant", "content": observer.content, "tool_calls": tool_calls}
-            )
-            conversation_fp = message_fingerprints([*messages, assistant])[-1]
-        else:
-            cum_text = call.plan.prompt_text + result.text if call.plan.prompt_text else ""
-        if observer.chunks is not None and observer.start is not None:
-            call.replay = (observer.start, observer.chunks)
+        try:
+            result, plan = call.result, call.plan
+            assert plan is not None
+            output_fp = output_fingerprint(observer.content, observer.tool_calls())
+            conversation_fp = None
+            if call.kind == "chat":
+                generated = host.tokenizer.decode(
+                    list(result.output_ids), skip_special_tokens=False
+                )
+                cum_text = plan.prompt_text + generated
+                assistant = normalize_message(
+                    {
+                        "role": "assistant",
+                        "content": observer.content,
+                        "tool_calls": observer.tool_calls(),
+                    }
+                )
+                conversation_fp = message_fingerprints([*messages, assistant])[-1]
+            else:
+                cum_text = plan.prompt_text + result.text if plan.prompt_text else ""
+            if observer.chunks is not None and observer.start is not None:
+                call.replay = (observer.start, observer.chunks)
+        except Exception:  # containment: the harness still gets its answer; no parent is indexed
+            _log.exception("tokcap gate: indexing call %s failed", call.call_id)
+            output_fp, cum_text, conversation_fp = None, None, None
         self.gate.response_complete(
             call,
             response_id=observer.response_id,
@@ -293,6 +264,13 @@ class GateMiddleware:
             cum_text=cum_text,
             conversation_fp=conversation_fp,
         )
+
+
+def _one_header(scope: Scope, name: str) -> str | None:
+    values = header_values(scope, name.lower().encode("latin-1"))
+    if len(values) > 1:
+        raise BadRequest("duplicate_header", f"more than one {name} header")
+    return values[0] if values else None
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:
@@ -308,17 +286,10 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _send_error(send: Send, error: GateError) -> None:
-    status = type(error).status
-    body = error_body(error.code, error.message, status)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+async def _replay(send: Send, earlier: GateCall) -> None:
+    """Send the recorded answer of the call that holds the idempotency key."""
+    assert earlier.replay is not None
+    start, chunks = earlier.replay
+    await send(start)
+    for i, chunk in enumerate(chunks):
+        await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})

@@ -7,17 +7,30 @@ strictly with the core and carries its rollout id; forgetting a released rollout
 descriptor (it survives the process being killed); the file is fsync'ed when a rollout
 closes, before the close returns its head.
 
-Reading: a last record that is incomplete or undecodable is a torn write and is ignored;
-any earlier bad record, or entries whose hash chain does not replay, stop the start
-(`LedgerFileError`) rather than serve a history nobody can vouch for. Compaction
-rewrites the file without released rollouts (temp file, fsync, rename, fsync of the
-folder): always at start, and at run time once enough rollouts were released.
+Reading: a last record that is incomplete or undecodable is a torn write: it is cut off,
+the damaged original is kept next to the file (``<name>.damaged-<ns>``), a warning says
+what was cut, and health reports the recovery. Any earlier bad record, or entries whose
+hash chain does not replay, stop the start (`LedgerFileError`) rather than serve a
+history nobody can vouch for. Compaction rewrites the file without released rollouts
+(temp file, fsync, rename, fsync of the folder): always at start, and at run time once
+enough rollouts were released.
+
+Write failures are contained to their rollout: a record that cannot be written (disk
+full, I/O error) is cut back off the file (``ftruncate`` to the size before it) and no
+later record of that rollout is written, so the file always holds a valid prefix of every
+ledger (on restart such a rollout is open, hence poisoned). The failing append raises
+`LedgerFileError` (``ledger_write_failed``) for the gate to poison that rollout alone. Only
+if the cut itself fails is the file *broken*: every later append then fails.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import shutil
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -37,6 +50,8 @@ from tokcap_core.ledger import encode_manifest
 
 from ._hooks import GateHooks
 
+_log = logging.getLogger("tokcap_vllm.ledger_file")
+
 __all__ = [
     "LedgerFile",
     "LedgerFileError",
@@ -50,7 +65,13 @@ _RELEASE = b'{"release":'
 
 class LedgerFileError(TokcapError, RuntimeError):
     """The ledger file cannot be trusted (a corrupt record before the tail, a broken chain)
-    or cannot be written (``ledger_write_failed``)."""
+    or cannot be written (``ledger_write_failed``, ``ledger_sync_failed``); ``detail`` names
+    the OS error (``ENOSPC``, ``EFBIG``, ...) when there is one."""
+
+    def __init__(self, code: str, message: str = "", detail: str | None = None) -> None:
+        super().__init__(code, message)
+        self.args = (code, message, detail)
+        self.detail = detail
 
 
 def encode_entry_record(rollout_id: str, entry: Entry) -> bytes:
@@ -88,25 +109,31 @@ def read_ledger_records(data: bytes) -> tuple[dict[str, list[Entry]], bool]:
     was used again after its release). Raises `LedgerFileError` (``corrupt_record``) for a
     bad record that is not the last one.
     """
+    ledgers, kept = _read_records(data)
+    return ledgers, kept < len(data)
+
+
+def _read_records(data: bytes) -> tuple[dict[str, list[Entry]], int]:
+    """The entries per rollout, and how many leading bytes hold whole, decodable records."""
     lines = data.split(b"\n")
     complete = lines[:-1]  # a file that ends with "\n" leaves b"" last
-    torn = lines[-1] != b""
     ledgers: dict[str, list[Entry]] = {}
+    kept = 0
     for number, line in enumerate(complete, start=1):
         try:
             rollout_id, entry = _decode_line(line)
         except (TokcapError, ValueError) as e:
-            if number == len(complete) and not torn:
-                torn = True  # a garbled last record: a write the crash cut short
-                break
+            if number == len(complete) and lines[-1] == b"":
+                break  # a garbled last record: a write the crash cut short
             raise LedgerFileError(
                 "corrupt_record", f"ledger file record {number} does not decode ({e})"
             ) from e
+        kept += len(line) + 1
         if entry is None:
             ledgers.pop(rollout_id, None)
         else:
             ledgers.setdefault(rollout_id, []).append(entry)
-    return ledgers, torn
+    return ledgers, kept
 
 
 def _replay(ledgers: dict[str, list[Entry]]) -> list[Ledger]:
@@ -133,10 +160,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _open_append(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
 
 def _rewrite(path: Path, lines: Iterable[bytes]) -> int:
@@ -172,14 +195,20 @@ class LedgerFile(GateHooks):
     Build it with `open`, which reads the file, compacts it, and returns the ledgers found.
     """
 
-    def __init__(self, path: Path, fd: int, *, compact_after_releases: int) -> None:
+    def __init__(self, path: Path, fd: int, size: int, *, compact_after_releases: int) -> None:
         self.path = path
         self.compact_after_releases = compact_after_releases
         self.releases_since_compaction = 0
         self.records_written = 0
-        self.torn_tail_ignored = False
-        self.error: str | None = None
+        self.write_failures = 0
+        self.recovery: str | None = None
+        """What the start cut off a damaged file, and where the original is kept (or None)."""
+        self.broken: str | None = None
+        """Why the file can no longer be appended to (a failed write could not be cut back)."""
         self._fd = fd
+        self._size = size
+        self._muted: dict[str, tuple[str, int]] = {}
+        """Rollouts whose writes stopped: why, and the seq of their first entry not on file."""
         self._appended = 0
         self._synced = 0
         self._sync_lock = anyio.Lock()
@@ -189,6 +218,24 @@ class LedgerFile(GateHooks):
     def __repr__(self) -> str:
         return f"LedgerFile({str(self.path)!r})"
 
+    @property
+    def torn_tail_ignored(self) -> bool:
+        """Whether the start cut a torn or garbled last record off the file."""
+        return self.recovery is not None
+
+    @property
+    def problem(self) -> str | None:
+        """What health reports: the file is broken, a held rollout is not fully on file, or
+        the start recovered a damaged file (None: all is well)."""
+        if self.broken is not None:
+            return self.broken
+        if self._muted:
+            return (
+                f"ledger_write_failed: {len(self._muted)} held rollout(s) are not fully on "
+                "file (poisoned; the problem clears once they are released)"
+            )
+        return self.recovery
+
     @classmethod
     def open(
         cls, path: str | os.PathLike[str], *, compact_after_releases: int = 1024
@@ -196,32 +243,44 @@ class LedgerFile(GateHooks):
         """Read ``path`` (created if missing), rewrite it compacted, and open it for appending.
 
         Returns the file and the stored ledgers (closed and still-open ones; the gate
-        poisons the open ones). Blocking: call it at start, before serving.
+        poisons the open ones). A torn tail is cut off, the damaged original kept as
+        ``<name>.damaged-<ns>`` and a warning logged. Blocking: call it at start.
         """
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         data = target.read_bytes() if target.exists() else b""
-        records, torn = read_ledger_records(data)
+        records, kept = _read_records(data)
         ledgers = _replay(records)
-        fd = _rewrite(target, _lines_of((ledger.rollout_id, ledger.entries) for ledger in ledgers))
+        recovery = None
+        if kept < len(data):
+            damaged = target.with_name(f"{target.name}.damaged-{time.time_ns()}")
+            shutil.copyfile(target, damaged)
+            recovery = (
+                f"ledger_file_recovered: cut {len(data) - kept} byte(s) of a torn last record "
+                f"after {kept} byte(s); the damaged file is kept as {damaged.name}"
+            )
+            _log.warning("tokcap ledger file %s: %s", target, recovery)
+        lines = list(_lines_of((ledger.rollout_id, ledger.entries) for ledger in ledgers))
+        fd = _rewrite(target, lines)
         os.replace(target.with_name(target.name + ".compact"), target)
         _fsync_dir(target)
-        file = cls(target, fd, compact_after_releases=compact_after_releases)
-        file.torn_tail_ignored = torn
+        file = cls(target, fd, sum(map(len, lines)), compact_after_releases=compact_after_releases)
+        file.recovery = recovery
         return file, ledgers
 
     # ---- GateHooks ---------------------------------------------------------------------
 
     def on_entry(self, rollout_id: str, entry: Entry) -> None:
-        """Append the entry's record (one write, no fsync)."""
-        self._append(encode_entry_record(rollout_id, entry))
+        """Append the entry's record (one write, no fsync); `LedgerFileError` if it failed."""
+        self._append(encode_entry_record(rollout_id, entry), rollout_id, entry.seq)
 
     def on_sink_write(self, call: StagedCall, seconds: float, error: str | None) -> None:
         """Nothing to persist: staging is the sink's business."""
 
     def on_release(self, rollout_id: str) -> None:
         """Append a release record; the rollout's entries go at the next compaction."""
-        self._append(encode_release_record(rollout_id))
+        self._muted.pop(rollout_id, None)
+        self._append(encode_release_record(rollout_id), None, 0)
         self.releases_since_compaction += 1
 
     async def on_close(self, rollout_id: str) -> None:
@@ -230,32 +289,56 @@ class LedgerFile(GateHooks):
 
     # ---- durability and compaction -----------------------------------------------------
 
-    def _append(self, record: bytes) -> None:
-        if self._pending is not None:
-            self._pending.append(record)
+    def _append(self, record: bytes, rollout_id: str | None, seq: int) -> None:
+        if self.broken is not None:
+            raise LedgerFileError("ledger_write_failed", self.broken, "broken")
+        if rollout_id is not None and rollout_id in self._muted:
+            raise LedgerFileError("ledger_write_failed", self._muted[rollout_id][0], "muted")
         try:
             _write_all(self._fd, record)
         except OSError as e:
-            self.error = f"ledger_write_failed:{e.errno}"
-            return
+            self._write_failed(e, rollout_id, seq)
+        self._size += len(record)
+        if self._pending is not None:
+            self._pending.append(record)
         self._appended += 1
         self.records_written += 1
+
+    def _write_failed(self, error: OSError, rollout_id: str | None, seq: int) -> None:
+        name = errno.errorcode.get(error.errno or 0, str(error.errno))
+        reason = f"a ledger-file write failed ({name})"
+        self.write_failures += 1
+        if rollout_id is not None:
+            self._muted[rollout_id] = (reason, seq)
+        try:
+            os.ftruncate(self._fd, self._size)  # cut the partial record back off
+        except OSError as cut:
+            self.broken = (
+                f"ledger_file_broken: a failed write ({name}) could not be cut back "
+                f"({errno.errorcode.get(cut.errno or 0, cut.errno)})"
+            )
+            _log.error("tokcap ledger file %s: %s", self.path, self.broken)
+        raise LedgerFileError("ledger_write_failed", reason, name) from error
 
     async def sync(self) -> None:
         """fsync everything appended so far (concurrent callers share one fsync).
 
-        Raises `LedgerFileError` (``ledger_write_failed``) once any write failed.
+        Raises `LedgerFileError` ``ledger_sync_failed`` if the fsync failed. (A rollout
+        whose records could not be written was poisoned when that happened; its close
+        still answers, with a head that only this process can vouch for.)
         """
         target = self._appended
         async with self._sync_lock:
             if self._synced < target:
                 upto = self._appended
-                await anyio.to_thread.run_sync(os.fsync, self._fd)
+                try:
+                    await anyio.to_thread.run_sync(os.fsync, self._fd)
+                except OSError as e:
+                    name = errno.errorcode.get(e.errno or 0, str(e.errno))
+                    raise LedgerFileError(
+                        "ledger_sync_failed", f"fsync of the ledger file failed ({name})", name
+                    ) from e
                 self._synced = upto
-        if self.error is not None:
-            raise LedgerFileError(
-                "ledger_write_failed", f"the ledger file could not be written ({self.error})"
-            )
 
     @property
     def compacting(self) -> bool:
@@ -271,24 +354,28 @@ class LedgerFile(GateHooks):
         """Rewrite the file with the ledgers ``held()`` returns (the gate's open and closed ones).
 
         The snapshot is encoded and written in a worker thread; records appended meanwhile
-        go to the old file *and* are copied to the new one before the rename.
+        go to the old file *and* are copied to the new one before the rename. A rollout
+        whose writes failed keeps only the records it had on file.
         """
-        if self._compacting:
+        if self._compacting or self.broken is not None:
             return
         self._compacting = True
         try:
-            snapshot = [(ledger.rollout_id, ledger.entries) for ledger in held()]
+            snapshot = [(ledger.rollout_id, self._on_file(ledger)) for ledger in held()]
             self._pending = []
             self.releases_since_compaction = 0
-            fd = await anyio.to_thread.run_sync(_rewrite, self.path, _lines_of(snapshot))
+            lines = list(_lines_of(snapshot))
+            fd = await anyio.to_thread.run_sync(_rewrite, self.path, lines)
             async with self._sync_lock:
                 try:
-                    _write_all(fd, b"".join(self._pending))
+                    pending = b"".join(self._pending)
+                    _write_all(fd, pending)
                     os.replace(self.path.with_name(self.path.name + ".compact"), self.path)
                 except BaseException:
                     os.close(fd)
                     raise
                 old, self._fd = self._fd, fd
+                self._size = sum(map(len, lines)) + len(pending)
                 self._pending = None
                 os.close(old)
                 upto = self._appended
@@ -298,6 +385,13 @@ class LedgerFile(GateHooks):
         finally:
             self._pending = None
             self._compacting = False
+
+    def _on_file(self, ledger: Ledger) -> tuple[Entry, ...]:
+        """The entries of ``ledger`` the file holds (all of them unless its writes stopped)."""
+        muted = self._muted.get(ledger.rollout_id)
+        if muted is None:
+            return ledger.entries
+        return tuple(e for e in ledger.entries if e.seq < muted[1])
 
     def sync_blocking(self) -> None:
         """fsync now, blocking (at start, before the event loop serves anything)."""

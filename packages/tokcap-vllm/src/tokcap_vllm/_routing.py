@@ -4,6 +4,12 @@ A rollout is named by the path ``{prefix}{rollout_id}/v1/...`` (black-box harnes
 change their base URL) or by a header on a plain ``/v1/...`` path. The rollout id is taken
 from the *raw* path and percent-decoded once, so ``..%2f`` arrives as ``../`` and is refused
 by the rollout-id grammar instead of being normalised into another path.
+
+Nothing a rollout sends may escape capture unnoticed: a trailing slash on a captured
+endpoint is captured like the endpoint (vLLM would redirect it to the plain path, and
+HTTP clients follow redirects); any other POST on a rollout path is refused
+(``uncaptured_endpoint``) rather than served uncaptured. Two rollout headers, or a path
+and a header naming different rollouts, are refused rather than one picked.
 """
 
 from __future__ import annotations
@@ -12,12 +18,12 @@ from dataclasses import dataclass
 from typing import Final, Literal
 from urllib.parse import unquote
 
-from tokcap_core import InvalidId
-from tokcap_core.ids import validate_rollout_id
+from tokcap_core.errors import InvalidId
+from tokcap_core.ids import RolloutId, validate_rollout_id
 
-from ._errors import BadRequest
+from ._errors import BadRequest, RolloutNotFound
 
-__all__ = ["CAPTURED_ENDPOINTS", "Route", "route_request"]
+__all__ = ["CAPTURED_ENDPOINTS", "Route", "parse_rollout_id", "route_request"]
 
 Endpoint = Literal["chat", "completion"]
 CAPTURED_ENDPOINTS: Final[dict[str, Endpoint]] = {
@@ -30,32 +36,55 @@ CAPTURED_ENDPOINTS: Final[dict[str, Endpoint]] = {
 class Route:
     """Where a request goes: its rollout (None: plain traffic) and the vLLM path to serve it."""
 
-    rollout_id: str | None
+    rollout_id: RolloutId | None
     path: str
     endpoint: Endpoint | None
 
 
+def parse_rollout_id(text: str) -> RolloutId:
+    """The one rollout-id parser of the gate: `BadRequest` (``bad_rollout_id``) if malformed."""
+    try:
+        return validate_rollout_id(text)
+    except InvalidId as e:
+        raise BadRequest("bad_rollout_id", e.message or str(e)) from e
+
+
 def route_request(
-    raw_path: bytes, path: str, headers: dict[str, str], *, prefix: str, header: str
+    raw_path: bytes, path: str, method: str, headers: list[str], *, prefix: str
 ) -> Route:
-    """Route one HTTP request; `BadRequest` (``bad_rollout_id``) for a malformed rollout id."""
+    """Route one HTTP request; ``headers`` are the values of the rollout header, in order."""
+    if len(headers) > 1:
+        raise BadRequest("bad_rollout_id", "more than one rollout-id header")
+    named = parse_rollout_id(headers[0]) if headers else None
     raw = raw_path.decode("latin-1").split("?", 1)[0]
     if raw.startswith(prefix):
-        rest = raw[len(prefix) :]
-        segment, sep, tail = rest.partition("/")
+        segment, sep, tail = raw[len(prefix) :].partition("/")
         if not sep or not ("/" + tail).startswith("/v1/"):
             raise BadRequest("bad_rollout_path", f"expected {prefix}{{rollout_id}}/v1/...")
-        rollout_id = _rollout_id(unquote(segment))
+        rollout_id = parse_rollout_id(unquote(segment))
+        if named is not None and named != rollout_id:
+            raise BadRequest(
+                "conflicting_rollout_ids", "the path and the rollout header name different rollouts"
+            )
         vllm_path = unquote("/" + tail)
-        return Route(rollout_id, vllm_path, CAPTURED_ENDPOINTS.get(vllm_path))
-    named = headers.get(header)
+        endpoint = _endpoint(vllm_path)
+        if endpoint is None and method == "POST":
+            raise RolloutNotFound(
+                "uncaptured_endpoint",
+                f"{vllm_path} cannot be captured; rollouts call /v1/chat/completions "
+                "or /v1/completions",
+            )
+        return Route(rollout_id, _canonical(vllm_path, endpoint), endpoint)
     if named is not None:
-        return Route(_rollout_id(named), path, CAPTURED_ENDPOINTS.get(path))
+        endpoint = _endpoint(path)
+        return Route(named, _canonical(path, endpoint), endpoint)
     return Route(None, path, None)
 
 
-def _rollout_id(value: str) -> str:
-    try:
-        return validate_rollout_id(value)
-    except InvalidId as e:
-        raise BadRequest("bad_rollout_id", e.message or str(e)) from e
+def _endpoint(path: str) -> Endpoint | None:
+    return CAPTURED_ENDPOINTS.get(path.rstrip("/") if path != "/" else path)
+
+
+def _canonical(path: str, endpoint: Endpoint | None) -> str:
+    """A captured endpoint's path without a trailing slash (vLLM would redirect it)."""
+    return path.rstrip("/") if endpoint is not None else path

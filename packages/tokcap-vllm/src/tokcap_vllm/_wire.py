@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
 
 from ._errors import BadRequest, Unsupported
 
-__all__ = ["ChatBody", "CompletionBody", "ResponseObserver", "decode_body", "error_body"]
+__all__ = ["ChatBody", "CompletionBody", "ResponseObserver", "decode_body"]
 
 
 class ChatBody(msgspec.Struct):
@@ -25,6 +24,9 @@ class ChatBody(msgspec.Struct):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     use_beam_search: bool = False
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -36,10 +38,17 @@ class CompletionBody(msgspec.Struct):
     stream: bool | None = False
     echo: bool | None = False
     use_beam_search: bool = False
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
-def decode_body(body: bytes, kind: str) -> ChatBody | CompletionBody:
-    """Decode and check a captured request body; `BadRequest` / `Unsupported` with a code."""
+def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody | CompletionBody:
+    """Decode and check a captured request body; `BadRequest` / `Unsupported` with a code.
+
+    ``token_ids_allowed`` is ``CaptureConfig.return_token_ids``: without it a request
+    asking for token ids is refused (``token_ids_not_allowed``).
+    """
     target: type[ChatBody] | type[CompletionBody] = ChatBody if kind == "chat" else CompletionBody
     try:
         parsed = msgspec.json.decode(body, type=target)
@@ -47,12 +56,21 @@ def decode_body(body: bytes, kind: str) -> ChatBody | CompletionBody:
         raise BadRequest("bad_body", f"invalid request body: {e}") from e
     except msgspec.DecodeError as e:
         raise BadRequest("bad_json", f"request body is not JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRequest("bad_json", "request body is nested too deeply") from e
+    except UnicodeDecodeError as e:
+        raise BadRequest("bad_json", "request body is not valid UTF-8") from e
     if parsed.n not in (None, 1) or parsed.best_of not in (None, 1):
         raise Unsupported(
             "n_unsupported", "captured rollouts take n=1 (one completion per call); send n calls"
         )
     if parsed.use_beam_search:
         raise Unsupported("beam_search_unsupported", "beam search cannot be captured")
+    if (parsed.return_token_ids or parsed.return_tokens_as_token_ids) and not token_ids_allowed:
+        raise Unsupported(
+            "token_ids_not_allowed",
+            "this gate does not return token ids to harnesses (CaptureConfig.return_token_ids)",
+        )
     if isinstance(parsed, ChatBody):
         if not parsed.messages:
             raise BadRequest("bad_body", "messages must not be empty")
@@ -72,16 +90,6 @@ def decode_body(body: bytes, kind: str) -> ChatBody | CompletionBody:
         if parsed.echo:
             raise Unsupported("echo_unsupported", "echo cannot be captured")
     return parsed
-
-
-def error_body(code: str, message: str, status: int) -> bytes:
-    """An OpenAI-style error body (the ``openai`` client raises it with this message)."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(
-        status, "InternalServerError"
-    )
-    return msgspec.json.encode(
-        {"error": {"message": f"[{code}] {message}", "type": kind, "code": code}, "object": "error"}
-    )
 
 
 class _ToolDelta(msgspec.Struct):
@@ -120,6 +128,7 @@ class ResponseObserver:
         self.content = ""
         self.tools: dict[int, dict[str, str]] = {}
         self._buffer = b""
+        self.done = False
 
     def on_start(self, message: dict[str, Any]) -> None:
         """Record the status and whether the body is a server-sent-event stream."""
@@ -143,6 +152,7 @@ class ResponseObserver:
 
     def finish(self) -> None:
         """The last chunk arrived: parse a non-streaming body."""
+        self.done = True
         if not self.streaming and self.status == 200:
             self._take(self._buffer, delta=False)
         self._buffer = b""
@@ -172,21 +182,3 @@ class ResponseObserver:
                 fn = tool.function or {}
                 slot["name"] += fn.get("name") or ""
                 slot["arguments"] += fn.get("arguments") or ""
-
-
-async def read_body(
-    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], limit: int
-) -> bytes:
-    """The whole ASGI request body; `BadRequest` if it exceeds ``limit`` or the client leaves."""
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("client_disconnected", "the client went away while sending")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest("body_too_large", f"request body over {limit} bytes")
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)

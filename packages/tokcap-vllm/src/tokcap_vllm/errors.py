@@ -1,0 +1,49 @@
+"""Every error tokcap-vllm raises: the gate's answers (each with its HTTP status), the
+control-plane client's, the ledger file's and the weight push's."""
+
+from ._errors import (
+    BadRequest,
+    ControlAuthError,
+    ControlConflict,
+    ControlNotFound,
+    ControlPlaneError,
+    ControlRequestError,
+    ControlUnavailable,
+    ControlUnreachable,
+    GateError,
+    InvalidBody,
+    MethodNotAllowed,
+    RolloutConflict,
+    RolloutNotFound,
+    TooLarge,
+    TooManyRollouts,
+    Unauthorized,
+    Unsupported,
+)
+from ._lifecycle import CallStateError
+from ._persist import LedgerFileError
+from ._weight_state import WeightPushError, WeightSyncError
+
+__all__ = [
+    "BadRequest",
+    "CallStateError",
+    "ControlAuthError",
+    "ControlConflict",
+    "ControlNotFound",
+    "ControlPlaneError",
+    "ControlRequestError",
+    "ControlUnavailable",
+    "ControlUnreachable",
+    "GateError",
+    "InvalidBody",
+    "LedgerFileError",
+    "MethodNotAllowed",
+    "RolloutConflict",
+    "RolloutNotFound",
+    "TooLarge",
+    "TooManyRollouts",
+    "Unauthorized",
+    "Unsupported",
+    "WeightPushError",
+    "WeightSyncError",
+]

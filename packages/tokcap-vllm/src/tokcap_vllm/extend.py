@@ -1,0 +1,24 @@
+"""For extending or embedding the gate: observers, metrics, the capture host, the control
+plane as a bare ASGI handler, and the one place vLLM is imported."""
+
+from ._control import ControlPlane
+from ._gate import GateHealth
+from ._hooks import GateHooks
+from ._host import CaptureHost, EngineResult
+from ._lifecycle import GateCall
+from ._metrics import GateMetrics
+from ._middleware import default_gate
+from ._vllm import INSTALL_HINT, require_vllm
+
+__all__ = [
+    "INSTALL_HINT",
+    "CaptureHost",
+    "ControlPlane",
+    "EngineResult",
+    "GateCall",
+    "GateHealth",
+    "GateHooks",
+    "GateMetrics",
+    "default_gate",
+    "require_vllm",
+]

@@ -1,0 +1,158 @@
+"""Containment (issue #14): a failure while committing one call poisons that rollout alone.
+
+Against the session gate (real engine, real HTTP, real ledger file), while other rollouts
+keep calling: a ledger-file write that fails, and a ledger that refuses a commit. The
+victim's receipt is poisoned with the reason; every other rollout stages and verifies; the
+gate keeps serving and staging; nothing reaches the task group `Gate.serve` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.vllm._helpers import CONTROL_TOKEN, client, control
+from tokcap_core import Ledger, LedgerProtocolError
+from tokcap_core.ledger import Staged
+from tokcap_vllm import InProcessServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+AUTH = {"authorization": f"Bearer {CONTROL_TOKEN}"}
+
+
+async def _turns(server: InProcessServer, rollout_id: str, turns: int) -> None:
+    messages: list[Any] = [{"role": "user", "content": f"task {rollout_id}"}]
+    async with client(server, rollout_id) as c:
+        for turn in range(turns):
+            r = await c.chat.completions.create(
+                model=server.model, messages=messages, max_tokens=3, temperature=0.0
+            )
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content or ""},
+                {"role": "user", "content": f"more {turn}"},
+            ]
+
+
+async def _receipts(server: InProcessServer, rollout_ids: list[str]) -> dict[str, Any]:
+    async with control(server) as cp:
+        heads = {rid: await cp.close(rid, reward=1.0) for rid in rollout_ids}
+        receipts = await cp.fetch_receipts(rollout_ids, expected_heads=heads)
+    return {r.rollout_id: r for r in receipts}
+
+
+def _staged(server: InProcessServer, rollout_id: str) -> int:
+    return sum(isinstance(e.event, Staged) for e in server.gate.ledger(rollout_id).entries)
+
+
+def _health(server: InProcessServer) -> dict[str, Any]:
+    with httpx.Client(timeout=60) as http:
+        answer = http.get(f"{server.base_url}/tokcap/v1/health", headers=AUTH)
+    assert answer.status_code == 200
+    body: dict[str, Any] = answer.json()
+    return body
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int) -> Iterator[None]:
+    """A real write failure: the kernel refuses to grow any regular file of this process past
+    ``limit`` bytes (``EFBIG``; SIGXFSZ ignored so the write returns the error)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_ledger_file_that_cannot_be_written_poisons_that_rollout_alone(
+    server: InProcessServer,
+) -> None:
+    gate = server.gate
+    assert gate.ledger_file is not None
+    others = ["ct-file-a", "ct-file-b"]
+
+    async def main() -> dict[str, Any]:
+        async with anyio.create_task_group() as tg:
+            for rid in others:
+                tg.start_soon(_turns, server, rid, 1)
+        await anyio.to_thread.run_sync(server.call, gate.drain)  # every commit is on file
+        size = gate.ledger_file.path.stat().st_size  # type: ignore[union-attr]
+        # the victim's first record gets 10 bytes onto the file, then the write fails
+        with _file_size_limit(size + 10):
+            await _turns(server, "ct-file-victim", 1)
+        async with anyio.create_task_group() as tg:  # everyone goes on; the victim uncaptured
+            for rid in [*others, "ct-file-victim"]:
+                tg.start_soon(_turns, server, rid, 2)
+        return await _receipts(server, [*others, "ct-file-victim"])
+
+    receipts = anyio.run(main)
+    victim = receipts["ct-file-victim"]
+    assert not victim.ok
+    assert victim.failure_reason == "ledger_write_failed:EFBIG"
+    for rid in others:
+        assert receipts[rid].ok, receipts[rid]
+        assert _staged(server, rid) == 3  # one conversation before the fault, one after
+    assert _staged(server, "ct-file-victim") == 1  # in memory; its later calls uncaptured
+    assert gate.running
+    assert _health(server)["status"] == "degraded"  # the victim is not fully on file
+    assert gate.metrics()["tokcap/ledger_write_failures"] >= 1
+    assert gate.metrics()["tokcap/calls_uncaptured_after_failure"] >= 2
+    with httpx.Client(timeout=60) as http:
+        assert http.delete(
+            f"{server.base_url}/tokcap/v1/rollouts/ct-file-victim", headers=AUTH
+        ).is_success
+    health = _health(server)
+    assert (health["status"], health["serving"]) == ("ok", True)
+    anyio.run(_turns, server, "ct-file-after", 2)
+    assert anyio.run(_receipts, server, ["ct-file-after"])["ct-file-after"].ok
+
+
+class _RefusingLedger(Ledger):
+    """Fault injection (a fault no client can cause any more: the gate refuses duplicate
+    request ids before admission): this ledger refuses every ``Staged`` commit."""
+
+    __slots__ = ()
+
+    def append(self, event: Any) -> Any:
+        if isinstance(event, Staged):
+            raise LedgerProtocolError("injected_refusal", "this ledger refuses commits")
+        return super().append(event)
+
+
+def test_a_ledger_refusing_a_commit_poisons_that_rollout_alone(server: InProcessServer) -> None:
+    gate = server.gate
+    others = ["ct-ref-a", "ct-ref-b", "ct-ref-c"]
+
+    async def swap() -> None:
+        record = gate.registry.join("ct-ref-victim")
+        record.ledger = _RefusingLedger("ct-ref-victim")
+
+    async def main() -> dict[str, Any]:
+        server.call(swap)
+        async with anyio.create_task_group() as tg:
+            for rid in [*others, "ct-ref-victim"]:
+                tg.start_soon(_turns, server, rid, 3)
+        return await _receipts(server, [*others, "ct-ref-victim"])
+
+    before = gate.metrics().get("tokcap/contained_failures/injected_refusal", 0.0)
+    receipts = anyio.run(main)
+    victim = receipts["ct-ref-victim"]
+    assert not victim.ok
+    assert victim.failure_reason == "ledger_refused:injected_refusal"
+    for rid in others:
+        assert receipts[rid].ok, receipts[rid]
+        assert len(receipts[rid].segments[0]) == 3
+    assert gate.running
+    assert gate.metrics()["tokcap/contained_failures/injected_refusal"] == before + 1
+    anyio.run(_turns, server, "ct-ref-after", 2)
+    assert anyio.run(_receipts, server, ["ct-ref-after"])["ct-ref-after"].ok

@@ -1,0 +1,259 @@
+"""Hostile or careless clients never take the gate down or corrupt a ledger (issue #17).
+
+Each case a probe found against ``tokcap-vllm serve`` is a named regression test on the
+session gate (a real vLLM CPU engine behind the real HTTP server). After every abuse the
+gate still serves: `_assert_serving` checks the gate's health, plain vLLM routes, and that a
+fresh rollout captures, closes and verifies.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.vllm._helpers import CONTROL_TOKEN, client, control, events
+from tokcap_core import assemble_receipt, verify_manifest
+from tokcap_core.ledger import Admitted, Failed, Staged, manifest_of
+from tokcap_vllm import InProcessServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+AUTH = {"authorization": f"Bearer {CONTROL_TOKEN}"}
+
+
+def _body(server: InProcessServer, text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": server.model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 3,
+        "temperature": 0.0,
+        **extra,
+    }
+
+
+def _post(server: InProcessServer, rollout_id: str, body: Any, **kw: Any) -> httpx.Response:
+    url = server.rollout_url(rollout_id) + "/chat/completions"
+    with httpx.Client(timeout=120) as http:
+        return http.post(url, json=body, **kw)
+
+
+def _code(response: httpx.Response) -> tuple[int, str]:
+    return response.status_code, response.json()["error"]["code"]
+
+
+def _verified(server: InProcessServer, rollout_id: str) -> bool:
+    async def run() -> bool:
+        await server.gate.close(rollout_id, reward=1.0)
+        state = verify_manifest(manifest_of(server.gate.ledger(rollout_id)))
+        return assemble_receipt(state).ok
+
+    return server.call(run)
+
+
+def _assert_serving(server: InProcessServer, fresh: str) -> None:
+    """The gate is up: health ok, vLLM's own routes answer, a new rollout verifies."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        health = http.get("/tokcap/v1/health", headers=AUTH)
+        assert health.status_code == 200, health.text
+        assert health.json()["serving"] is True
+        assert http.get("/health").status_code == 200
+        assert http.get("/v1/models").status_code == 200
+    assert _post(server, fresh, _body(server, f"hello {fresh}")).status_code == 200
+    assert _verified(server, fresh)
+
+
+def test_a_duplicated_request_id_is_refused_and_the_gate_keeps_serving(
+    server: InProcessServer,
+) -> None:
+    """Case 1: two calls of one rollout with one request id (header, then body field)."""
+    first = _post(server, "hx-dup", _body(server, "a"), headers={"x-request-id": "same-id"})
+    assert first.status_code == 200
+    assert first.json()["id"] == "chatcmpl-same-id"
+    again = _post(server, "hx-dup", _body(server, "b"), headers={"x-request-id": "same-id"})
+    assert _code(again) == (409, "duplicate_request_id")
+    by_body = _post(server, "hx-dup", _body(server, "c", request_id="same-id"))
+    assert _code(by_body) == (409, "duplicate_request_id")
+    other = _post(server, "hx-dup-other", _body(server, "d"), headers={"x-request-id": "same-id"})
+    assert other.status_code == 200  # another rollout may use the id
+    kinds = [type(e).__name__ for e in events(server, "hx-dup")]
+    assert kinds == ["Admitted", "Staged"]
+    assert _verified(server, "hx-dup")
+    assert _verified(server, "hx-dup-other")
+    _assert_serving(server, "hx-dup-after")
+
+
+def test_release_and_reuse_during_a_stream_never_mixes_rollouts(server: InProcessServer) -> None:
+    """Case 2: close and release R while it streams, start a new R: the old call lands nowhere."""
+
+    async def main() -> tuple[str, str]:
+        old_id = new_id = ""
+        async with client(server, "hx-reuse") as c, control(server) as cp:
+            stream = await c.chat.completions.create(
+                model=server.model,
+                messages=[{"role": "user", "content": "long story"}],
+                max_tokens=300,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = 0
+            async for chunk in stream:
+                old_id = chunk.id
+                chunks += 1
+                if chunks == 10:
+                    await cp.close("hx-reuse", reward=0.0)
+                    await cp.release("hx-reuse")
+                    fresh = await c.chat.completions.create(
+                        model=server.model,
+                        messages=[{"role": "user", "content": "second life"}],
+                        max_tokens=4,
+                        temperature=0.0,
+                    )
+                    new_id = fresh.id
+        return old_id, new_id
+
+    old_id, new_id = anyio.run(main)
+    assert old_id != new_id
+    server.call(server.gate.drain)
+    ledger = server.gate.ledger("hx-reuse")
+    staged = [e.event for e in ledger.entries if isinstance(e.event, Staged)]
+    assert [s.response_id for s in staged] == [new_id]  # never the old call's
+    assert not [k for k in server.call(server.gate.sink.staged_keys) if old_id in k]
+    assert _verified(server, "hx-reuse")
+    _assert_serving(server, "hx-reuse-after")
+
+
+def test_concurrent_retries_with_one_idempotency_key_make_one_call(server: InProcessServer) -> None:
+    """Case 3: 20 identical requests at once under one key: one call, one response id."""
+    body = _body(server, "retry me")
+    url = server.rollout_url("hx-retry") + "/chat/completions"
+
+    async def main() -> list[httpx.Response]:
+        answers: list[httpx.Response] = []
+        async with httpx.AsyncClient(timeout=120) as http:
+
+            async def one() -> None:
+                answers.append(await http.post(url, json=body, headers={"idempotency-key": "k"}))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(20):
+                    tg.start_soon(one)
+        return answers
+
+    answers = anyio.run(main)
+    assert [a.status_code for a in answers] == [200] * 20
+    assert len({a.json()["id"] for a in answers}) == 1
+    kinds = [type(e).__name__ for e in events(server, "hx-retry")]
+    assert kinds == ["Admitted", "Staged"]
+    reused = _post(server, "hx-retry", _body(server, "another"), headers={"idempotency-key": "k"})
+    assert _code(reused) == (409, "idempotency_key_reused")
+    assert _verified(server, "hx-retry")
+
+
+def test_a_trailing_slash_is_captured_and_other_rollout_posts_are_refused(
+    server: InProcessServer,
+) -> None:
+    """Case 4: ``.../chat/completions/`` is captured, never redirected to the plain path."""
+    url = server.rollout_url("hx-slash") + "/chat/completions/"
+    with httpx.Client(timeout=120, follow_redirects=False) as http:
+        answer = http.post(url, json=_body(server, "slash"))
+        assert answer.status_code == 200, answer.text
+        other = http.post(server.rollout_url("hx-slash") + "/responses", json={"input": "x"})
+    assert _code(other) == (404, "uncaptured_endpoint")
+    assert [type(e).__name__ for e in events(server, "hx-slash")] == ["Admitted", "Staged"]
+    assert _verified(server, "hx-slash")
+
+
+def test_malformed_requests_get_typed_answers_never_500(server: InProcessServer) -> None:
+    """Case 5: deep nesting, invalid UTF-8, a template the sandbox refuses, reserved kwargs."""
+    url = server.rollout_url("hx-bad") + "/chat/completions"
+    nested = b"[" * 1000 + b"]" * 1000
+    deep = b'{"model": "m", "messages": [{"role": "user", "content": "x", "x": ' + nested + b"}]}"
+    cases = {
+        "deep": (deep, (400, "bad_json")),
+        "utf8": (
+            b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+            (400, "bad_json"),
+        ),
+        "sandbox": (
+            json.dumps(
+                _body(server, "x", chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+            ).encode(),
+            (400, "bad_chat_template"),
+        ),
+        "kwargs": (
+            json.dumps(_body(server, "x", chat_template_kwargs={"tokenize": True})).encode(),
+            (400, "bad_chat_template_kwargs"),
+        ),
+    }
+    with httpx.Client(timeout=120) as http:
+        for name, (raw, expected) in cases.items():
+            answer = http.post(url, content=raw, headers={"content-type": "application/json"})
+            assert 400 <= answer.status_code < 500, (name, answer.status_code, answer.text)
+            if expected is not None:
+                assert _code(answer) == expected, name
+    assert "hx-bad" not in server.gate.rollouts()  # refused requests leave no rollout behind
+    _assert_serving(server, "hx-bad-after")
+
+
+def test_a_retry_waiting_on_its_key_while_the_rollout_closes_gets_409(
+    server: InProcessServer,
+) -> None:
+    """Case 5: the retry is refused as a conflict (409 rollout_closed), not a 400."""
+    body = _body(server, "slow", max_tokens=1000, ignore_eos=True)
+    url = server.rollout_url("hx-close-retry") + "/chat/completions"
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        out: dict[str, httpx.Response] = {}
+        async with httpx.AsyncClient(timeout=120) as http, control(server) as cp:
+
+            async def send(name: str) -> None:
+                out[name] = await http.post(url, json=body, headers={"idempotency-key": "slow"})
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send, "first")
+                await anyio.sleep(0.3)
+                tg.start_soon(send, "retry")
+                await anyio.sleep(0.3)
+                await cp.close("hx-close-retry", reward=0.0)
+        return out["first"], out["retry"]
+
+    first, retry = anyio.run(main)
+    assert first.status_code == 200  # the stream still reached its harness
+    assert retry.status_code == 409, retry.text
+    assert retry.json()["error"]["code"] in ("rollout_closed", "retry_in_flight")
+    evs = events(server, "hx-close-retry")
+    failed = [e for e in evs if isinstance(e, Failed)]
+    assert [f.reason for f in failed] == ["uncommitted_call:closed_in_flight"]
+    assert sum(isinstance(e, Admitted) for e in evs) == 1
+
+
+def test_questionable_inputs_are_refused_as_decided(server: InProcessServer) -> None:
+    """Case 6: two Authorization headers, a token in the query, path and header naming
+    different rollouts, a prompt far over the context: each refused with its code."""
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        two = http.get(
+            "/tokcap/v1/health",
+            headers=[("authorization", AUTH["authorization"]), ("authorization", "Bearer x")],
+        )
+        assert _code(two) == (400, "duplicate_authorization")
+        query = http.get(f"/tokcap/v1/health?token={CONTROL_TOKEN}", headers=AUTH)
+        assert _code(query) == (400, "token_in_query")
+        assert CONTROL_TOKEN not in query.text
+        both = http.post(
+            server.rollout_url("hx-q-a").removeprefix(server.base_url) + "/chat/completions",
+            json=_body(server, "x"),
+            headers={"x-tokcap-rollout-id": "hx-q-b"},
+        )
+        assert _code(both) == (400, "conflicting_rollout_ids")
+        huge = _body(server, "word " * 2_000_000)  # 10 MB of text
+        big = http.post(
+            server.rollout_url("hx-q-big").removeprefix(server.base_url) + "/chat/completions",
+            json=huge,
+        )
+        assert _code(big) == (400, "prompt_too_long")
+    assert not {"hx-q-a", "hx-q-b", "hx-q-big"} & set(server.gate.rollouts())
