@@ -390,9 +390,9 @@ def test_break_causes_list_why_each_later_root_started() -> None:
     b = Builder()
     b.stage()
     b.stage(break_cause="template_mismatch")
-    b.stage(break_cause="tokenization_drift")
+    b.stage(break_cause="history_rewritten")
     b.close()
-    assert b.receipt().break_causes == ("template_mismatch", "tokenization_drift")
+    assert b.receipt().break_causes == ("template_mismatch", "history_rewritten")
 
 
 def test_splices_stay_on_the_chain_and_are_counted_by_cause() -> None:

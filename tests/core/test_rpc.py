@@ -43,8 +43,6 @@ def request(**overrides: Any) -> ReassemblyRequest:
         "receipts": RECEIPTS,
         "rewards": (1.0, None, -0.5),
         "max_seq_len": 4096,
-        "weight_version": 3,
-        "target_step": 7,
     }
     return ReassemblyRequest(**(kwargs | overrides))
 
@@ -74,8 +72,6 @@ def test_reassembly_request_field_set_is_pinned() -> None:
         "receipts",
         "rewards",
         "max_seq_len",
-        "weight_version",
-        "target_step",
         "clear_staging",
     }
 
@@ -281,8 +277,6 @@ def test_metadata_violation_is_a_type_error_and_picklable() -> None:
         ({"rewards": (1.0, float("inf"), 0.0)}, "bad_reward"),
         ({"rewards": (1.0, True, 0.0)}, "bad_reward"),
         ({"max_seq_len": 0}, "bad_max_seq_len"),
-        ({"weight_version": -1}, "bad_field"),
-        ({"target_step": 1.5}, "bad_field"),
         ({"clear_staging": 1}, "bad_field"),
     ],
 )

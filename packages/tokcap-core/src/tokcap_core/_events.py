@@ -37,7 +37,6 @@ BREAK_CAUSES: Final[tuple[str, ...]] = (
     "reasoning_stripped",
     "template_mismatch",
     "template_unstable",
-    "tokenization_drift",
 )
 """Why a later call of a rollout started a new root instead of extending a parent.
 

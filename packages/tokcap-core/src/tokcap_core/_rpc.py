@@ -227,8 +227,6 @@ class ReassemblyRequest:
     receipts: tuple[Receipt, ...]
     rewards: tuple[float | None, ...]
     max_seq_len: int
-    weight_version: int | None = None
-    target_step: int | None = None
     clear_staging: bool = True
 
     def __post_init__(self) -> None:
@@ -249,8 +247,6 @@ class ReassemblyRequest:
             _require(ok, "bad_reward", f"rewards[{i}] must be a finite float or None: {reward!r}")
         ok = type(self.max_seq_len) is int and self.max_seq_len >= 1
         _require(ok, "bad_max_seq_len", f"max_seq_len must be an int >= 1: {self.max_seq_len!r}")
-        _check_version("weight_version", self.weight_version)
-        _check_version("target_step", self.target_step)
         _require(type(self.clear_staging) is bool, "bad_field", "clear_staging must be a bool")
         assert_metadata_only(self)
 
