@@ -189,10 +189,15 @@ def _check_vllm_cli_without_vllm(bin_dir: Path, cwd: Path) -> None:
 
 
 def test_packages_pass_mypy_strict() -> None:
-    result = _run(sys.executable, "-m", "mypy", "--strict", "--no-incremental", *PACKAGES, "src")
+    result = _run(
+        sys.executable, "-m", "mypy", "--strict", "--no-incremental", *PACKAGES, "src", "examples"
+    )
     assert result.returncode == 0, result.stdout[-4000:]
 
 
 def test_packages_pass_ruff() -> None:
-    result = _run(sys.executable, "-m", "ruff", "check", "packages", "src", "bench")
+    paths = ("packages", "src", "bench", "tests", "examples")
+    result = _run(sys.executable, "-m", "ruff", "check", *paths)
     assert result.returncode == 0, result.stdout[-4000:]
+    formatted = _run(sys.executable, "-m", "ruff", "format", "--check", *paths)
+    assert formatted.returncode == 0, formatted.stdout[-4000:]

@@ -21,12 +21,12 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS  # noqa: E402
-from tokcap_core import CaptureConfig, MemorySink, SinkError, StagedCall
+from tokcap_core import CaptureConfig, MemorySink, SinkError, StagedCall  # noqa: E402
 from tokcap_vllm import Gate, GateConfig, InProcessServer  # noqa: E402
 
 
 class FailingSink(MemorySink):
-    """The real `MemorySink`, wrapped to fail every put for rollouts whose id starts with ``fail-``."""
+    """The real `MemorySink`, wrapped to fail every put for rollouts named ``fail-*``."""
 
     async def put(self, calls: Sequence[StagedCall]) -> None:
         if any(c.rollout_id.startswith("fail-") for c in calls):

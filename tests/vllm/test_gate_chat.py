@@ -135,7 +135,8 @@ def _tokenizer_ids(server):  # type: ignore[no-untyped-def]
 
 
 def _assert_chain(seen, rows, staged):  # type: ignore[no-untyped-def]
-    """Each call's prompt = parent's cumulative ids + suffix, and the row is exactly what the engine saw and made."""
+    """Each call's prompt = parent's cumulative ids + suffix; the row is what the engine saw and
+    made."""
     for before, after in itertools.pairwise(seen):
         cumulative = before["prompt_ids"] + before["ids"]
         assert after["prompt_ids"][: len(cumulative)] == cumulative
@@ -153,7 +154,8 @@ def _assert_chain(seen, rows, staged):  # type: ignore[no-untyped-def]
 
 
 def test_chatml_tool_loop_chains_token_in(server) -> None:  # type: ignore[no-untyped-def]
-    """Six turns with tool observations under ChatML: every call extends its parent, the row matches the engine."""
+    """Six turns with tool observations under ChatML: every call extends its parent, the row
+    matches the engine."""
     seen = _run(lambda: _conversation(server, "chatml-1", turns=6))
     evs = events(server, "chatml-1")
     admitted = [e for e in evs if isinstance(e, Admitted)]
@@ -177,7 +179,8 @@ def test_chatml_tool_loop_chains_token_in(server) -> None:  # type: ignore[no-un
         carried = tokenizer.decode(list(call.tokens[: call.carry_len]))
         parent = staged[call.parent_id]
         ended_on_eos = tokenizer.decode(list(parent.generated)).endswith(EOS)
-        # ChatML puts "\n" after <|im_end|>: when the model ended its turn, the "\n" is carried, not lost
+        # ChatML puts "\n" after <|im_end|>: when the model ended its turn, the "\n" is
+        # carried, not lost
         assert carried.startswith(
             "\n<|im_start|>tool\n" if ended_on_eos else EOS + "\n<|im_start|>tool\n"
         )
@@ -199,7 +202,8 @@ def test_llama3_style_template_chains(server) -> None:  # type: ignore[no-untype
 
 
 def test_reasoning_stripping_template_breaks_to_new_root(server) -> None:  # type: ignore[no-untyped-def]
-    """A template that drops earlier reasoning: each later call is a new root, counted as reasoning_stripped."""
+    """A template that drops earlier reasoning: each later call is a new root, counted as
+    reasoning_stripped."""
     before = server.gate.metrics().get("tokcap/breaks/reasoning_stripped", 0.0)
     _run(
         lambda: _conversation(
@@ -217,7 +221,8 @@ def test_reasoning_stripping_template_breaks_to_new_root(server) -> None:  # typ
 
 
 def test_streaming_and_non_streaming_capture_the_same_tokens(server) -> None:  # type: ignore[no-untyped-def]
-    """Greedy, same conversation: the streamed and the non-streamed rollouts stage identical tokens and logprobs."""
+    """Greedy, same conversation: the streamed and the non-streamed rollouts stage identical
+    tokens and logprobs."""
     plain = _run(lambda: _conversation(server, "parity-plain", turns=4, task="parity"))
     streamed = _run(
         lambda: _conversation(server, "parity-stream", turns=4, stream=True, task="parity")
@@ -260,6 +265,7 @@ def test_64_concurrent_rollouts_lose_and_mix_nothing(server) -> None:  # type: i
     _run(main)
     for rollout_id, seen in results.items():
         receipt, rows, staged = close_and_reassemble(server, rollout_id)
-        assert receipt.ok and len(receipt.segments[0]) == 3, rollout_id
+        assert receipt.ok, rollout_id
+        assert len(receipt.segments[0]) == 3, rollout_id
         assert all(s.rollout_id == rollout_id for s in staged.values())
         _assert_chain(seen, rows, staged)

@@ -1,4 +1,5 @@
-"""The gate on a real engine, failure side: bad input, n>1, bad ids, sink failures, disconnects, retries."""
+"""The gate on a real engine, failure side: bad input, n>1, bad ids, sink failures,
+disconnects, retries."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _chat(server, **extra):  # type: ignore[no-untyped-def]
 
 
 def test_bad_bodies_n_and_rollout_ids_get_typed_400s(server) -> None:  # type: ignore[no-untyped-def]
-    """Bad JSON, wrong types, n>1, path traversal and over-long ids: 400 with a code, nothing admitted."""
+    """Bad JSON, wrong types, n>1, path traversal and over-long ids: 400 with a code, nothing
+    admitted."""
     base = server.base_url
     with httpx.Client(timeout=60) as http:
         url = server.rollout_url("bad-1") + "/chat/completions"
@@ -79,7 +81,8 @@ def test_n_greater_than_one_reaches_the_openai_client_as_a_clear_error(server) -
 
 def test_sink_failure_poisons_only_its_rollout(server) -> None:  # type: ignore[no-untyped-def]
     """The session sink is the real MemorySink wrapped to fail puts for rollouts named ``fail-*``
-    (conftest.FailingSink): that rollout gets Failed(served=True); a concurrent rollout is untouched."""
+    (conftest.FailingSink): that rollout gets Failed(served=True); a concurrent rollout is
+    untouched."""
 
     async def convo(rollout_id: str) -> None:
         async with client(server, rollout_id) as c:
@@ -112,7 +115,8 @@ def test_sink_failure_poisons_only_its_rollout(server) -> None:  # type: ignore[
 
 
 def test_client_disconnect_mid_stream_is_uncommitted_and_not_staged(server) -> None:  # type: ignore[no-untyped-def]
-    """Closing a stream early: Failed(served=False, uncommitted_call:...), no row left in the sink."""
+    """Closing a stream early: Failed(served=False, uncommitted_call:...), no row left in the
+    sink."""
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -135,7 +139,8 @@ def test_client_disconnect_mid_stream_is_uncommitted_and_not_staged(server) -> N
 
 
 def test_retry_with_the_same_idempotency_key_returns_the_committed_call(server) -> None:  # type: ignore[no-untyped-def]
-    """A harness retry carrying the same Idempotency-Key gets the same response; no sibling is minted."""
+    """A harness retry carrying the same Idempotency-Key gets the same response; no sibling is
+    minted."""
     url = server.rollout_url("retry-1") + "/chat/completions"
     with httpx.Client(timeout=60) as http:
         first = http.post(url, json=_chat(server), headers={"idempotency-key": "k1"})
@@ -158,7 +163,7 @@ def test_plain_traffic_is_not_captured(server) -> None:  # type: ignore[no-untyp
 
 
 def test_completions_endpoint_chains_text_prompts(server) -> None:  # type: ignore[no-untyped-def]
-    """/v1/completions: a prompt that extends the previous prompt + returned text is a child call."""
+    """/v1/completions: a prompt extending the previous prompt + returned text is a child call."""
 
     async def main() -> None:
         async with client(server, "cmpl-1") as c:

@@ -67,7 +67,8 @@ class FakeEngine:
 
 
 def test_routes_are_aligned_and_backfilled_across_a_chain() -> None:
-    """Three chained calls: the row's routes cover every token; parents' last rows come from child prefill."""
+    """Three chained calls: the row's routes cover every token; parents' last rows come from
+    the child's prefill."""
     gate = Gate(GateConfig(capture=CaptureConfig(capture_routes=True)))
     host = CaptureHost(FakeEngine(gen=3))
     host.install()
