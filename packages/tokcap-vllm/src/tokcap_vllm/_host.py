@@ -6,7 +6,8 @@ replaces that bound method on the one engine instance. For a call the gate admit
 `Ticket` in the request's context) it swaps the prompt for the admitted token ids
 (``token_in``), asks the engine for the sampled token's logprob (never shown to the
 harness unless it asked: vLLM decides that from the request, not the sampling params; when
-it did not ask, vLLM keeps them as flat lists, no per-token objects) and accumulates output
+it did not ask, vLLM keeps them as flat lists, no per-token objects, and where
+`install_logprob_text_switch` is active does not decode their tokens) and accumulates output
 ids, logprobs, finish reason, weight version and routed experts. When the
 engine finishes, the ticket's ``on_finish`` runs *before* the final output is handed to vLLM's
 response writer, so the sink write starts while the response is still being serialised.
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
+
+from ._logprob_text import SKIP_LOGPROB_TEXT, install_logprob_text_switch
 
 __all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket"]
 
@@ -65,6 +68,8 @@ class CaptureHost:
         self.default_weight_version = default_weight_version
         self._original = engine.generate
         self._route_dtype: str | None = None
+        self.skips_logprob_text = False
+        """Whether logprobs only the gate reads skip vLLM's per-token text (set by `install`)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -79,6 +84,7 @@ class CaptureHost:
             raise RuntimeError("another CaptureHost already wraps this engine")
         self.engine._tokcap_host = self
         self.engine.generate = self.generate
+        self.skips_logprob_text = install_logprob_text_switch()
 
     def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
@@ -105,9 +111,11 @@ class CaptureHost:
         from vllm.sampling_params import RequestOutputKind
 
         params = sampling_params.clone()
-        if params.logprobs is None:
+        if params.logprobs is None:  # the harness did not ask: only the gate reads them
             params.logprobs = 0
             params.flat_logprobs = True
+            if self.skips_logprob_text:
+                params.extra_args = {**(params.extra_args or {}), SKIP_LOGPROB_TEXT: True}
         delta = params.output_kind == RequestOutputKind.DELTA
         output_ids, logprobs, text = array("I"), array("f"), ""
         prompt_ids: Sequence[int] = ticket.prompt_ids
