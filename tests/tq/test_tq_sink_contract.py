@@ -135,17 +135,32 @@ async def test_a_refused_put_leaves_none_of_its_new_keys_registered() -> None:
     assert await sink.get([held.key]) == [held]
 
 
-def _controller_pid() -> int:
-    """The TQ controller's process (Ray titles an actor's process ``ray::<Class>...``)."""
+def _processes() -> dict[int, tuple[int, bytes]]:
+    """``pid -> (parent pid, process title)`` for every process."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 title = (entry / "cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
+            except (OSError, IndexError, ValueError):
                 continue
-            if title.startswith(b"ray::TransferQueueController"):
-                return int(entry.name)
-    raise AssertionError("no TransferQueueController process")
+            out[int(entry.name)] = (ppid, title)
+    return out
+
+
+def _controller_pid() -> int:
+    """This session's TQ controller: a descendant of this process titled
+    ``ray::TransferQueueController`` (other Rays on the machine are not ours to stop)."""
+    processes = _processes()
+    for pid, (_, title) in processes.items():
+        if title.startswith(b"ray::TransferQueueController"):
+            parent = pid
+            while parent in processes and parent != os.getpid():
+                parent = processes[parent][0]
+            if parent == os.getpid():
+                return pid
+    raise AssertionError("no TransferQueueController process under this one")
 
 
 @contextmanager

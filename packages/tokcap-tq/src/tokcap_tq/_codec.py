@@ -150,7 +150,7 @@ def encode_staged(calls: Sequence[StagedCall]) -> Any:
 
 def decode_staged(td: Any) -> list[StagedCall]:
     """The staged calls of a staging-layout TensorDict, in row order (each one validated)."""
-    return _decode_staged(td, StagedCall)
+    return _decode_staged(td, _checked_call)
 
 
 def decode_own_staged(td: Any) -> list[StagedCall]:
@@ -166,34 +166,35 @@ def decode_own_staged(td: Any) -> list[StagedCall]:
 
 
 _CALL_FIELDS = tuple(f.name for f in dataclasses.fields(StagedCall))
+_SET = object.__setattr__
 
 
-def _trusted_call(**values: Any) -> StagedCall:
+def _checked_call(values: dict[str, Any]) -> StagedCall:
+    return StagedCall(**values)
+
+
+def _trusted_call(values: dict[str, Any]) -> StagedCall:
     if len(values) != len(_CALL_FIELDS):
         raise SinkError("bad_layout", f"a staged row has fields {sorted(values)}")
     call = object.__new__(StagedCall)
     try:
         for name in _CALL_FIELDS:
-            object.__setattr__(call, name, values[name])
+            _SET(call, name, values[name])
     except KeyError as e:
         raise SinkError("bad_layout", f"a staged row has no {e.args[0]!r}") from None
     return call
 
 
-def _decode_staged(td: Any, make: Callable[..., StagedCall]) -> list[StagedCall]:
+def _decode_staged(td: Any, make: Callable[[dict[str, Any]], StagedCall]) -> list[StagedCall]:
     tokens, logprobs, routes = _Column(td["tokens"]), _Column(td["logprobs"]), _Column(td["routes"])
     out = []
     for i, raw in enumerate(_strings(td["meta"])):
         m = _json_decode(raw)
-        shape = m.pop("routes")
-        out.append(
-            make(
-                tokens=tokens.array(i, "I"),
-                logprobs=logprobs.array(i, "f"),
-                routes=None if shape is None else _routes_from(routes.row(i), shape),
-                **m,
-            )
-        )
+        shape = m["routes"]
+        m["tokens"] = tokens.array(i, "I")
+        m["logprobs"] = logprobs.array(i, "f")
+        m["routes"] = None if shape is None else _routes_from(routes.row(i), shape)
+        out.append(make(m))
     return out
 
 

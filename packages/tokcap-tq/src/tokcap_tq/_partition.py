@@ -54,7 +54,6 @@ class Partition(Generic[_K, _T]):
         fields: tuple[str, ...],
         encode: Callable[[Sequence[_T]], Any],
         decode: Callable[[Any], list[_T]],
-        key_of: Callable[[_T], _K],
         timeout_s: float,
     ) -> None:
         self.name = name
@@ -63,7 +62,6 @@ class Partition(Generic[_K, _T]):
         self._field_set = frozenset(fields)
         self._encode: Callable[[Sequence[_T]], Any] = encode
         self._decode: Callable[[Any], list[_T]] = decode
-        self._key_of: Callable[[_T], _K] = key_of
         self._writing: dict[str, anyio.Event] = {}
 
     # ---- the contract's operations, each under the sink's deadline ----------------------
@@ -224,10 +222,12 @@ class Partition(Generic[_K, _T]):
         except _ERRORS as e:
             raise SinkError("tq_get_failed", f"get from {self.name}: {e}") from e
         records = self._decode(td)
-        found = {self._key_of(r): r for r in records}
-        if list(found) != keys:
-            raise SinkError("bad_layout", f"{self.name} returned other rows than were asked for")
-        return found
+        # TQ answers in the lookup's order, which is the order of ``keys``.
+        if len(records) != len(keys):
+            raise SinkError(
+                "bad_layout", f"{self.name} returned {len(records)} of {len(keys)} rows"
+            )
+        return dict(zip(keys, records, strict=True))
 
     # ---- controller calls -----------------------------------------------------------------
 

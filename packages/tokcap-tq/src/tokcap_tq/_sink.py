@@ -82,7 +82,6 @@ class TQSink:
             STAGING_FIELDS,
             encode_staged,
             decode_own_staged,
-            lambda c: c.key,
             self.config.op_timeout_s,
         )
         self._training: Partition[TrainingKey, TrainingRow] = Partition(
@@ -90,7 +89,6 @@ class TQSink:
             TRAINING_FIELDS,
             encode_rows,
             decode_rows,
-            lambda r: r.key,
             self.config.op_timeout_s,
         )
 
