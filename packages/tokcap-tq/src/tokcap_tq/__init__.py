@@ -1,13 +1,17 @@
-"""tokcap adapter for TransferQueue: `TQSink`, `TQReplayBuffer` and a loopback `local_tq`.
+"""tokcap adapter for TransferQueue: `TQSink`, `TQReplayBuffer`, and TransferQueue on Ray.
 
 `TQSink` implements ``tokcap_core.TokenSink`` over TransferQueue's async KV API (a staging
 partition for staged calls, a training partition for trainer-ready rows) and turns TQ's
 silent partial results into errors. `TQReplayBuffer` drives the core's replay-slot state
 machine over it. `to_padded_batch` turns fetched rows into torch tensors; the
 ``encode_*``/``decode_*`` functions expose the TensorDict layout for readers of TQ itself.
+Where TransferQueue runs: `local_tq` starts a loopback single-node Ray with it;
+`connect_tq` runs it on an existing cluster (a CLI's ``--ray-address``); `local_cluster`
+starts a loopback multi-node cluster on this machine to try that on.
 Installing: ``pip install tokcap-tq`` (brings TransferQueue, Ray, torch and tensordict).
 """
 
+from ._cluster import ClusterNode, ClusterTQ, LocalCluster, NodeSpec, connect_tq, local_cluster
 from ._codec import (
     STAGING_FIELDS,
     TRAINING_FIELDS,
@@ -24,15 +28,21 @@ from ._sink import TQSink, TQSinkConfig
 __all__ = [
     "STAGING_FIELDS",
     "TRAINING_FIELDS",
+    "ClusterNode",
+    "ClusterTQ",
+    "LocalCluster",
     "LocalTQ",
+    "NodeSpec",
     "SweepResult",
     "TQReplayBuffer",
     "TQSink",
     "TQSinkConfig",
+    "connect_tq",
     "decode_rows",
     "decode_staged",
     "encode_rows",
     "encode_staged",
+    "local_cluster",
     "local_tq",
     "to_padded_batch",
 ]
