@@ -15,6 +15,8 @@ from tokcap_ray import PoolConfig, step_metrics
         ("num_workers", True),
         ("num_cpus", 0),
         ("num_cpus", -0.5),
+        ("num_cpus", float("inf")),
+        ("num_cpus", "1"),
         ("max_in_flight", 0),
         ("actor_concurrency", 1.5),
         ("max_retries", -1),

@@ -7,23 +7,9 @@ from typing import Any
 import attrs
 
 from tokcap_core import ConfigError
+from tokcap_core.config import at_least, positive_number
 
 __all__ = ["PoolConfig"]
-
-
-def _int_at_least(low: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(
-                f"bad_{attribute.name}", f"{attribute.name} must be an int >= {low}: {value!r}"
-            )
-
-    return check
-
-
-def _positive_number(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"bad_{attribute.name}", f"{attribute.name} must be > 0: {value!r}")
 
 
 def _present(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -43,9 +29,9 @@ class PoolConfig:
     times a request is retried on a replacement actor after its actor died.
     """
 
-    num_workers: int = attrs.field(validator=_int_at_least(1))
-    num_cpus: float = attrs.field(default=1.0, validator=_positive_number)
-    max_in_flight: int = attrs.field(default=64, validator=_int_at_least(1))
-    actor_concurrency: int = attrs.field(default=8, validator=_int_at_least(1))
-    max_retries: int = attrs.field(default=2, validator=_int_at_least(0))
+    num_workers: int = attrs.field(validator=at_least(1))
+    num_cpus: float = attrs.field(default=1.0, validator=positive_number)
+    max_in_flight: int = attrs.field(default=64, validator=at_least(1))
+    actor_concurrency: int = attrs.field(default=8, validator=at_least(1))
+    max_retries: int = attrs.field(default=2, validator=at_least(0))
     scheduling_strategy: Any = attrs.field(default="SPREAD", validator=_present)

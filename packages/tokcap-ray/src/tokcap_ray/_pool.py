@@ -4,7 +4,10 @@ Routing is by a stable hash of the group id (crc32, the same in every process), 
 a retry meets the actor that may still be working on it and coalesces with it. An
 actor that dies (``RayActorError``) is killed for good, replaced in its slot, and
 the request retried on the replacement, which reads the group's progress record
-(see ``RolloutReassemblerActor``) and so never publishes twice. Retries exhausted:
+(see ``RolloutReassemblerActor``) and so never publishes twice. On a multi-node
+cluster the actors are spread over the nodes (``scheduling_strategy="SPREAD"``) and the
+progress records stay on the pool's own node, so a lost node loses only actors: their
+groups are redone by replacements on the nodes left. Retries exhausted:
 the record decides -- none means nothing was published (`PoolError`
 ``retries_exhausted``, safe to submit again); ``publishing`` gives
 ``outcome="unknown"`` with the keys to check.
@@ -36,6 +39,7 @@ import anyio
 import ray
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokcap_core import FinalizedGroup, ReassemblyRequest
 from tokcap_core.rpc import assert_metadata_only
@@ -88,7 +92,12 @@ class ReassemblerPool:
             raise PoolError("ray_not_initialized", "call ray.init() before creating the pool")
         self._sink_factory = sink_factory
         self._actor_class = ray.remote(RolloutReassemblerActor)
-        self._progress: Any = ray.remote(ProgressActor).options(num_cpus=0).remote()
+        # The records must outlive any reassembler's node: they live on this process's node
+        # (if that node dies, so does the pool that reads them).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._progress: Any = (
+            ray.remote(ProgressActor).options(num_cpus=0, scheduling_strategy=here).remote()
+        )
         self._slots = [_Slot(self._spawn(), 0) for _ in range(num_workers)]
         self._in_flight = anyio.Semaphore(max_in_flight)
         self._closed = False

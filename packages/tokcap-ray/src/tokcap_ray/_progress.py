@@ -50,7 +50,3 @@ class ProgressActor:
     def forget(self, group_ids: Sequence[str]) -> int:
         """Drop records; how many were held."""
         return sum(self._records.pop(g, None) is not None for g in group_ids)
-
-    def size(self) -> int:
-        """How many records are held."""
-        return len(self._records)
