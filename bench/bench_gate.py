@@ -1,30 +1,44 @@
 """Plain vLLM serving vs serving through the tokcap gate with capture: same engine, same run.
 
-One in-process vLLM CPU server (tiny model, fast-start mode) with the gate installed. Plain
-requests go to ``/v1/chat/completions`` (the middleware only routes them); captured requests
-go to ``/tokcap/rollouts/{id}/v1/chat/completions`` (admission, token_in, staging into a
-MemorySink, ledger commit). A third kind, plain requests asking for the sampled token's
-logprob (``logprobs: true, top_logprobs: 0``), is a reference: capture needs that logprob, so
-it shows what vLLM itself charges for it, apart from the gate. Every kind is warmed up (vLLM
-compiles its logprob-rank kernel on the first request that asks for logprobs) and the order
-of kinds rotates between rounds so drift hits all alike.
+For each model size (``--models``: the demo's tiny model and/or a ~100M-parameter random
+Qwen3 of the same family, `tokcap._tiny_small`), one in-process vLLM CPU server (fp32,
+fast-start mode) with the gate installed, in a child process of its own (one engine at a
+time). Four kinds of requests, each ``--requests`` chat calls at ``--concurrency``:
+
+- ``plain``: ``/v1/chat/completions`` (the middleware only routes it);
+- ``plain+logprobs``: the same asking for the sampled token's logprob (``logprobs: true,
+  top_logprobs: 0``): capture needs that logprob, so this is what vLLM itself charges for
+  it, apart from the gate;
+- ``captured``: ``/tokcap/rollouts/{id}/v1/chat/completions`` (admission, token_in,
+  staging into a MemorySink, ledger commit), vLLM skipping the text of the logprobs only
+  the gate reads (`tokcap_vllm._logprob_text`);
+- ``captured+text``: the same with that switch off for the round (vLLM decodes every
+  logprob token to text, as before the switch): what the switch saves.
+
+Every kind is warmed up (vLLM compiles its logprob-rank kernel on the first request that
+asks for logprobs) and the order of kinds rotates between rounds so drift hits all alike.
+Overheads are ratios of tokens per second summed over all rounds; the spread is the
+lowest and highest of the per-round ratios (round r's kinds ran back to back).
 
 The engine core runs with ``--engine-threads`` OpenMP threads (default: all cores but one).
 On a small CPU box an engine using every core shares them with the API server process (HTTP,
 detokenising, the gate); each of the engine's OpenMP regions then waits for a descheduled
 thread, which turns a few microseconds of sampler work into milliseconds per step.
 
-    .venv/bin/python bench/bench_gate.py [--requests 128] [--concurrency 32] [--max-tokens 32]
-        [--rounds 3] [--engine-threads N]
+    .venv/bin/python bench/bench_gate.py [--models tiny,small] [--requests 128]
+        [--concurrency 32] [--max-tokens 32] [--rounds 4] [--engine-threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 for _k, _v in {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -35,8 +49,8 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
-
-KINDS = ("plain", "plain+logprobs", "captured")
+KINDS = ("plain", "plain+logprobs", "captured", "captured+text")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _round(
@@ -60,7 +74,7 @@ async def _round(
         nonlocal tokens
         url = (
             f"{base}/tokcap/rollouts/{tag}-{i}/v1/chat/completions"
-            if kind == "captured"
+            if kind.startswith("captured")
             else f"{base}/v1/chat/completions"
         )
         body: dict[str, object] = {
@@ -84,7 +98,7 @@ async def _round(
 
     start = time.perf_counter()
     async with (
-        httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency)) as http,
+        httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as http,
         anyio.create_task_group() as tg,
     ):
         for i in range(requests):
@@ -97,25 +111,32 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engine-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    args = parser.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(args.engine_threads)  # the engine core reads it at spawn
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
+
+
+def _model_dir(size: str) -> Path:
+    sys.path.insert(0, str(ROOT / "src"))
+    cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
+    if size == "tiny":
+        from tokcap._tiny import build_tiny_model
+
+        return build_tiny_model(cache / "dense")
+    from tokcap._tiny_small import build_small_model
+
+    return build_small_model(cache / "small")
+
+
+def _measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One engine of ``size``: warm-up, then ``rounds`` rounds of every kind, rotating."""
     import anyio
 
-    from tokcap._tiny import build_tiny_model
+    from tokcap._tiny_small import parameter_count
     from tokcap_vllm import InProcessServer
 
-    model = str(
-        build_tiny_model(Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny")) / "dense")
-    )
-    print("starting vLLM + gate ...", flush=True)
+    model = str(_model_dir(size))
+    print(f"[{size}] starting vLLM + gate ...", flush=True)
     server = InProcessServer(
         model,
         vllm_args=[
@@ -132,42 +153,126 @@ def main() -> None:
         ],
     ).start()
     try:
-        kw = dict(requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens)
+        kw: dict[str, Any] = dict(
+            requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens
+        )
+
+        def run(kind: str, tag: str) -> tuple[float, list[float], int]:
+            host = getattr(server.engine_client, "_tokcap_host", None)
+            if host is not None:  # installed by the first captured request
+                host.skips_logprob_text = kind != "captured+text"
+            return anyio.run(lambda: _round(server.base_url, model, kind=kind, tag=tag, **kw))
+
+        run("captured", "warm-c")
+        if not server.engine_client._tokcap_host.skips_logprob_text:
+            raise RuntimeError("the logprob-text switch is off on this vLLM")
         for kind in KINDS:  # warm-up, not measured
-            anyio.run(lambda k=kind: _round(server.base_url, model, kind=k, tag="warm", **kw))
-        totals: dict[str, tuple[float, list[float], int]] = {k: (0.0, [], 0) for k in KINDS}
+            run(kind, f"warm-{kind[0]}{len(kind)}")
+        per_round: list[dict[str, tuple[float, list[float], int]]] = []
+        loads = [_load()]
         for r in range(args.rounds):
-            for kind in KINDS[r % 3 :] + KINDS[: r % 3]:
-                wall, lats, toks = anyio.run(
-                    lambda k=kind, r=r: _round(server.base_url, model, kind=k, tag=f"b{r}", **kw)
-                )
-                w, ls, t = totals[kind]
-                totals[kind] = (w + wall, ls + lats, t + toks)
-                print(f"round {r} {kind:15}: {toks / wall:8.1f} tok/s", flush=True)
+            order = KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]
+            results = {}
+            for kind in order:
+                results[kind] = run(kind, f"b{r}-{kind[0]}{len(kind)}")
+                wall, _, toks = results[kind]
+                print(f"[{size}] round {r} {kind:15}: {toks / wall:8.1f} tok/s", flush=True)
+            per_round.append(results)
+            loads.append(_load())
         server.call(server.gate.drain)
         staged = server.gate.metrics().get("tokcap/calls_staged", 0.0)
-        rows = {
-            kind: (toks / wall, _pct(lats, 0.5) * 1e3, _pct(lats, 0.99) * 1e3)
-            for kind, (wall, lats, toks) in totals.items()
+        return {
+            "size": size,
+            "params": parameter_count(Path(model)),
+            "rounds": [
+                {k: {"wall": w, "latencies": ls, "tokens": t} for k, (w, ls, t) in rnd.items()}
+                for rnd in per_round
+            ],
+            "calls_staged": int(staged),
+            "loads": loads,
         }
-        print(
-            f"\nconcurrency {args.concurrency}, {args.requests} requests x {args.rounds} rounds, "
-            f"{args.max_tokens} tokens each, engine threads {args.engine_threads}"
-        )
-        print(f"{'':16}{'tok/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
-        for kind, (tps, p50, p99) in rows.items():
-            print(f"{kind:16}{tps:10.1f}{p50:10.1f}{p99:10.1f}")
-        plain, logprobs, captured = rows["plain"], rows["plain+logprobs"], rows["captured"]
-        print(
-            f"\nthroughput overhead of capture: {(1 - captured[0] / plain[0]) * 100:+.2f} % "
-            f"(goal <= 2 %); p50 ratio {captured[1] / plain[1]:.3f}, "
-            f"p99 ratio {captured[2] / plain[2]:.3f}; calls staged {int(staged)}\n"
-            f"  of which vLLM's sampled-token logprob: "
-            f"{(1 - logprobs[0] / plain[0]) * 100:+.2f} %; "
-            f"the gate beyond it: {(1 - captured[0] / logprobs[0]) * 100:+.2f} %"
-        )
     finally:
         server.stop()
+
+
+def _summary(result: dict[str, Any], args: argparse.Namespace) -> str:
+    rounds = result["rounds"]
+
+    def tps(rnds: list[dict[str, Any]], kind: str) -> float:
+        return float(sum(r[kind]["tokens"] for r in rnds) / sum(r[kind]["wall"] for r in rnds))
+
+    def overhead(base: str, kind: str) -> tuple[float, float, float]:
+        pooled = (1 - tps(rounds, kind) / tps(rounds, base)) * 100
+        each = [(1 - tps([r], kind) / tps([r], base)) * 100 for r in rounds]
+        return pooled, min(each), max(each)
+
+    lines = [
+        f"\n### {result['size']} ({result['params'] / 1e6:.1f} M parameters): "
+        f"{args.requests} requests x {args.rounds} rounds per kind, concurrency "
+        f"{args.concurrency}, {args.max_tokens} tokens each, engine threads "
+        f"{args.engine_threads}; 1-min load at each round's end: {' '.join(result['loads'])}",
+        "",
+        "| kind | tok/s | p50 ms | p99 ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for kind in KINDS:
+        lats = [x for r in rounds for x in r[kind]["latencies"]]
+        lines.append(
+            f"| {kind} | {tps(rounds, kind):.1f} | {_pct(lats, 0.5) * 1e3:.0f} "
+            f"| {_pct(lats, 0.99) * 1e3:.0f} |"
+        )
+    lines += ["", "| throughput overhead | pooled | per-round min .. max |", "|---|---:|---|"]
+    for label, base, kind in (
+        ("**capture, total** (captured vs plain)", "plain", "captured"),
+        ("vLLM's sampled-token logprob (plain+logprobs vs plain)", "plain", "plain+logprobs"),
+        ("**the gate's own** (captured vs plain+logprobs)", "plain+logprobs", "captured"),
+        ("capture before the switch (captured+text vs plain)", "plain", "captured+text"),
+        (
+            "the logprob text the switch skips (captured+text vs captured)",
+            "captured",
+            "captured+text",
+        ),
+    ):
+        pooled, low, high = overhead(base, kind)
+        lines.append(f"| {label} | {pooled:+.2f} % | {low:+.2f} .. {high:+.2f} % |")
+    lines.append(f"\ncalls staged: {result['calls_staged']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,small", help="comma-separated: tiny, small")
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--engine-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = [s for s in args.models.split(",") if s]
+    if any(s not in ("tiny", "small") for s in sizes):
+        parser.error("--models takes tiny and/or small")
+    if args.child_out:  # one size, in this process; the parent reads the JSON
+        os.environ["OMP_NUM_THREADS"] = str(args.engine_threads)  # read at the engine's spawn
+        (size,) = sizes
+        Path(args.child_out).write_text(json.dumps(_measure(size, args)))
+        return
+    import tempfile
+
+    results = []
+    started_load = _load()
+    with tempfile.TemporaryDirectory(prefix="bench-gate-") as tmp:
+        for size in sizes:
+            _model_dir(size)  # build (or reuse) before the engine starts
+            out = Path(tmp) / f"{size}.json"
+            child = [sys.executable, __file__, "--models", size, "--child-out", str(out)]
+            for flag in ("requests", "concurrency", "max_tokens", "rounds", "engine_threads"):
+                child += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            subprocess.run(child, check=True)
+            results.append(json.loads(out.read_text()))
+    print(f"\n## bench_gate (1-min load at start {started_load})")
+    for result in results:
+        print(_summary(result, args))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Load: many concurrent multi-turn rollouts through one gate, with a plain round to compare.
+"""Load: many concurrent multi-turn rollouts through one gate, with plain rounds to compare.
 
 One in-process vLLM CPU server (tiny model, fast-start settings as in tests/vllm) with the
-gate installed over a `MemorySink`, ledger persisted to a file, control token set. Two rounds
+gate installed over a `MemorySink`, ledger persisted to a file, control token set. Rounds
 of the *same* conversations at the *same* concurrency (every rollout runs its turns in
 sequence, all rollouts at once), through one `openai.AsyncOpenAI` connection pool:
 
@@ -9,19 +9,23 @@ sequence, all rollouts at once), through one `openai.AsyncOpenAI` connection poo
 - **captured**: ``/tokcap/rollouts/{id}/v1/chat/completions`` (admission, token_in,
   staging, ledger commit).
 
-Then every captured rollout is closed and its receipt fetched over the control plane
+``--order`` says which rounds run, in order (default ``pccp``: plain, captured, captured,
+plain, so drift and warm-up hit both kinds alike). After each captured round every one of
+its rollouts is closed and its receipt fetched over the control plane
 (`ControlPlaneClient.fetch_receipts`, heads kept at close), and the harness's view is
 checked against custody: every call the harness got a response for is ``Staged`` in the
 ledger under the response id it saw, its row is in the sink, receipts verify and name
 every call of the rollout's chain, no staging key is duplicated or extra. The rollouts are
-then released and their keys cleared, and the sink must be empty.
+then released and their keys cleared: the sink must be empty and the gate must hold none.
 
-Memory: VmRSS sampled every 0.25 s per phase, plus ``ru_maxrss`` (peak of the process).
+Memory: VmRSS of this process (gate, API server, harness) sampled every 0.25 s per round,
+plus ``ru_maxrss``; vLLM's engine core (a child process) sampled alike, plus its VmHWM.
 The harness shares the process (and the GIL) with the server, so latencies are end to end
-on a loaded box; *added* latency is captured minus plain of the same percentile.
+on a loaded box; *added* latency is captured minus plain of the same percentile, over all
+rounds of each kind.
 
-    .venv/bin/python bench/load_gate.py [--rollouts 500] [--turns 4] [--max-tokens 8]
-        [--max-num-seqs 256] [--captured-first]
+    .venv/bin/python bench/load_gate.py [--rollouts 1000] [--turns 4] [--max-tokens 8]
+        [--max-num-seqs 256] [--order pccp]
 """
 
 from __future__ import annotations
@@ -47,12 +51,49 @@ for _k, _v in {
 TOKEN = "load-bench-" + os.urandom(8).hex()
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+def _status_mib(field: str, pid: int | str = "self") -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return float("nan")
+
+
+def _rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
+def _engine_pids() -> list[int]:
+    """vLLM's engine core: the descendants of this process named ``VLLM::EngineCore``."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    mine, found = {os.getpid()}, True
+    while found:
+        found = False
+        for pid, ppid in parents.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                found = True
+    engines = []
+    for pid in mine - {os.getpid()}:
+        try:
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                engines.append(pid)
+        except OSError:
+            continue
+    return engines
+
+
+def _engine_rss_mib(field: str = "VmRSS") -> float:
+    return sum(_status_mib(field, pid) for pid in _engine_pids()) or float("nan")
 
 
 def _peak_mib() -> float:
@@ -74,13 +115,14 @@ async def _round(
     latencies: list[float] = []
     responses: dict[str, list[str]] = {}
     errors: list[str] = []
-    rss_peak = _rss_mib()
+    rss_peak, engine_peak = _rss_mib(), _engine_rss_mib()
     done = anyio.Event()
 
     async def sample() -> None:
-        nonlocal rss_peak
+        nonlocal rss_peak, engine_peak
         while not done.is_set():
             rss_peak = max(rss_peak, _rss_mib())
+            engine_peak = max(engine_peak, _engine_rss_mib())
             await anyio.sleep(0.25)
 
     async def rollout(i: int) -> None:
@@ -119,6 +161,7 @@ async def _round(
         "errors": errors,
         "wall": wall,
         "rss_peak": rss_peak,
+        "engine_peak": engine_peak,
     }
 
 
@@ -203,7 +246,7 @@ async def _staged_keys(gate: Any) -> list[str]:
 
 
 async def _rollouts(gate: Any) -> dict[str, str]:
-    return gate.rollouts()
+    return dict(gate.rollouts())
 
 
 async def _main(server: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -212,47 +255,45 @@ async def _main(server: Any, args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(
         max_connections=args.rollouts + 100, max_keepalive_connections=args.rollouts + 100
     )
+    rounds: list[tuple[str, dict[str, Any]]] = []
+    custody: list[dict[str, Any]] = []
+    memory: list[tuple[str, float, float]] = []
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(1800.0)) as http:
         common = {"turns": args.turns, "max_tokens": args.max_tokens}
         warm = await _round(server, http, captured=True, tag="warm", rollouts=8, **common)
         await _round(server, http, captured=False, tag="warm", rollouts=8, **common)
         await _custody(server, warm["responses"], args.turns)
-        rss_idle = _rss_mib()
-        rounds, rss = {}, {}
-        for kind in ("captured", "plain") if args.captured_first else ("plain", "captured"):
-            rounds[kind] = await _round(
+        memory.append(("idle after warm-up", _rss_mib(), _engine_rss_mib()))
+        for n, letter in enumerate(args.order):
+            kind = "captured" if letter == "c" else "plain"
+            result = await _round(
                 server,
                 http,
                 captured=kind == "captured",
-                tag=kind[0],
+                tag=f"{letter}{n}",
                 rollouts=args.rollouts,
                 **common,
             )
-            rss[kind] = _rss_mib()
-        plain, captured = rounds["plain"], rounds["captured"]
-        rss_after_plain, rss_after_captured = rss["plain"], rss["captured"]
-    custody = await _custody(server, captured["responses"], args.turns)
-    return {
-        "plain": plain,
-        "captured": captured,
-        "custody": custody,
-        "rss_idle": rss_idle,
-        "rss_after_plain": rss_after_plain,
-        "rss_after_captured": rss_after_captured,
-        "rss_after_release": _rss_mib(),
-    }
+            rounds.append((kind, result))
+            memory.append((f"after {kind} round {n}", _rss_mib(), _engine_rss_mib()))
+            if kind == "captured":
+                custody.append(await _custody(server, result["responses"], args.turns))
+                memory.append((f"after release+clear {n}", _rss_mib(), _engine_rss_mib()))
+    return {"rounds": rounds, "custody": custody, "memory": memory}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rollouts", type=int, default=500)
+    parser.add_argument("--rollouts", type=int, default=1000)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
-        "--captured-first", action="store_true", help="run the captured round before the plain one"
+        "--order", default="pccp", help="the rounds, in order: p = plain, c = captured"
     )
     args = parser.parse_args()
+    if not args.order or set(args.order) - {"p", "c"} or len(set(args.order)) != 2:
+        parser.error("--order is a string of p and c holding both")
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import anyio
@@ -276,60 +317,79 @@ def main() -> None:
         server = InProcessServer(
             str(model), gate=Gate(config, sink=MemorySink()), vllm_args=vllm_args
         )
-        with open("/proc/loadavg") as f:
-            load_before = f.read().split()[:3]
         server.start()
+        load_before = _loadavg()
         try:
             out = anyio.run(_main, server, args)
+            engine_hwm = _engine_rss_mib("VmHWM")
         finally:
             server.stop()
-    with open("/proc/loadavg") as f:
-        load_after = f.read().split()[:3]
+    load_after = _loadavg()
+    _report(args, out, load_before, load_after, engine_hwm)
 
+
+def _loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def _report(
+    args: argparse.Namespace,
+    out: dict[str, Any],
+    load_before: str,
+    load_after: str,
+    engine_hwm: float,
+) -> None:
     calls = args.rollouts * args.turns
     print(
         f"\n{args.rollouts} rollouts x {args.turns} turns = {calls} calls per round, all "
         f"rollouts concurrent, max_tokens={args.max_tokens}, max-num-seqs={args.max_num_seqs}, "
-        f"{'captured' if args.captured_first else 'plain'} round first; "
-        f"load avg before {' '.join(load_before)}, after {' '.join(load_after)}"
+        f"rounds {args.order}; 1-min/5-min/15-min load before {load_before}, after {load_after}"
     )
     print(
         "| round | calls answered | errors | wall s | calls/s | p50 ms | p90 ms | p99 ms | max ms "
-        "| peak VmRSS MiB |"
+        "| peak VmRSS MiB (server) | peak VmRSS MiB (engine core) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in ("plain", "captured"):
-        r = out[name]
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    pooled: dict[str, list[float]] = {"plain": [], "captured": []}
+    walls: dict[str, float] = {"plain": 0.0, "captured": 0.0}
+    for n, (kind, r) in enumerate(out["rounds"]):
         lat = r["latencies"]
-        ms = [_pct(lat, q) * 1e3 for q in (0.5, 0.9, 0.99)] + [max(lat) * 1e3]
+        pooled[kind] += lat
+        walls[kind] += r["wall"]
+        ms = [_pct(lat, q) * 1e3 for q in (0.5, 0.9, 0.99)] + [max(lat, default=0) * 1e3]
         print(
-            f"| {name} | {len(lat)} | {len(r['errors'])} | {r['wall']:.1f} "
+            f"| {n}: {kind} | {len(lat)} | {len(r['errors'])} | {r['wall']:.1f} "
             f"| {len(lat) / r['wall']:.1f} | "
             + " | ".join(f"{v:.0f}" for v in ms)
-            + f" | {r['rss_peak']:.0f} |"
+            + f" | {r['rss_peak']:.0f} | {r['engine_peak']:.0f} |"
         )
-    p, c = out["plain"]["latencies"], out["captured"]["latencies"]
+    p, c = pooled["plain"], pooled["captured"]
     added = [(_pct(c, q) - _pct(p, q)) * 1e3 for q in (0.5, 0.9, 0.99)]
+    share = [(_pct(c, q) / _pct(p, q) - 1) * 100 for q in (0.5, 0.9, 0.99)]
     print(
-        f"| **added by capture** | | | {out['captured']['wall'] - out['plain']['wall']:+.1f} | | "
-        + " | ".join(f"{v:+.0f}" for v in added)
-        + " | | |"
+        f"| **added by capture** (all rounds of each kind) | | | "
+        f"{walls['captured'] - walls['plain']:+.1f} | | "
+        + " | ".join(f"{v:+.0f} ({pct:+.1f} %)" for v, pct in zip(added, share, strict=True))
+        + " | | | |"
     )
-    print("\ncustody of the captured round:")
-    for k, v in out["custody"].items():
-        print(f"  {k}: {v}")
-    print(
-        f"\nVmRSS MiB: idle {out['rss_idle']:.0f}, after plain {out['rss_after_plain']:.0f}, "
-        f"after captured {out['rss_after_captured']:.0f}, after release+clear "
-        f"{out['rss_after_release']:.0f}; ru_maxrss {_peak_mib():.0f}"
+    for n, custody in enumerate(out["custody"]):
+        print(f"\ncustody of captured round {n + 1}:")
+        for k, v in custody.items():
+            print(f"  {k}: {v}")
+    print("\nVmRSS MiB (server process / engine core):")
+    for label, rss, engine in out["memory"]:
+        print(f"  {label}: {rss:.0f} / {engine:.0f}")
+    print(f"  ru_maxrss (server) {_peak_mib():.0f}; VmHWM (engine core) {engine_hwm:.0f}")
+    for kind, r in out["rounds"]:
+        for e in r["errors"][:5]:
+            print(f"  {kind} error: {e}")
+    lost = sum(len(r["errors"]) for kind, r in out["rounds"] if kind == "captured") + sum(
+        c["calls_not_staged"] + c["rows_lost"] for c in out["custody"]
     )
-    for name in ("plain", "captured"):
-        for e in out[name]["errors"][:5]:
-            print(f"  {name} error: {e}")
-    custody = out["custody"]
-    lost = len(out["captured"]["errors"]) + custody["calls_not_staged"] + custody["rows_lost"]
-    print(f"\nlost calls: {lost}")
-    sys.exit(0 if lost == 0 and custody["bad_receipts"] == 0 else 1)
+    bad = sum(c["bad_receipts"] for c in out["custody"])
+    print(f"\nlost calls: {lost}; receipts not verified: {bad}")
+    sys.exit(0 if lost == 0 and bad == 0 else 1)
 
 
 if __name__ == "__main__":
