@@ -21,7 +21,8 @@ from typing import Any
 from tokcap_core import Manifest, TrainingRow
 from tokcap_core.ledger import Staged
 
-from ._harness import EngineCall, Episode
+from ._harness import TOOLS, EngineCall, Episode
+from ._tiny import CHATML_TOOLS_TEMPLATE
 
 __all__ = ["Drift", "Parity", "check_rows", "engine_parity", "retokenization_drift"]
 
@@ -91,7 +92,11 @@ def engine_parity(row: TrainingRow, manifest: Manifest, calls: Sequence[EngineCa
 def retokenization_drift(row: TrainingRow, episode: Episode, tokenizer: Any) -> Drift:
     """Re-tokenise ``episode``'s final transcript through the chat template; compare to ``row``."""
     text = tokenizer.apply_chat_template(
-        episode.messages, tokenize=False, add_generation_prompt=False
+        episode.messages,
+        tools=list(TOOLS),
+        chat_template=CHATML_TOOLS_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=False,
     )
     retok = list(tokenizer.encode(text, add_special_tokens=False))
     ids = list(row.input_ids)

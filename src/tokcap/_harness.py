@@ -4,11 +4,12 @@ A tool-using arithmetic task. The harness offers a ``calc`` tool through ``tools
 vLLM's own ``hermes`` tool parser turns the model's ``<tool_call>`` blocks into OpenAI
 ``tool_calls``, the harness echoes them in the assistant message it sends back and answers
 each with a ``role: "tool"`` message, and it scores the final assistant message. The tiny
-random model never calls a tool by itself, so every turn but the last *forces* calls
-through vLLM's guided decoding (`forced_tool_calls`: an xgrammar structural tag with the
-tool's JSON schema; the first turn forces two calls in parallel); the last turn is free
-text. What matters is that each episode is several real chat calls through the gate,
-exactly as an agent makes them, tool-call JSON re-serialised by the parser included.
+random model never calls a tool by itself, so every other turn *forces* calls through
+vLLM's guided decoding (`forced_tool_calls`: an xgrammar structural tag with the tool's
+JSON schema; the first turn forces two calls in parallel). The turns between are free
+text (the harness nudges the model back to its tool, as agents do), and so is the last.
+What matters is that each episode is several real chat calls through the gate, exactly as
+an agent makes them, tool-call JSON re-serialised by the parser included.
 
 Behaviours, one per rollout slot of a group (the rest are ``plain``):
 
@@ -73,6 +74,8 @@ TOOLS: Final[tuple[dict[str, Any], ...]] = (
     },
 )
 """The tools the harness offers on every call (OpenAI ``tools=[...]``)."""
+NUDGE: Final = "Use the calc tool, then answer with the number."
+"""What the harness says after a turn that called no tool."""
 _NUMBER = re.compile(r"-?\d+")
 _TOOL_TURN_TOKENS: Final = 232
 """Room on top of ``max_tokens`` for forced calls: one takes ~50 tokens of this tokenizer,
@@ -223,9 +226,9 @@ async def run_episode(
 ) -> Episode:
     """Play ``turns`` chat calls of ``episode``; fills its calls, transcript and reward.
 
-    Every turn but the last forces tool calls (two on the first turn, in parallel); the
+    Even turns but the last force tool calls (two on the first turn, in parallel); the
     assistant message goes back as vLLM returned it (``content`` and ``tool_calls``),
-    followed by one ``role: "tool"`` answer per call.
+    followed by one ``role: "tool"`` answer per call, or by a user nudge after free text.
     """
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
@@ -235,15 +238,16 @@ async def run_episode(
         if episode.behaviour == "rewrite" and turn == max(1, turns // 2):
             messages = _compact(messages, episode.task)
         last = turn == turns - 1
+        forced = not last and turn % 2 == 0
         extra: dict[str, Any] = {"return_token_ids": True}
-        if not last:
+        if forced:
             extra.update(forced_tool_calls(TOOLS, 2 if turn == 0 else 1))
         response = await client.chat.completions.create(  # type: ignore[call-overload]
             model=model,
             messages=messages,
             tools=list(TOOLS),
             tool_choice="auto",
-            max_tokens=max_tokens if last else max_tokens + _TOOL_TURN_TOKENS,
+            max_tokens=max_tokens + _TOOL_TURN_TOKENS if forced else max_tokens,
             temperature=1.0,
             seed=seed * 1000 + turn,
             logprobs=True,
@@ -280,6 +284,8 @@ async def run_episode(
         messages += [
             {"role": "tool", "tool_call_id": c["id"], "content": tool_result(c)} for c in calls
         ]
+        if not calls and not last:
+            messages.append({"role": "user", "content": NUDGE})
     episode.messages = messages
     episode.reward = score(episode.task, episode.final.content)
     return episode

@@ -2,7 +2,9 @@
 
 Key figures, then a per-token view of a few trajectories: carried tokens (prompt, tool
 output, template text) in grey, generated tokens in blue shaded by the sampled token's
-probability, a marker where each call starts, the receipt's chain with shortened digests
+probability, a marker where each call starts (amber, with its cause, where the call was
+*spliced*: it kept its parent's exact ids although the template renders the parent's turn
+differently), the receipt's chain with how each prompt was formed and shortened digests
 (the full value on hover, copied on click), and the first position where re-tokenising
 the transcript would have changed the ids.
 """
@@ -11,10 +13,11 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokcap_core import Receipt, TrainingRow
+from tokcap_core.receipts import ReceiptCall
 
 from ._checks import Drift
 
@@ -43,7 +46,8 @@ border:1px solid var(--line);border-radius:6px;padding:8px;background:#fff}
 .t{border-radius:2px;padding:1px 0}.c{background:var(--carry);color:#57606a}
 .g{background:rgba(var(--gen),var(--a));color:#0b1f44}.g.hi{color:#fff}
 .cb{display:inline-block;font-size:10.5px;background:#1f2328;color:#fff;border-radius:3px;
-padding:0 4px;margin:0 3px 0 6px;line-height:1.5}.drift{outline:2px solid var(--bad);
+padding:0 4px;margin:0 3px 0 6px;line-height:1.5}.cb.sp{background:#bf8700}
+.tag.sp{background:#fff8c5;color:#7d4e00}.drift{outline:2px solid var(--bad);
 outline-offset:1px;position:relative}.after{text-decoration:underline wavy rgba(209,36,47,.45)}
 .legend span{margin-right:14px}.sw{display:inline-block;width:14px;height:12px;vertical-align:-1px;
 margin-right:4px;border-radius:2px}.ids .t{font-size:11px}.note{font-size:12.5px;color:var(--mute)}
@@ -83,12 +87,13 @@ def _kv_table(title: str, items: Sequence[tuple[str, object]]) -> str:
 
 def _chain_table(receipt: Receipt, segment: int) -> str:
     head = (
-        "<tr><th>call</th><th>parent</th><th>staging key</th><th>prefix</th><th>carry</th>"
-        "<th>gen</th><th>finish</th><th>call digest</th><th>chain hash</th></tr>"
+        "<tr><th>call</th><th>parent</th><th>formed</th><th>staging key</th><th>prefix</th>"
+        "<th>carry</th><th>gen</th><th>finish</th><th>call digest</th><th>chain hash</th></tr>"
     )
     body = "".join(
         f"<tr><td><code>{_e(c.call_id)}</code></td><td><code>{_e(c.parent_id or '—')}</code></td>"
-        f"<td><code>{_e(c.staging_key)}</code></td><td class=n>{c.prefix_len}</td>"
+        f"<td>{_e(_formed(c))}</td><td><code>{_e(c.staging_key)}</code></td>"
+        f"<td class=n>{c.prefix_len}</td>"
         f"<td class=n>{c.carry_len}</td><td class=n>{c.gen_len}</td><td>{_e(c.finish_reason)}</td>"
         f"<td><code>{_digest(c.call_digest)}</code></td><td><code>{_digest(c.chain_hash)}</code></td></tr>"
         for c in receipt.segments[segment]
@@ -96,19 +101,33 @@ def _chain_table(receipt: Receipt, segment: int) -> str:
     return f"<table>{head}{body}</table>"
 
 
+def _formed(call: ReceiptCall) -> str:
+    return f"splice ({call.splice_cause})" if call.formation == "splice" else call.formation
+
+
 def _token_text(piece: str) -> str:
     return piece.replace("\n", "↵\n").replace("\t", "⇥\t")
 
 
-def _tokens(row: TrainingRow, pieces: Sequence[str], drift: Drift | None, box_id: str) -> str:
+def _tokens(
+    row: TrainingRow,
+    pieces: Sequence[str],
+    drift: Drift | None,
+    box_id: str,
+    links: Mapping[str, ReceiptCall],
+) -> str:
     starts = {s.start: s for s in row.call_spans}
     cut = drift.first_diff if drift is not None else None
     out: list[str] = []
     for i, (tid, piece) in enumerate(zip(row.input_ids, pieces, strict=True)):
         span = starts.get(i)
         if span is not None:
+            link = links.get(span.call_id)
+            spliced = link is not None and link.formation == "splice"
+            note = f" · spliced: {link.splice_cause}" if spliced and link else ""
             out.append(
-                f'<span class="cb" title="carry {span.carry_len} · gen {span.gen_len}">'
+                f'<span class="cb{" sp" if spliced else ""}" '
+                f'title="carry {span.carry_len} · gen {span.gen_len}{_e(note)}">'
                 f"{_e(span.call_id)}</span>"
             )
         text = _token_text(piece)
@@ -144,6 +163,7 @@ def _trajectory(
     tags = [f'<span class="tag">{_e(info["behaviour"])}</span>']
     tags.append(f'<span class="tag">terminal: {_e(receipt.terminal_selection)}</span>')
     tags += [f'<span class="tag bad">break: {_e(c)}</span>' for c in receipt.break_causes]
+    tags += [f'<span class="tag sp">splice: {_e(c)}</span>' for c in receipt.splice_causes]
     if row.segment:
         tags.append(f'<span class="tag">extra segment {row.segment}</span>')
     if drift is not None and drift.first_diff is not None:
@@ -159,20 +179,22 @@ def _trajectory(
     return (
         f'<section class="traj"><h3>{_e(row.key)} {"".join(tags)} '
         f'<button data-ids="{box}">show token ids</button></h3><div class="meta">{meta}</div>'
-        f"{_chain_table(receipt, row.segment)}{_tokens(row, pieces, drift, box)}</section>"
+        f"{_chain_table(receipt, row.segment)}"
+        f"{_tokens(row, pieces, drift, box, {c.call_id: c for c in receipt.segments[row.segment]})}"
+        "</section>"
     )
 
 
 def _cell(rollout: dict[str, Any], column: str) -> object:
-    value = rollout[column]
-    if column == "breaks":
-        return ", ".join(value) or "—"
+    value = rollout.get(column)
+    if column in ("breaks", "splices"):
+        return ", ".join(value or ()) or "—"
     return "—" if value is None else value
 
 
 def _rollout_table(per_rollout: Sequence[dict[str, Any]]) -> str:
-    columns = ("rollout_id", "behaviour", "calls", "status", "terminal", "segments", "breaks",
-               "reward", "advantage", "drift_at")  # fmt: skip
+    columns = ("rollout_id", "behaviour", "calls", "on_chain", "status", "terminal", "segments",
+               "breaks", "splices", "reward", "advantage", "drift_at")  # fmt: skip
     head = "".join(f"<th>{_e(c.replace('_', ' '))}</th>" for c in columns)
     body = "".join(
         "<tr>" + "".join(f"<td>{_e(_cell(r, c))}</td>" for c in columns) + "</tr>"
@@ -216,6 +238,11 @@ def render_report(
                 + [
                     (f"break: {k}", f"{v:g}")
                     for k, v in summary["breaks"].items()
+                    if v or k == "total"
+                ]
+                + [
+                    (f"splice: {k}", f"{v:g}")
+                    for k, v in summary.get("splices", {}).items()
                     if v or k == "total"
                 ],
             ),
@@ -262,6 +289,7 @@ def render_report(
         '<span><i class="sw" style="background:rgba(37,99,235,.15)"></i>'
         "generated, logprob &le; -10</span>"
         '<span><i class="cb">c000001</i>call starts</span>'
+        '<span><i class="cb sp">c000002</i>call spliced on its parent\'s exact ids</span>'
         '<span><i class="sw" style="outline:2px solid #d1242f"></i>'
         "first token re-tokenising changes (wavy after it)</span></div>"
     )

@@ -11,7 +11,12 @@ from rich.console import Console
 from rich.table import Table
 
 from tokcap_core import masked_mean
-from tokcap_core.metrics import break_cause_counts, calls_per_rollout, failure_counts
+from tokcap_core.metrics import (
+    break_cause_counts,
+    calls_per_rollout,
+    failure_counts,
+    splice_cause_counts,
+)
 from tokcap_core.receipts import TERMINAL_SELECTIONS
 
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
@@ -20,7 +25,7 @@ if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
 
 __all__ = ["SUMMARY_VERSION", "build_summary", "print_summary", "summary_console"]
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2
 BEHAVIOUR_NOTES = {
     "response_id": "closed with the scored response id as witness",
     "content": "closed with a content fingerprint only (no response id)",
@@ -68,6 +73,8 @@ def build_summary(
         "calls": {
             "total": sum(len(e.calls) for e in run.episodes),
             "on_chain": sum(len(seg) for r in receipts for seg in r.segments),
+            "on_terminal_chain": sum(len(r.segments[0]) for r in receipts if r.segments),
+            "tool_calls": sum(c.tool_calls for e in run.episodes for c in e.calls),
             **{k.removeprefix("calls/"): v for k, v in calls_per_rollout(receipts).items()},
         },
         "tokens": {
@@ -91,6 +98,9 @@ def build_summary(
             for k, v in failure_counts(r.failure_reason for r in receipts).items()
         },
         "breaks": {k.removeprefix("breaks/"): v for k, v in break_cause_counts(receipts).items()},
+        "splices": {
+            k.removeprefix("splices/"): v for k, v in splice_cause_counts(receipts).items()
+        },
         "behaviours": {
             b: {"rollouts": n, "what": BEHAVIOUR_NOTES[b]} for b, n in behaviours.items()
         },
@@ -134,11 +144,16 @@ def build_summary(
                 "group": e.group,
                 "behaviour": e.behaviour,
                 "calls": len(e.calls),
+                "on_chain": len(run.receipts[e.rollout_id].segments[0])
+                if run.receipts[e.rollout_id].segments
+                else 0,
+                "tool_calls": sum(c.tool_calls for c in e.calls),
                 "status": run.receipts[e.rollout_id].status,
                 "failure_reason": run.receipts[e.rollout_id].failure_reason,
                 "terminal": run.receipts[e.rollout_id].terminal_selection,
                 "segments": len(run.receipts[e.rollout_id].segments),
                 "breaks": list(run.receipts[e.rollout_id].break_causes),
+                "splices": list(run.receipts[e.rollout_id].splice_causes),
                 "reward": round(e.reward, 4),
                 "advantage": round(advantage_of.get(e.rollout_id, 0.0), 4) + 0.0,
                 "drift_at": drift_of[e.rollout_id].first_diff if e.rollout_id in drift_of else None,
@@ -175,6 +190,11 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         ("rollouts verified / poisoned", f"{ro['verified']} / {ro['poisoned']}"),
         ("model calls (on a receipt chain)", f"{calls['total']} ({calls['on_chain']})"),
         (
+            "calls spliced on their parent's exact ids",
+            f"{summary.get('splices', {}).get('total', 0):g}",
+        ),
+        ("tool calls (OpenAI tool_calls, parsed by vLLM)", str(calls.get("tool_calls", 0))),
+        (
             "tokens in valid rows (generated / carried)",
             f"{tok['total']} ({tok['generated']} / {tok['carried']})",
         ),
@@ -188,7 +208,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         overview.add_row(label, value)
     console.print(overview)
 
-    paths = _table("Terminal selection · failures · breaks", "", "count")
+    paths = _table("Terminal selection · failures · breaks · splices", "", "count")
     for method, n in summary["terminal_selection"].items():
         paths.add_row(f"terminal: {method}", str(n))
     for bucket, n in summary["failures"].items():
@@ -199,6 +219,9 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     for cause, n in summary["breaks"].items():
         if n or cause == "total":
             paths.add_row(f"break: {cause}", f"{n:g}")
+    for cause, n in summary.get("splices", {}).items():
+        if n or cause == "total":
+            paths.add_row(f"splice: {cause}", f"{n:g}")
     console.print(paths)
 
     behaviours = _table("Paths exercised on purpose (per group)", "behaviour", "rollouts", "what")
@@ -223,14 +246,16 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     checks.add_row("GRPO advantage range", f"[{adv['min']:.3f}, {adv['max']:.3f}]")
     console.print(checks)
 
-    per = _table("Rollouts", "rollout", "path", "receipt / terminal", "break", "reward", "adv.",
-                 "drift@")  # fmt: skip
+    per = _table("Rollouts", "rollout", "path", "receipt / terminal", "chain", "break", "splices",
+                 "reward", "adv.", "drift@")  # fmt: skip
     tag = f"{summary['config']['tag']}-"
     for r in summary["per_rollout"]:
         receipt = r["terminal"] if r["failure_reason"] is None else r["failure_reason"]
+        splices = Counter(r.get("splices", ()))
         per.add_row(
             r["rollout_id"].removeprefix(tag), r["behaviour"], receipt,
-            ",".join(r["breaks"]) or "-", f"{r['reward']:.3f}",
+            f"{r.get('on_chain', '?')}/{r['calls']}", ",".join(r["breaks"]) or "-",
+            ",".join(f"{c}:{n}" for c, n in sorted(splices.items())) or "-", f"{r['reward']:.3f}",
             f"{r['advantage'] + 0.0:+.2f}", "-" if r["drift_at"] is None else str(r["drift_at"]),
         )  # fmt: skip
     console.print(per)

@@ -92,6 +92,35 @@ def test_interesting_paths_happened(summary: dict[str, Any]) -> None:
     assert summary["rows"]["extra_segments"] >= 2
 
 
+def test_a_harness_that_keeps_its_history_keeps_every_call_on_one_chain(
+    summary: dict[str, Any],
+) -> None:
+    """Issue #13's bar: only the rewriting harness breaks, and it breaks by cause."""
+    kept = [r for r in summary["per_rollout"] if r["behaviour"] != "rewrite"]
+    rewritten = [r for r in summary["per_rollout"] if r["behaviour"] == "rewrite"]
+    assert kept
+    assert rewritten
+    for r in kept:
+        assert r["status"] == "verified", r
+        assert r["on_chain"] == r["calls"], r
+        assert r["breaks"] == [], r
+    assert summary["breaks"]["template_mismatch"] == 0
+    for r in rewritten:
+        assert r["breaks"], r
+        assert r["on_chain"] < r["calls"], r
+    assert summary["breaks"]["total"] == sum(len(r["breaks"]) for r in rewritten)
+
+
+def test_real_tool_calls_were_made_and_spliced(summary: dict[str, Any]) -> None:
+    """Forced calls (two in parallel on each first turn) came back as OpenAI tool_calls; the
+    parser's re-serialised JSON is spliced, never a break."""
+    assert summary["version"] == 2
+    assert summary["calls"]["tool_calls"] >= 2 * 4 * 2
+    assert all(r["tool_calls"] >= 2 for r in summary["per_rollout"])
+    assert summary["splices"]["tool_call_format"] >= 1
+    assert summary["splices"]["total"] == sum(len(r["splices"]) for r in summary["per_rollout"])
+
+
 def test_rows_are_exactly_what_the_engine_reported(summary: dict[str, Any]) -> None:
     parity = summary["engine_parity"]
     assert parity["rows_checked"] == summary["rows"]["valid"]
