@@ -49,6 +49,8 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
+from _procmem import cpu_seconds, descendants, role_of  # noqa: E402  (bench/ is on sys.path)
+
 KINDS = ("plain", "plain+logprobs", "captured", "captured+text")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,26 +159,43 @@ def _measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
             requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens
         )
 
-        def run(kind: str, tag: str) -> tuple[float, list[float], int]:
+        engines = [pid for pid in descendants() if role_of(pid) == "engine core"]
+
+        def run(kind: str, tag: str) -> dict[str, Any]:
             host = getattr(server.engine_client, "_tokcap_host", None)
             if host is not None:  # installed by the first captured request
                 host.skips_logprob_text = kind != "captured+text"
-            return anyio.run(lambda: _round(server.base_url, model, kind=kind, tag=tag, **kw))
+            server_cpu = cpu_seconds()
+            engine_cpu = sum(cpu_seconds(pid) for pid in engines)
+            wall, latencies, tokens = anyio.run(
+                lambda: _round(server.base_url, model, kind=kind, tag=tag, **kw)
+            )
+            return {
+                "wall": wall,
+                "latencies": latencies,
+                "tokens": tokens,
+                "server_cpu": cpu_seconds() - server_cpu,
+                "engine_cpu": sum(cpu_seconds(pid) for pid in engines) - engine_cpu,
+            }
 
         run("captured", "warm-c")
         if not server.engine_client._tokcap_host.skips_logprob_text:
             raise RuntimeError("the logprob-text switch is off on this vLLM")
         for kind in KINDS:  # warm-up, not measured
             run(kind, f"warm-{kind[0]}{len(kind)}")
-        per_round: list[dict[str, tuple[float, list[float], int]]] = []
+        per_round: list[dict[str, dict[str, Any]]] = []
         loads = [_load()]
         for r in range(args.rounds):
             order = KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]
             results = {}
             for kind in order:
-                results[kind] = run(kind, f"b{r}-{kind[0]}{len(kind)}")
-                wall, _, toks = results[kind]
-                print(f"[{size}] round {r} {kind:15}: {toks / wall:8.1f} tok/s", flush=True)
+                results[kind] = got = run(kind, f"b{r}-{kind[0]}{len(kind)}")
+                print(
+                    f"[{size}] round {r} {kind:15}: {got['tokens'] / got['wall']:8.1f} tok/s, "
+                    f"CPU ms/call server {got['server_cpu'] / args.requests * 1e3:.1f} "
+                    f"engine {got['engine_cpu'] / args.requests * 1e3:.1f}",
+                    flush=True,
+                )
             per_round.append(results)
             loads.append(_load())
         server.call(server.gate.drain)
@@ -184,10 +203,7 @@ def _measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
         return {
             "size": size,
             "params": parameter_count(Path(model)),
-            "rounds": [
-                {k: {"wall": w, "latencies": ls, "tokens": t} for k, (w, ls, t) in rnd.items()}
-                for rnd in per_round
-            ],
+            "rounds": per_round,
             "calls_staged": int(staged),
             "loads": loads,
         }
@@ -198,30 +214,46 @@ def _measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
 def _summary(result: dict[str, Any], args: argparse.Namespace) -> str:
     rounds = result["rounds"]
 
-    def tps(rnds: list[dict[str, Any]], kind: str) -> float:
-        return float(sum(r[kind]["tokens"] for r in rnds) / sum(r[kind]["wall"] for r in rnds))
+    def total(rnds: list[dict[str, Any]], kind: str, what: str) -> float:
+        return float(sum(r[kind][what] for r in rnds))
 
-    def overhead(base: str, kind: str) -> tuple[float, float, float]:
+    def tps(rnds: list[dict[str, Any]], kind: str) -> float:
+        return total(rnds, kind, "tokens") / total(rnds, kind, "wall")
+
+    def cpu(rnds: list[dict[str, Any]], kind: str) -> float:
+        """Server + engine CPU seconds per token."""
+        spent = total(rnds, kind, "server_cpu") + total(rnds, kind, "engine_cpu")
+        return spent / total(rnds, kind, "tokens")
+
+    def overhead(base: str, kind: str) -> tuple[float, float, float, float]:
         pooled = (1 - tps(rounds, kind) / tps(rounds, base)) * 100
         each = [(1 - tps([r], kind) / tps([r], base)) * 100 for r in rounds]
-        return pooled, min(each), max(each)
+        cpu_more = (cpu(rounds, kind) / cpu(rounds, base) - 1) * 100
+        return pooled, min(each), max(each), cpu_more
 
+    calls = args.requests * len(rounds)
     lines = [
         f"\n### {result['size']} ({result['params'] / 1e6:.1f} M parameters): "
         f"{args.requests} requests x {args.rounds} rounds per kind, concurrency "
         f"{args.concurrency}, {args.max_tokens} tokens each, engine threads "
         f"{args.engine_threads}; 1-min load at each round's end: {' '.join(result['loads'])}",
         "",
-        "| kind | tok/s | p50 ms | p99 ms |",
-        "|---|---:|---:|---:|",
+        "| kind | tok/s | p50 ms | p99 ms | server CPU ms/call | engine CPU ms/call |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for kind in KINDS:
         lats = [x for r in rounds for x in r[kind]["latencies"]]
         lines.append(
             f"| {kind} | {tps(rounds, kind):.1f} | {_pct(lats, 0.5) * 1e3:.0f} "
-            f"| {_pct(lats, 0.99) * 1e3:.0f} |"
+            f"| {_pct(lats, 0.99) * 1e3:.0f} "
+            f"| {total(rounds, kind, 'server_cpu') / calls * 1e3:.2f} "
+            f"| {total(rounds, kind, 'engine_cpu') / calls * 1e3:.2f} |"
         )
-    lines += ["", "| throughput overhead | pooled | per-round min .. max |", "|---|---:|---|"]
+    lines += [
+        "",
+        "| overhead | throughput, pooled | per-round min .. max | CPU per token |",
+        "|---|---:|---|---:|",
+    ]
     for label, base, kind in (
         ("**capture, total** (captured vs plain)", "plain", "captured"),
         ("vLLM's sampled-token logprob (plain+logprobs vs plain)", "plain", "plain+logprobs"),
@@ -233,9 +265,15 @@ def _summary(result: dict[str, Any], args: argparse.Namespace) -> str:
             "captured+text",
         ),
     ):
-        pooled, low, high = overhead(base, kind)
-        lines.append(f"| {label} | {pooled:+.2f} % | {low:+.2f} .. {high:+.2f} % |")
-    lines.append(f"\ncalls staged: {result['calls_staged']}")
+        pooled, low, high, cpu_more = overhead(base, kind)
+        lines.append(
+            f"| {label} | {pooled:+.2f} % | {low:+.2f} .. {high:+.2f} % | {cpu_more:+.2f} % |"
+        )
+    lines.append(
+        f"\ncalls staged: {result['calls_staged']}. Server CPU: the API server process "
+        "(HTTP, vLLM's serving, the gate) and the benchmark's client; engine CPU: vLLM's "
+        "engine core process."
+    )
     return "\n".join(lines)
 
 

@@ -48,52 +48,19 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
+from _procmem import descendants, role_of, status_mib  # noqa: E402  (bench/ is on sys.path)
+
 TOKEN = "load-bench-" + os.urandom(8).hex()
 
 
-def _status_mib(field: str, pid: int | str = "self") -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def _rss_mib() -> float:
-    return _status_mib("VmRSS")
-
-
-def _engine_pids() -> list[int]:
-    """vLLM's engine core: the descendants of this process named ``VLLM::EngineCore``."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    mine, found = {os.getpid()}, True
-    while found:
-        found = False
-        for pid, ppid in parents.items():
-            if ppid in mine and pid not in mine:
-                mine.add(pid)
-                found = True
-    engines = []
-    for pid in mine - {os.getpid()}:
-        try:
-            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                engines.append(pid)
-        except OSError:
-            continue
-    return engines
+    return status_mib("VmRSS")
 
 
 def _engine_rss_mib(field: str = "VmRSS") -> float:
-    return sum(_status_mib(field, pid) for pid in _engine_pids()) or float("nan")
+    """vLLM's engine core (a child process)."""
+    pids = [pid for pid in descendants() if role_of(pid) == "engine core"]
+    return sum(status_mib(field, pid) for pid in pids) or float("nan")
 
 
 def _peak_mib() -> float:
