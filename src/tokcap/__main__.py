@@ -1,4 +1,4 @@
-"""The ``tokcap`` command line: ``demo``, ``show``, ``verify``, ``bench``."""
+"""The ``tokcap`` command line: ``demo``, ``train``, ``show``, ``verify``, ``bench``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(args)
     if ns.command == "demo":
         return _demo(ns)
+    if ns.command == "train":
+        return _train(ns)
     if ns.command == "show":
         return _show(ns.run_dir)
     if ns.command == "bench":
@@ -53,7 +55,27 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
-    show = sub.add_parser("show", help="re-print the summary of a saved demo run")
+    train = sub.add_parser(
+        "train",
+        help="a closed GRPO loop on the tiny model through the gate, with weight pushes",
+        description="Every step: the harness plays G groups x N chats through the gate, the "
+        "trainer closes them, fetches verified receipts, reassembles rows on the Ray pool, "
+        "takes a policy-gradient step (checking its logprobs against the engine's) and "
+        "pushes the new weights into the running engine (summary.json, report.html).",
+    )
+    train.add_argument("--steps", type=_positive, default=40, help="training steps (default 40)")
+    train.add_argument("--groups", type=_positive, default=4, help="groups per step (default 4)")
+    train.add_argument(
+        "--rollouts", type=_positive, default=8, help="rollouts per group (default 8)"
+    )
+    train.add_argument("--turns", type=_positive, default=1, help="calls per rollout (default 1)")
+    train.add_argument(
+        "--max-tokens", type=_positive, default=16, help="tokens per call (default 16)"
+    )
+    train.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    train.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/train-<time>)")
+    train.add_argument("--seed", type=int, default=0)
+    show = sub.add_parser("show", help="re-print the summary of a saved demo or train run")
     show.add_argument("run_dir", type=Path)
     sub.add_parser(
         "verify",
@@ -89,8 +111,25 @@ def _demo(ns: argparse.Namespace) -> int:
     return run_demo(options)
 
 
+def _train(ns: argparse.Namespace) -> int:
+    from ._train_cli import TrainOptions, run_train
+
+    options = TrainOptions(
+        steps=ns.steps,
+        groups=ns.groups,
+        rollouts=ns.rollouts,
+        turns=ns.turns,
+        max_tokens=ns.max_tokens,
+        lr=ns.lr,
+        seed=ns.seed,
+        out=ns.out,
+    )
+    return run_train(options)
+
+
 def _show(run_dir: Path) -> int:
     from ._summary import print_summary, summary_console
+    from ._train_summary import print_train_summary
 
     path = run_dir / "summary.json" if run_dir.is_dir() else run_dir
     try:
@@ -99,7 +138,10 @@ def _show(run_dir: Path) -> int:
         print(f"tokcap show: cannot read {path}: {e}", file=sys.stderr)
         return 4
     console = summary_console()
-    print_summary(summary, console)
+    if summary.get("kind") == "train":
+        print_train_summary(summary, console)
+    else:
+        print_summary(summary, console)
     report = path.parent / "report.html"
     if report.exists():
         console.print(f"report: [bold]{report}[/]")

@@ -1,0 +1,99 @@
+"""``tokcap train``: build the tiny model, run the closed loop, save and print the figures.
+
+Environment defaults for the CPU engine (vLLM's fast start, Ray without ``uv run`` in its
+workers) come from `tokcap._demo`, imported before vLLM is.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from ._demo import _interrupt_once  # also sets the engine's environment defaults
+from ._train_summary import (
+    build_train_summary,
+    print_train_summary,
+    summary_console,
+    train_problems,
+)
+
+__all__ = ["TrainOptions", "run_train"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainOptions:
+    """The ``tokcap train`` flags."""
+
+    steps: int = 40
+    groups: int = 4
+    rollouts: int = 8
+    turns: int = 1
+    max_tokens: int = 16
+    lr: float = 1e-2
+    seed: int = 0
+    out: Path | None = None
+    cache: Path = Path(".tokcap")
+
+
+def run_train(options: TrainOptions, console: Console | None = None) -> int:
+    """Run the loop; 0 when every invariant held, 1 when one failed, 130 on Ctrl-C."""
+    console = console or summary_console()
+    out = options.out or options.cache / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        return _run(options, out, console)
+    except KeyboardInterrupt:
+        Console(stderr=True).print(
+            "[yellow]interrupted: everything the loop started has been shut down"
+        )
+        return 130
+
+
+def _run(options: TrainOptions, out: Path, console: Console) -> int:
+    from ._stages import Stages
+
+    with Stages(Console(stderr=True)) as stages:
+        with stages.stage("build tiny model (cached)"):
+            from ._tiny import build_tiny_model
+
+            model = build_tiny_model(options.cache / "tiny" / "dense", kind="dense")
+            from ._train_loop import LoopConfig, StepRecord, run_loop
+
+        config = LoopConfig(
+            model=model,
+            steps=options.steps,
+            groups=options.groups,
+            rollouts=options.rollouts,
+            turns=options.turns,
+            max_tokens=options.max_tokens,
+            lr=options.lr,
+            seed=options.seed,
+        )
+
+        def progress(record: StepRecord) -> None:
+            stages.log(
+                f"step {record.step:>3}  reward {record.reward_mean:.3f}  "
+                f"K3 {record.parity['k3']:.1e}  pushed v{record.weight_version}  "
+                f"{record.seconds['total']:.1f} s"
+            )
+
+        run = run_loop(config, stages, progress)
+        with stages.stage("summary, report"):
+            from ._train_report import render_train_report
+
+            summary = build_train_summary(run, stages.timings_s)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.html").write_text(render_train_report(summary), encoding="utf-8")
+    summary["timings_s"] = {k: round(v, 3) for k, v in stages.timings_s.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print_train_summary(summary, console)
+    problems = train_problems(summary)
+    for problem in problems:
+        console.print(f"[red]check failed: {problem}")
+    console.print(f"saved [bold]{out / 'summary.json'}[/] and [bold]{out / 'report.html'}[/]")
+    return 1 if problems else 0

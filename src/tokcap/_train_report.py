@@ -1,0 +1,241 @@
+"""``report.html`` of a ``tokcap train`` run: one self-contained page, inline SVG, no network.
+
+Key figures, then the reward curve (mean and best rollout per step), the parity curve
+(K3 and mean |Δ| of the trainer's pre-update logprobs against the engine's, log scale,
+with the 1e-9 bound), the step time by stage, a few sampled answers and the step table.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["render_train_report", "svg_chart"]
+
+_CSS = """
+:root{--fg:#1f2328;--mute:#656d76;--line:#d0d7de}*{box-sizing:border-box}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:var(--fg);margin:0;
+background:#f6f8fa}main{max-width:1100px;margin:0 auto;padding:24px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px}
+.sub,.note{color:var(--mute)}.note{font-size:12.5px}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(190px,1fr));gap:10px;margin-top:16px}
+.card{background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px 12px}
+.card b{display:block;font-size:20px}.card span{color:var(--mute);font-size:12px}
+.card.ok b{color:#1a7f37}.card.bad b{color:#d1242f}
+.chart{background:#fff;border:1px solid var(--line);border-radius:8px;padding:8px}
+svg text{font:11px system-ui,sans-serif;fill:#57606a}
+table{border-collapse:collapse;background:#fff;width:100%}td,th{border:1px solid var(--line);
+padding:3px 8px;text-align:right;font-size:12.5px;font-variant-numeric:tabular-nums}
+th{background:#f0f2f5}td.l{text-align:left;font-family:ui-monospace,monospace;word-break:break-all}
+.legend span{margin-right:14px;font-size:12px}.sw{display:inline-block;width:12px;height:10px;
+margin-right:4px;border-radius:2px}
+"""
+_COLORS = {
+    "generate": "#2563eb",
+    "capture_verify": "#16a34a",
+    "reassemble": "#9333ea",
+    "train": "#ea580c",
+    "push": "#dc2626",
+}
+_W, _H, _PAD_L, _PAD_R, _PAD_T, _PAD_B = 720, 240, 56, 16, 14, 30
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(value: float, log: bool) -> str:
+    return f"{value:.0e}" if log else f"{value:g}"
+
+
+def svg_chart(
+    series: Sequence[tuple[str, Sequence[float | None], str]],
+    *,
+    y_range: tuple[float, float],
+    log: bool = False,
+    bound: tuple[str, float] | None = None,
+) -> str:
+    """A line chart over step index as an inline ``<svg>``: one polyline per series.
+
+    ``log`` plots log10 of the values (values <= 0 or None leave a gap); ``bound`` draws
+    a dashed horizontal line with its label.
+    """
+    low, high = (math.log10(v) for v in y_range) if log else y_range
+    count = max((len(values) for _, values, _ in series), default=0)
+    plot_w, plot_h = _W - _PAD_L - _PAD_R, _H - _PAD_T - _PAD_B
+
+    def x(i: int) -> float:
+        return _PAD_L + (plot_w * i / (count - 1) if count > 1 else plot_w / 2)
+
+    def y(value: float) -> float | None:
+        if log:
+            if value <= 0 or not math.isfinite(value):
+                return None
+            value = math.log10(value)
+        value = min(max(value, low), high)
+        return _PAD_T + plot_h * (1 - (value - low) / ((high - low) or 1.0))
+
+    parts = [f'<svg viewBox="0 0 {_W} {_H}" width="100%" role="img">']
+    ticks = [low + (high - low) * k / 4 for k in range(5)]
+    for tick in ticks:
+        ty = _PAD_T + plot_h * (1 - (tick - low) / ((high - low) or 1.0))
+        label = _fmt(10**tick if log else tick, log)
+        parts.append(
+            f'<line x1="{_PAD_L}" x2="{_W - _PAD_R}" y1="{ty:.1f}" y2="{ty:.1f}" '
+            f'stroke="#eaeef2"/><text x="{_PAD_L - 6}" y="{ty + 4:.1f}" '
+            f'text-anchor="end">{_e(label)}</text>'
+        )
+    for i in range(count):
+        if count <= 12 or i % math.ceil(count / 10) == 0 or i == count - 1:
+            parts.append(f'<text x="{x(i):.1f}" y="{_H - 10}" text-anchor="middle">{i}</text>')
+    if bound is not None:
+        by = y(bound[1])
+        if by is not None:
+            parts.append(
+                f'<line x1="{_PAD_L}" x2="{_W - _PAD_R}" y1="{by:.1f}" y2="{by:.1f}" '
+                f'stroke="#d1242f" stroke-dasharray="5 4"/><text x="{_W - _PAD_R}" '
+                f'y="{by - 4:.1f}" text-anchor="end" style="fill:#d1242f">{_e(bound[0])}</text>'
+            )
+    for label, values, color in series:
+        segment: list[str] = []
+        runs: list[list[str]] = [segment]
+        for i, value in enumerate(values):
+            py = None if value is None else y(value)
+            if py is None:
+                segment = []
+                runs.append(segment)
+                continue
+            segment.append(f"{x(i):.1f},{py:.1f}")
+        for run in runs:
+            if len(run) > 1:
+                parts.append(
+                    f'<polyline fill="none" stroke="{color}" stroke-width="2" '
+                    f'points="{" ".join(run)}"><title>{_e(label)}</title></polyline>'
+                )
+            for point in run:
+                px, py_ = point.split(",")
+                parts.append(f'<circle cx="{px}" cy="{py_}" r="2.2" fill="{color}"/>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _stacked_bars(steps: Sequence[dict[str, Any]]) -> str:
+    """Seconds per step, one bar per step, stacked by stage."""
+    totals = [sum(s["seconds"].get(k, 0.0) for k in _COLORS) for s in steps]
+    top = max(totals, default=1.0) or 1.0
+    plot_w, plot_h = _W - _PAD_L - _PAD_R, _H - _PAD_T - _PAD_B
+    width = plot_w / max(len(steps), 1)
+    parts = [f'<svg viewBox="0 0 {_W} {_H}" width="100%" role="img">']
+    for k in range(5):
+        value = top * k / 4
+        ty = _PAD_T + plot_h * (1 - k / 4)
+        parts.append(
+            f'<line x1="{_PAD_L}" x2="{_W - _PAD_R}" y1="{ty:.1f}" y2="{ty:.1f}" '
+            f'stroke="#eaeef2"/><text x="{_PAD_L - 6}" y="{ty + 4:.1f}" '
+            f'text-anchor="end">{value:.1f} s</text>'
+        )
+    for i, s in enumerate(steps):
+        base = _PAD_T + plot_h
+        for stage, color in _COLORS.items():
+            h = plot_h * s["seconds"].get(stage, 0.0) / top
+            base -= h
+            parts.append(
+                f'<rect x="{_PAD_L + i * width + 1:.1f}" y="{base:.1f}" '
+                f'width="{max(width - 2, 1):.1f}" height="{h:.1f}" fill="{color}">'
+                f"<title>step {s['step']} {stage}: {s['seconds'].get(stage, 0.0):.2f} s"
+                "</title></rect>"
+            )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _legend(items: Sequence[tuple[str, str]]) -> str:
+    spans = "".join(
+        f'<span><i class="sw" style="background:{c}"></i>{_e(n)}</span>' for n, c in items
+    )
+    return f'<div class="legend">{spans}</div>'
+
+
+def _card(label: str, value: str, kind: str = "") -> str:
+    return f'<div class="card {kind}"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
+
+
+def render_train_report(summary: dict[str, Any]) -> str:
+    """The whole page as a string (no external resource)."""
+    train, config = summary["train"], summary["config"]
+    steps = train["steps"]
+    ok = train["parity_k3_max"] <= train["parity_k3_limit"]
+    receipts_ok = train["receipts_verified"] == train["receipts_total"]
+    k3_kind = "ok" if ok else "bad"
+    receipts = f"{train['receipts_verified']}/{train['receipts_total']}"
+    cards = "".join(
+        [
+            _card("mean reward, first 5 steps", f"{train['reward_first5']:.3f}"),
+            _card("mean reward, last 5 steps", f"{train['reward_last5']:.3f}"),
+            _card("reward gain", f"{train['reward_gain']:+.3f}", "ok"),
+            _card("max parity K3 (bound 1e-9)", f"{train['parity_k3_max']:.1e}", k3_kind),
+            _card("receipts verified", receipts, "ok" if receipts_ok else "bad"),
+            _card("weight version pushed", f"{train['weight_versions'][-1] if steps else '-'}"),
+            _card("seconds per step (median)", f"{train['seconds_per_step_median']:.2f}"),
+        ]
+    )
+    reward_chart = svg_chart(
+        [
+            ("best rollout", [s["reward_max"] for s in steps], "#93c5fd"),
+            ("mean reward", [s["reward_mean"] for s in steps], "#2563eb"),
+        ],
+        y_range=(0.0, 1.0),
+    )
+    k3 = [s["parity"]["k3"] for s in steps]
+    mean_abs = [s["parity"]["mean_abs"] for s in steps]
+    positive = [v for v in k3 + mean_abs if v > 0 and math.isfinite(v)]
+    low = 10 ** math.floor(math.log10(min(positive, default=1e-15)))
+    high = 10 ** math.ceil(math.log10(max([*positive, 1e-8])))
+    parity_chart = svg_chart(
+        [("K3", k3, "#16a34a"), ("mean |Δ|", mean_abs, "#9333ea")],
+        y_range=(low, high),
+        log=True,
+        bound=("K3 bound 1e-9", train["parity_k3_limit"]),
+    )
+    rows = "".join(
+        f"<tr><td>{s['step']}</td><td>{s['reward_mean']:.3f}</td><td>{s['parity']['k3']:.1e}"
+        f"</td><td>{s['parity']['mean_abs']:.1e}</td><td>{s['parity']['max_abs']:.1e}</td>"
+        f"<td>{s['parity']['tokens']}</td><td>{s['sampled_version']}→{s['weight_version']}</td>"
+        f"<td>{s['staleness_max']}</td><td>{s['rows_valid']}+{s['rows_placeholder']}</td>"
+        f"<td>{s['receipts_verified']}/{s['receipts_total']}</td>"
+        f"<td>{s['seconds']['total']:.2f}</td></tr>"
+        for s in steps
+    )
+    samples = "".join(
+        f"<tr><td>{x['step']}</td><td>{x['reward']:.3f}</td><td class=l>{_e(x['answer'])}</td></tr>"
+        for x in summary.get("samples", [])
+    )
+    title = (
+        f"{config['steps']} steps of {config['groups']} groups x {config['rollouts']} rollouts, "
+        f"{config['turns']} call(s) of {config['max_tokens']} tokens each, lr {config['lr']}, "
+        f"seed {config['seed']}; tiny model, {config['model_params']:,} parameters"
+    )
+    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
+<title>tokcap train</title><style>{_CSS}</style></head><body><main>
+<h1>tokcap train: a closed GRPO loop through the gate</h1>
+<div class="sub">{_e(title)}. Task: {_e(config["task"])}.</div>
+<div class="cards">{cards}</div>
+<h2>Reward</h2><div class="chart">{reward_chart}</div>
+{_legend([("mean reward", "#2563eb"), ("best rollout", "#93c5fd")])}
+<h2>Parity: trainer vs engine on each step's captured rows</h2>
+<div class="chart">{parity_chart}</div>
+{_legend([("K3", "#16a34a"), ("mean |Δ| (nats)", "#9333ea")])}
+<p class="note">The trainer's logprobs before its update, recomputed on the exact ids the gate
+captured, against the logprobs the engine sampled them with. After every full weight push
+both hold the same fp32 weights, so K3 stays near 1e-14; a push that did not land shows up
+here first.</p>
+<h2>Step time by stage</h2><div class="chart">{_stacked_bars(steps)}</div>
+{_legend(list(_COLORS.items()))}
+<h2>Sampled answers (first rollout)</h2>
+<table><tr><th>step</th><th>reward</th><th>answer</th></tr>{samples}</table>
+<h2>Steps</h2><table><tr><th>step</th><th>reward</th><th>K3</th><th>mean |Δ|</th><th>max |Δ|</th>
+<th>tokens</th><th>version</th><th>staleness</th><th>rows</th><th>receipts</th><th>s</th></tr>
+{rows}</table></main></body></html>
+"""
