@@ -14,6 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from tokcap_core import ConfigError
+
 from ._demo import _interrupt_once  # also sets the engine's environment defaults
 from ._train_summary import (
     build_train_summary,
@@ -41,12 +43,16 @@ class TrainOptions:
 
 
 def run_train(options: TrainOptions, console: Console | None = None) -> int:
-    """Run the loop; 0 when every invariant held, 1 when one failed, 130 on Ctrl-C."""
+    """Run the loop; 0 when every invariant held, 1 when one failed, 2 for a bad option,
+    130 on Ctrl-C."""
     console = console or summary_console()
     out = options.out or options.cache / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
     signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return _run(options, out, console)
+    except ConfigError as e:
+        Console(stderr=True).print(f"[red]tokcap train: {e}", highlight=False)
+        return 2
     except KeyboardInterrupt:
         Console(stderr=True).print(
             "[yellow]interrupted: everything the loop started has been shut down"

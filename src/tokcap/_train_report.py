@@ -234,7 +234,8 @@ here first.</p>
 <h2>Step time by stage</h2><div class="chart">{_stacked_bars(steps)}</div>
 {_legend(list(_COLORS.items()))}
 <h2>Sampled answers (first rollout)</h2>
-<table><tr><th>step</th><th>reward</th><th>answer</th></tr>{samples}</table>
+<table><tr><th>step</th><th>reward</th><th style="text-align:left">answer</th></tr>
+{samples}</table>
 <h2>Steps</h2><table><tr><th>step</th><th>reward</th><th>K3</th><th>mean |Δ|</th><th>max |Δ|</th>
 <th>tokens</th><th>version</th><th>staleness</th><th>rows</th><th>receipts</th><th>s</th></tr>
 {rows}</table></main></body></html>

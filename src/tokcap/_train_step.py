@@ -1,0 +1,301 @@
+"""One step of ``tokcap train``'s loop, and the records it keeps (see `tokcap._train_loop`).
+
+`run_step` plays the step's chats, runs `examples/custom_trainer.collect` (its control
+client wrapped so that closing and fetching receipts are timed apart from reassembly),
+trains, pushes, and leaves `finish` to run while the next step generates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import openai
+from anyio.abc import TaskGroup
+
+from tokcap_core import CaptureConfig, ConfigError
+from tokcap_ray import ReassemblerPool
+from tokcap_tq import TQSink
+from tokcap_vllm import ControlPlaneClient, InProcessServer, WeightSync
+
+from ._train_task import WITNESSES, DigitsEpisode, group_prompt, play_digits
+
+__all__ = ["LoopConfig", "Observer", "StepContext", "StepRecord", "TrainRun", "run_step"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopConfig:
+    """What to train: ``steps`` steps of ``groups`` x ``rollouts`` chats of ``turns`` calls."""
+
+    model: Path
+    steps: int = 40
+    groups: int = 4
+    rollouts: int = 8
+    turns: int = 1
+    max_tokens: int = 16
+    lr: float = 1e-2
+    seed: int = 0
+    workers: int = 2
+    concurrency: int = 32
+    tag: str = "train"
+    max_seq_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "groups", "rollouts", "turns", "max_tokens", "workers"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"bad_{name}", f"{name} must be an int >= 1: {value!r}")
+        if self.rollouts < 2:
+            raise ConfigError("bad_rollouts", "GRPO needs >= 2 rollouts per group")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError("bad_lr", f"lr must be finite and > 0: {self.lr!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRecord:
+    """One step's figures (``summary.json``'s ``train.steps[i]``)."""
+
+    step: int
+    reward_mean: float
+    reward_max: float
+    parity: dict[str, float]
+    """The trainer's pre-update recompute vs the engine: tokens, mean_abs, max_abs, k3."""
+    sampled_version: int | None
+    """The newest weight version that sampled a row of this step."""
+    weight_version: int
+    """The version the trainer pushed after this step."""
+    engine_version: str
+    """The label the engine reports after the push."""
+    staleness_max: int | None
+    rows_valid: int
+    rows_placeholder: int
+    receipts_verified: int
+    receipts_total: int
+    groups_accepted: int
+    tokens: int
+    loss: float
+    clip_fraction: float
+    grad_norm: float | None
+    seconds: dict[str, float]
+
+    def as_json(self) -> dict[str, Any]:
+        """A plain JSON object (floats rounded for reading)."""
+        return {
+            "step": self.step,
+            "reward_mean": round(self.reward_mean, 6),
+            "reward_max": round(self.reward_max, 6),
+            "parity": self.parity,
+            "sampled_version": self.sampled_version,
+            "weight_version": self.weight_version,
+            "engine_version": self.engine_version,
+            "staleness_max": self.staleness_max,
+            "rows_valid": self.rows_valid,
+            "rows_placeholder": self.rows_placeholder,
+            "receipts_verified": self.receipts_verified,
+            "receipts_total": self.receipts_total,
+            "groups_accepted": self.groups_accepted,
+            "tokens": self.tokens,
+            "loss": self.loss,
+            "clip_fraction": self.clip_fraction,
+            "grad_norm": self.grad_norm,
+            "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+        }
+
+
+@dataclass(slots=True)
+class TrainRun:
+    """What a run produced."""
+
+    config: LoopConfig
+    params: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+    samples: list[tuple[int, str, float]] = field(default_factory=list)
+    """``(step, answer, reward)``: the first rollout's answer of some steps, for the report."""
+
+
+Observer = Callable[[int, list[DigitsEpisode], Any, Any], None]
+"""``observe(step, episodes, batch, trainer)``: called after a step's rows are collected,
+before its optimizer step (the trainer still holds the weights that sampled them)."""
+
+
+class _Clock:
+    """Seconds per named part of one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    @contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+
+class _Timed:
+    """Forwards every attribute of ``target``; awaits of the named methods are timed into
+    ``clock`` under their part's name (how the loop splits `collect` without changing it)."""
+
+    def __init__(self, target: Any, clock: _Clock, parts: Mapping[str, str]) -> None:
+        self._target, self._clock, self._parts = target, clock, dict(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._target, name)
+        part = self._parts.get(name)
+        if part is None:
+            return attribute
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            with self._clock.time(part):
+                return await attribute(*args, **kwargs)
+
+        return timed
+
+
+@dataclass(slots=True, kw_only=True)
+class StepContext:
+    """What every step uses."""
+
+    run: TrainRun
+    server: InProcessServer
+    control: ControlPlaneClient
+    pool: ReassemblerPool
+    sink: TQSink
+    capture: CaptureConfig
+    trainer: Any
+    sync: WeightSync
+    example: Any
+    background: TaskGroup
+    """Where each step's `finish` runs, overlapping the next step."""
+    observe: Observer | None = None
+
+
+async def run_step(loop: StepContext, step: int) -> StepRecord:
+    """Play, collect, train and push one step; its record (``finish`` left running)."""
+    config, example = loop.run.config, loop.example
+    clock = _Clock()
+    started = time.perf_counter()
+    episodes = [
+        DigitsEpisode(
+            rollout_id=f"{config.tag}-s{step:04d}-g{g:02d}-r{i:02d}",
+            group_id=f"{config.tag}-s{step:04d}-g{g:02d}",
+            witness=WITNESSES[i % len(WITNESSES)],
+            prompt=group_prompt(config.seed, g),
+        )
+        for g in range(config.groups)
+        for i in range(config.rollouts)
+    ]
+    with clock.time("generate"):
+        await _play(loop.server, episodes, config, step)
+    if step % 5 == 0 or step == config.steps - 1:
+        loop.run.samples.append((step, " | ".join(episodes[0].contents), episodes[0].reward))
+    with clock.time("capture_verify"):
+        for episode in episodes:
+            if episode.witness == "declared":
+                await loop.control.declare_terminal(
+                    episode.rollout_id, response_id=episode.response_ids[-1]
+                )
+    finished = [
+        example.Finished(
+            rollout_id=e.rollout_id,
+            group_id=e.group_id,
+            reward=e.reward,
+            response_id=e.response_ids[-1] if e.witness == "response_id" else None,
+            content=e.contents[-1] if e.witness == "content" else None,
+        )
+        for e in episodes
+    ]
+    verified_s = clock.seconds["capture_verify"]
+    parts = {"close": "capture_verify", "fetch_receipts": "capture_verify"}
+    with clock.time("collect"):
+        batch = await example.collect(
+            _Timed(loop.control, clock, parts), loop.pool, loop.sink, finished, loop.capture
+        )
+    collect_s = clock.seconds.pop("collect")
+    clock.add("reassemble", collect_s - (clock.seconds["capture_verify"] - verified_s))
+    if loop.observe is not None:
+        observed = time.perf_counter()
+        loop.observe(step, episodes, batch, loop.trainer)
+        started += time.perf_counter() - observed
+    with clock.time("train"):
+        report = await anyio.to_thread.run_sync(loop.trainer.step, batch.rows, batch.advantages)
+    with clock.time("push"):
+        label = await anyio.to_thread.run_sync(_push, loop.server, loop.sync, loop.trainer)
+    clock.seconds["total"] = time.perf_counter() - started
+    loop.background.start_soon(_finish, loop, batch, clock)
+    versions = [r.weight_version_max for r in batch.rows if r.sample_mask]
+    rewards = [e.reward for e in episodes]
+    return StepRecord(
+        step=step,
+        reward_mean=sum(rewards) / len(rewards),
+        reward_max=max(rewards),
+        parity={
+            "tokens": report.parity.tokens,
+            "mean_abs": report.parity.mean_abs,
+            "max_abs": report.parity.max_abs,
+            "k3": report.parity.k3,
+        },
+        sampled_version=max(versions) if versions else None,
+        weight_version=report.version,
+        engine_version=label,
+        staleness_max=report.staleness_max,
+        rows_valid=report.rows_valid,
+        rows_placeholder=report.rows_placeholder,
+        receipts_verified=sum(r.ok for r in batch.receipts.values()),
+        receipts_total=len(batch.receipts),
+        groups_accepted=sum(type(d).__name__ == "Accept" for d in batch.decisions.values()),
+        tokens=report.tokens,
+        loss=report.loss,
+        clip_fraction=report.clip_fraction,
+        grad_norm=report.grad_norm,
+        seconds=clock.seconds,
+    )
+
+
+async def _finish(loop: StepContext, batch: Any, clock: _Clock) -> None:
+    """Free the step's rows and release its rollouts (while the next step generates)."""
+    with clock.time("finish"):
+        await loop.example.finish(loop.control, loop.sink, batch)
+
+
+def _push(server: InProcessServer, sync: WeightSync, trainer: Any) -> str:
+    """Push the trainer's weights if its version moved; the engine's version label after."""
+    if trainer.version > sync.state.version:
+        server.call(sync.push, trainer.weights(), trainer.version, timeout=600)
+    return str(server.call(server.engine_client.get_weight_version))
+
+
+async def _play(
+    server: InProcessServer, episodes: list[DigitsEpisode], config: LoopConfig, step: int
+) -> None:
+    limit = anyio.Semaphore(config.concurrency)
+
+    async def play(episode: DigitsEpisode, seed: int) -> None:
+        async with (
+            limit,
+            openai.AsyncOpenAI(
+                base_url=server.rollout_url(episode.rollout_id), api_key="unused", max_retries=0
+            ) as client,
+        ):
+            await play_digits(
+                client,
+                server.model,
+                episode,
+                turns=config.turns,
+                max_tokens=config.max_tokens,
+                seed=seed,
+            )
+
+    async with anyio.create_task_group() as tg:
+        for n, episode in enumerate(episodes):
+            tg.start_soon(play, episode, (config.seed * 10_000 + step) * 1_000 + n)
