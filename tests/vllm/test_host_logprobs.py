@@ -158,6 +158,34 @@ def test_a_harness_that_asks_for_logprobs_still_gets_their_tokens_decoded(
         assert math.isclose(shown, theirs, rel_tol=1e-6, abs_tol=1e-6)
 
 
+def test_prompt_logprobs_asked_without_logprobs_keep_their_text(
+    server: InProcessServer, decoded_positions: list[int]
+) -> None:
+    """vLLM decodes prompt logprobs with the same tokenizer: a captured call asking for them
+    (and not for logprobs) is not marked, and shows what the uncaptured request shows."""
+    rollout = "lptext-prompt-logprobs"
+    body = _body("chat", server, rollout, prompt_logprobs=1)
+    captured = _post(server, "chat", body, rollout)
+    reference = _post(server, "chat", body, None)
+    assert decoded_positions  # both requests' prompt logprobs were decoded
+
+    def shown(answer: dict[str, Any]) -> list[Any]:
+        return [
+            None if position is None else sorted(position.items())
+            for position in answer["prompt_logprobs"]
+        ]
+
+    assert shown(captured) == shown(reference)
+    tokens = [
+        entry["decoded_token"]
+        for position in captured["prompt_logprobs"][1:]
+        for entry in position.values()
+    ]
+    assert tokens
+    assert all(isinstance(t, str) for t in tokens)
+    assert _staged(server, rollout).carry_len == len(_ids("chat", captured)[0])
+
+
 def test_plain_traffic_is_never_marked(
     server: InProcessServer, decoded_positions: list[int]
 ) -> None:

@@ -7,7 +7,8 @@ replaces that bound method on the one engine instance. For a call the gate admit
 (``token_in``), asks the engine for the sampled token's logprob (never shown to the
 harness unless it asked: vLLM decides that from the request, not the sampling params; when
 it did not ask, vLLM keeps them as flat lists, no per-token objects, and where
-`install_logprob_text_switch` is active does not decode their tokens) and accumulates output
+`install_logprob_text_switch` is active does not decode their tokens; prompt logprobs share
+both, so a call that asks for those gets them as vLLM makes them) and accumulates output
 ids, logprobs, finish reason, weight version and routed experts. When the
 engine finishes, the ticket's ``on_finish`` runs *before* the final output is handed to vLLM's
 response writer, so the sink write starts while the response is still being serialised.
@@ -113,9 +114,11 @@ class CaptureHost:
         params = sampling_params.clone()
         if params.logprobs is None:  # the harness did not ask: only the gate reads them
             params.logprobs = 0
-            params.flat_logprobs = True
-            if self.skips_logprob_text:
-                params.extra_args = {**(params.extra_args or {}), SKIP_LOGPROB_TEXT: True}
+            # Prompt logprobs share the format and the tokenizer: leave them as asked.
+            if params.prompt_logprobs is None:
+                params.flat_logprobs = True
+                if self.skips_logprob_text:
+                    params.extra_args = {**(params.extra_args or {}), SKIP_LOGPROB_TEXT: True}
         delta = params.output_kind == RequestOutputKind.DELTA
         output_ids, logprobs, text = array("I"), array("f"), ""
         prompt_ids: Sequence[int] = ticket.prompt_ids

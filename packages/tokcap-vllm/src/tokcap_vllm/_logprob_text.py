@@ -12,7 +12,8 @@ So, for the vLLM versions in `PATCHED_VERSIONS` only, the classmethod that build
 request's ``LogprobsProcessor`` is wrapped: a request whose ``extra_args`` carry
 `SKIP_LOGPROB_TEXT` gets a processor without a tokenizer, which is vLLM's own path for
 detokenisation turned off (``decoded_token=None``); the request's text detokenizer keeps
-the tokenizer. Every other request, and every other vLLM version, is left as it was
+the tokenizer. The processor decodes prompt logprobs with the same tokenizer, so a request
+that asks for those is never marked. Every other request, and every other vLLM version, is left as it was
 (correct, only slower).
 """
 
