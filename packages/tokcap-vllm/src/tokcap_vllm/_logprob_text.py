@@ -13,8 +13,8 @@ request's ``LogprobsProcessor`` is wrapped: a request whose ``extra_args`` carry
 `SKIP_LOGPROB_TEXT` gets a processor without a tokenizer, which is vLLM's own path for
 detokenisation turned off (``decoded_token=None``); the request's text detokenizer keeps
 the tokenizer. The processor decodes prompt logprobs with the same tokenizer, so a request
-that asks for those is never marked. Every other request, and every other vLLM version, is left as it was
-(correct, only slower).
+that asks for those is never marked. Every other request, and every other vLLM version, is
+left as it was (correct, only slower).
 """
 
 from __future__ import annotations
