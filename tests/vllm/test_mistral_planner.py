@@ -26,8 +26,8 @@ from tokcap._tiny_mistral import MISTRAL_TOKENIZERS
 from tokcap_vllm import GateConfig
 from tokcap_vllm._admission import ChatPlan, PriorCall, message_fingerprints, normalize_message
 from tokcap_vllm._admission_ids import plan_chat_ids, splice_cause
-from tokcap_vllm._render import request_renderer
 from tokcap_vllm._render_ids import IdRequestRenderer, MistralCodec, probe_follow_up
+from tokcap_vllm._renderers import request_renderer
 from tokcap_vllm._wire import decode_body
 from tokcap_vllm.errors import Unsupported, UnsupportedTokenizer
 

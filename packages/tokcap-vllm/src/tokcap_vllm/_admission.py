@@ -6,16 +6,13 @@ an assistant message; the deepest such prefix wins. Messages are normalised firs
 parts joined, tool-call arguments re-serialised canonically, ids dropped) so a harness that
 re-encodes JSON still matches.
 
-On a match the prompt is ``parent cumulative ids + encode(R_full[len(T):])`` where ``T`` is
-the parent's cumulative *text* (its rendered prompt text + its generated ids decoded with
-special tokens) and ``R_full`` the new conversation rendered with the chat template. Two
-checks make this exact rather than hopeful:
-- ``R_prefix = render(messages[:k+1])`` must start with ``T``: the template renders the
-  parent's turn as exactly what the model produced; what follows ``T`` in ``R_prefix`` is
-  template text after the end-of-turn token (ChatML's ``\\n`` after ``<|im_end|>``), which
-  becomes part of the carried suffix;
-- ``R_full`` must start with ``R_prefix``: appending messages does not re-render history.
-A failed check makes the call a new root with a break cause (`BREAK_CAUSES`).
+On a match the child is formed on the parent's exact cumulative ids
+(`tokcap_vllm._splice`): *extended* by what the template renders after the parent's exact
+text, or *spliced* to the tokenised new messages where the template renders the parent's
+turn differently from what it generated (special tokens, invalid UTF-8, re-serialised tool
+calls, whitespace). Only a history the harness really changed, a template that re-renders
+earlier turns, or reasoning the template strips (unless the gate keeps the model's own
+reasoning tokens) makes the call a new root, with a break cause (`BREAK_CAUSES`).
 """
 
 from __future__ import annotations
@@ -27,12 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import BadRequest
+from ._splice import Renderer, SpliceRules, form_child
 
 __all__ = [
     "ChatPlan",
     "PriorCall",
     "Renderer",
-    "break_cause",
     "message_fingerprints",
     "normalize_message",
     "output_fingerprint",
@@ -40,8 +37,6 @@ __all__ = [
     "plan_completion",
 ]
 
-Renderer = Callable[[Sequence[Mapping[str, Any]], bool], str]
-"""``render(messages, add_generation_prompt) -> text``: the chat template, bound to a request."""
 Encoder = Callable[[str], list[int]]
 
 
@@ -55,6 +50,8 @@ class PriorCall:
     cum_ids: Sequence[int]
     conversation_fp: str | None = None
     """Chat only: fingerprint of the request messages + the returned assistant message."""
+    gen_len: int = 0
+    """How many of ``cum_ids`` the call generated (its last ones; the id-level planner's)."""
 
 
 @dataclass(slots=True)
@@ -162,20 +159,6 @@ def output_fingerprint(
     return hashlib.sha256(b"tokcap/output/v1" + _canonical(normalize_message(message))).hexdigest()
 
 
-def break_cause(before: str, after: str, *, gen_start: int | None, markers: Sequence[str]) -> str:
-    """Why ``after`` does not extend ``before``: reasoning stripped, content or history changed."""
-    i = 0
-    limit = min(len(before), len(after))
-    while i < limit and before[i] == after[i]:
-        i += 1
-    lost, kept = before[i:], after[i:]
-    if any(lost.count(m) > kept.count(m) for m in markers):
-        return "reasoning_stripped"
-    if gen_start is not None and i >= gen_start:
-        return "template_mismatch"
-    return "history_rewritten"
-
-
 def plan_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
@@ -184,12 +167,16 @@ def plan_chat(
     render: Renderer,
     encode: Encoder,
     add_generation_prompt: bool,
-    markers: Sequence[str],
+    rules: SpliceRules | None = None,
 ) -> ChatPlan:
     """Resolve the parent of a chat call among ``priors`` and build its exact prompt.
 
     ``priors`` are the rollout's live chat calls, oldest first; ``gen_starts[call_id]`` is
-    where that call's generated text starts in its ``cum_text`` (for break causes).
+    where that call's generated text starts in its ``cum_text`` (its prompt as the template
+    rendered it comes before). The deepest assistant message whose conversation
+    fingerprint names a prior is the parent; how the child extends it (or breaks) is
+    `tokcap_vllm._splice.form_child`'s answer. ``prompt_text`` is always the template's
+    rendering of the request: what later calls compare their history with.
     """
     fps = message_fingerprints(messages)
     request_fp = fps[-1] if fps else hashlib.sha256(b"tokcap/conversation/v1").hexdigest()
@@ -202,24 +189,28 @@ def plan_chat(
         if messages[k]["role"] != "assistant" or fps[k] not in by_fp:
             continue
         parent = by_fp[fps[k]]
-        prefix = render(messages[: k + 1], False)
-        gen_start = gen_starts.get(parent.call_id)
-        if not prefix.startswith(parent.cum_text):
-            cause = break_cause(parent.cum_text, prefix, gen_start=gen_start, markers=markers)
-            return _root(full, encode, request_fp, cause)
-        if not full.startswith(prefix):
-            cause = break_cause(prefix, full, gen_start=None, markers=markers)
-            return _root(full, encode, request_fp, cause)
-        carry_text = full[len(parent.cum_text) :]
+        gen_start = gen_starts.get(parent.call_id, len(parent.cum_text))
+        formed = form_child(
+            messages,
+            k,
+            prompt_text=parent.cum_text[:gen_start],
+            generated=parent.cum_text[gen_start:],
+            full=full,
+            render=render,
+            rules=rules or SpliceRules(),
+        )
+        if formed.formation is None:
+            return _root(full, encode, request_fp, formed.break_cause)
         prompt_ids = list(parent.cum_ids)
-        prompt_ids.extend(encode(carry_text))
+        prompt_ids.extend(encode(formed.carry))
         return ChatPlan(
             parent_id=parent.call_id,
             prefix_len=len(parent.cum_ids),
             prompt_ids=prompt_ids,
             prompt_text=full,
             request_fingerprint=request_fp,
-            formation="extend",
+            formation=formed.formation,
+            splice_cause=formed.splice_cause,
         )
     return _root(full, encode, request_fp, "no_parent_match" if priors else None)
 

@@ -8,13 +8,15 @@ bounds and persists.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from tokcap_core import CaptureConfig, ConfigError
-from tokcap_core.config import at_least, non_empty_text, positive_number
+from tokcap_core.config import at_least, non_empty_text, one_of, positive_number
 from tokcap_core.ledger import MAX_MANIFEST_BYTES
+
+from ._splice import ON_RENDER_MISMATCH, REASONING_MODES
 
 __all__ = ["CONTROL_TOKEN_ENV", "LEDGER_PATH_ENV", "GateConfig"]
 
@@ -70,7 +72,22 @@ class GateConfig:
     weight_version: int = attrs.field(default=0, validator=at_least(0))
     reasoning_markers: tuple[str, ...] = attrs.field(default=("<think>",), validator=_markers)
     """Text that opens a reasoning block: history re-rendered without it is a
-    ``reasoning_stripped`` break."""
+    ``reasoning_stripped`` break (or a ``reasoning`` splice, see ``reasoning``)."""
+    on_render_mismatch: Literal["splice", "break"] = attrs.field(
+        default="splice", validator=one_of(*ON_RENDER_MISMATCH)
+    )
+    """When the chat template renders a parent's turn differently from what the model
+    generated (special tokens, invalid UTF-8, re-serialised tool calls, whitespace):
+    ``"splice"`` keeps the parent's exact ids and tokenises only the new messages (the
+    child stays on the chain, counted by splice cause); ``"break"`` starts a new root
+    (``template_mismatch``)."""
+    reasoning: Literal["follow_template", "keep_model_tokens"] = attrs.field(
+        default="follow_template", validator=one_of(*REASONING_MODES)
+    )
+    """When the template strips the model's reasoning from earlier turns:
+    ``"follow_template"`` trains on what the template serves (a new root,
+    ``reasoning_stripped``); ``"keep_model_tokens"`` keeps the model's own reasoning tokens
+    and splices the new messages after them (a ``reasoning`` splice)."""
     ledger_path: str | None = attrs.field(default=None, validator=_optional_text)
     """The append-only ledger file (None: ledgers live in memory only)."""
     compact_after_releases: int = attrs.field(default=1024, validator=at_least(1))

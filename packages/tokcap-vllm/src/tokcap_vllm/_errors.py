@@ -25,6 +25,8 @@ __all__ = [
     "TooManyRollouts",
     "Unauthorized",
     "Unsupported",
+    "UnsupportedTokenizer",
+    "WeightsUnavailable",
 ]
 
 
@@ -44,6 +46,11 @@ class Unsupported(GateError, ValueError):
     """The request is valid OpenAI but cannot be captured (``n > 1``, batched prompts, ...)."""
 
     status = 400
+
+
+class UnsupportedTokenizer(Unsupported):
+    """The server's tokenizer or chat template cannot be captured (the message names it);
+    every captured call is refused with ``tokenizer_unsupported``, the first one included."""
 
 
 class RolloutNotFound(GateError, KeyError):
@@ -87,6 +94,13 @@ class ControlUnavailable(GateError, RuntimeError):
 
 class TooManyRollouts(GateError, RuntimeError):
     """``GateConfig.max_open_rollouts`` rollouts are open: close some before starting more."""
+
+    status = 503
+
+
+class WeightsUnavailable(GateError, RuntimeError):
+    """A weight push failed after generation paused, so the engine may hold half-updated
+    weights: captured calls are refused (``weights_unavailable``) until a full push succeeds."""
 
     status = 503
 

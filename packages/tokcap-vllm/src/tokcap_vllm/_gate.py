@@ -29,6 +29,7 @@ import math
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
@@ -59,7 +60,7 @@ from tokcap_core.sink import TokenSink
 
 from ._admission import ChatPlan, PriorCall
 from ._config import GateConfig
-from ._errors import RolloutConflict
+from ._errors import RolloutConflict, WeightsUnavailable
 from ._hooks import GateHooks
 from ._host import EngineResult
 from ._lifecycle import (
@@ -75,6 +76,10 @@ from ._lifecycle import (
 from ._metrics import GateMetrics
 from ._persist import LedgerFile, LedgerFileError
 from ._registry import RolloutRecord, RolloutRegistry
+from ._weight_state import WeightPhase, WeightState
+
+if TYPE_CHECKING:
+    from ._weights import WeightSync
 
 __all__ = ["Gate", "GateHealth"]
 
@@ -116,6 +121,7 @@ class Gate:
         self.telemetry = GateMetrics(self.registry.counts)
         self._observers: list[GateHooks] = [self.telemetry]
         self._tg: TaskGroup | None = None
+        self._weights: WeightState | None = None
         self.ledger_file: LedgerFile | None = None
         if self.config.ledger_path is not None:
             self.ledger_file, stored = LedgerFile.open(
@@ -148,6 +154,28 @@ class Gate:
     def attach(self, hooks: GateHooks) -> None:
         """Add an observer of every entry, staging write, close and release."""
         self._observers.append(hooks)
+
+    def watch_weights(self, sync: WeightSync) -> Callable[[], None]:
+        """Follow ``sync``'s weight state (call on the server's loop); returns an unwatch function.
+
+        While a push that failed after the pause leaves the weights FAILED (the engine may
+        hold a half-updated model), every captured call is refused before admission with
+        `WeightsUnavailable` (503, ``weights_unavailable``) until a full push succeeds.
+        During PUSHING calls are admitted: the engine queues them and generates them on the
+        new weights once the push resumes it.
+        """
+        self._weights = sync.state
+
+        def follow(state: WeightState) -> None:
+            self._weights = state
+
+        unsubscribe = sync.subscribe(follow)
+
+        def unwatch() -> None:
+            unsubscribe()
+            self._weights = None
+
+        return unwatch
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -264,6 +292,7 @@ class Gate:
                     plan, list(record.priors), dict(record.gen_starts)
                 )
                 _check_accepting(record)
+                self._check_weights()
                 parent = record.calls.get(CallId(made.parent_id)) if made.parent_id else None
                 if parent is None or parent.phase is COMMITTED:
                     self._admitted(call, made, parent)
@@ -274,6 +303,16 @@ class Gate:
                 raise RolloutConflict(
                     "parent_not_committed", f"parent {parent.call_id} did not commit"
                 )
+
+    def _check_weights(self) -> None:
+        state = self._weights
+        if state is not None and state.phase is WeightPhase.FAILED:
+            raise WeightsUnavailable(
+                "weights_unavailable",
+                f"a weight push to version {state.target} failed ({state.error}); the engine "
+                "may hold half-updated weights: captured calls are refused until a full push "
+                "succeeds",
+            )
 
     def _admitted(self, call: GateCall, plan: ChatPlan, parent: GateCall | None) -> None:
         record: RolloutRecord = call.rollout
@@ -392,7 +431,14 @@ class Gate:
             assert call.plan is not None
             cum_ids = array("I", result.prompt_ids)
             cum_ids.extend(result.output_ids)
-            call.prior = PriorCall(call.call_id, call.kind, cum_text, cum_ids, conversation_fp)
+            call.prior = PriorCall(
+                call.call_id,
+                call.kind,
+                cum_text,
+                cum_ids,
+                conversation_fp,
+                gen_len=len(result.output_ids),
+            )
             record.priors.append(call.prior)
             record.gen_starts[call.call_id] = len(call.plan.prompt_text)
         if self._tg is None:

@@ -31,7 +31,8 @@ from ._errors import BadRequest, GateError
 from ._gate import Gate
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._lifecycle import PLANNING, GateCall
-from ._render import RequestRenderer, request_renderer
+from ._render import RequestRenderer
+from ._renderers import request_renderer
 from ._routing import route_request
 from ._wire import ResponseObserver, decode_body
 

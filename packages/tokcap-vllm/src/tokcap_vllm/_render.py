@@ -26,9 +26,10 @@ from ._admission import (
 )
 from ._config import GateConfig
 from ._errors import BadRequest, Unsupported
+from ._splice import SpliceRules
 from ._wire import ChatBody, CompletionBody
 
-__all__ = ["RequestRenderer", "request_renderer"]
+__all__ = ["RequestRenderer"]
 
 _RESERVED_KWARGS: Final = frozenset(
     {"tokenize", "add_generation_prompt", "chat_template", "tools", "conversation", "messages"}
@@ -52,6 +53,12 @@ class RequestRenderer:
 
             configured = load_chat_template(configured)
         self.template: str | None = configured
+        self.rules = SpliceRules(
+            markers=config.reasoning_markers,
+            special_texts=_special_texts(tokenizer),
+            on_render_mismatch=config.on_render_mismatch,
+            reasoning=config.reasoning,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added (the template wrote them)."""
@@ -70,7 +77,7 @@ class RequestRenderer:
             sum(len(m["content"]) for m in messages) + len(json.dumps(parsed.tools or []))
         )
         render = self._renderer(parsed)
-        markers = self.config.reasoning_markers
+        rules = self.rules
         add_generation_prompt = parsed.add_generation_prompt
         encode = self.encode
 
@@ -82,7 +89,7 @@ class RequestRenderer:
                 render=render,
                 encode=encode,
                 add_generation_prompt=add_generation_prompt,
-                markers=markers,
+                rules=rules,
             )
 
         return messages, plan
@@ -139,8 +146,7 @@ class RequestRenderer:
         return render
 
 
-def request_renderer(
-    tokenizer: Any, app_args: Any, config: GateConfig, max_model_len: int
-) -> RequestRenderer:
-    """The renderer for this server's tokenizer (the one place a tokenizer kind is chosen)."""
-    return RequestRenderer(tokenizer, app_args, config, max_model_len)
+def _special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens: the text vLLM returns to harnesses leaves them out."""
+    texts = getattr(tokenizer, "all_special_tokens", None) or ()
+    return tuple(sorted({t for t in texts if isinstance(t, str) and t}))

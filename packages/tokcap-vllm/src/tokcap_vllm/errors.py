@@ -19,6 +19,8 @@ from ._errors import (
     TooManyRollouts,
     Unauthorized,
     Unsupported,
+    UnsupportedTokenizer,
+    WeightsUnavailable,
 )
 from ._lifecycle import CallStateError
 from ._persist import LedgerFileError
@@ -44,6 +46,8 @@ __all__ = [
     "TooManyRollouts",
     "Unauthorized",
     "Unsupported",
+    "UnsupportedTokenizer",
     "WeightPushError",
     "WeightSyncError",
+    "WeightsUnavailable",
 ]
