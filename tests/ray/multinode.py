@@ -4,14 +4,17 @@ the middle of it; prints what happened as one JSON line (the tests judge it).
 Run as a script in its own process (Ray can be initialised once per process, and the
 test session's Ray is a single-node one):
 
-    .venv/bin/python tests/ray/multinode.py [--groups 24] [--kill-after 4]
+    .venv/bin/python tests/ray/multinode.py [--groups 24] [--kill-after 0]
 
 Nodes (each its own raylet, all on 127.0.0.1): the head (2 CPUs: the driver's node,
 TransferQueue's controller), a storage node (2 CPUs and the ``tq_storage`` resource:
 TransferQueue's storage unit), a worker node (1 CPU). The pool: 3 reassembler actors of
-0.5 CPU, ``SPREAD`` (one per node), each with its own `TQSink`. After ``--kill-after``
-groups have finished, the worker node is killed: its actor still holds groups, and the
-replacement can only go to the head or the storage node.
+0.5 CPU, ``SPREAD`` (one per node), each with its own `TQSink`. With ``--kill-after 0``
+(the default) the worker node is killed the moment every group has been sent to its actor
+(before any result is read): its actor still holds groups, and the replacement can only go
+to the head or the storage node. With ``--kill-after N`` it is killed after N groups have
+finished, which on a loaded machine may come after its actor has done all its work (a
+reassembly takes milliseconds): then no death is seen at all.
 """
 
 from __future__ import annotations
@@ -121,6 +124,11 @@ async def _step(cluster: Any, groups: int, kill_after: int) -> dict[str, Any]:
         clock = time.monotonic()
         report["before"] = _placement(cluster)
         async with pool.as_completed([request for request, _ in made]) as finished:
+            if kill_after == 0:
+                while pool.stats["submitted"] < groups:  # every group sent to an actor
+                    await anyio.sleep(0.001)
+                report["in_flight_at_kill"] = groups
+                report["killed"] = _kill_worker(cluster)
             async for finalized in finished:
                 results.append(finalized)
                 if len(results) == kill_after:
@@ -167,7 +175,7 @@ def _kill_worker(cluster: Any) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--kill-after", type=int, default=1)
+    parser.add_argument("--kill-after", type=int, default=0)
     args = parser.parse_args()
     from tokcap_tq import NodeSpec, connect_tq, local_cluster
 
