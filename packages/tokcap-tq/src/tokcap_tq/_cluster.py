@@ -13,6 +13,7 @@ left running on exit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -87,6 +88,22 @@ def connect_tq(
     )
     if ray.is_initialized():
         raise SinkError("ray_running", "connect_tq connects Ray itself; ray is already initialised")
+    with contextlib.ExitStack() as env:
+        if _on_loopback(address):
+            # Ray names a driver's node by the host's outward address unless told otherwise,
+            # and then never reaches a cluster that listens on loopback only.
+            env.enter_context(loopback_env())
+        yield from _connected(address, storage_units, storage_resource, init_timeout_s)
+
+
+def _on_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def _connected(
+    address: str, storage_units: int, storage_resource: str | None, init_timeout_s: float
+) -> Iterator[ClusterTQ]:
     ray.init(address=address, log_to_driver=False, configure_logging=False)
     owned = False
     try:
