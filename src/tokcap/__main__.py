@@ -9,6 +9,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+RAY_ADDRESS_HELP = (
+    "run TransferQueue and the reassembler pool on this existing Ray cluster (host:port of "
+    "its GCS, or auto) instead of starting a local one; its nodes need tokcap installed"
+)
 EPILOG = "Run `tokcap demo --quick` to see the whole pipeline on this machine in a few minutes."
 
 
@@ -55,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
+    demo.add_argument(
+        "--model-family", choices=("qwen", "mistral"), default="qwen",
+        help="qwen: tiny Qwen3, ChatML + hermes tool calls (default); mistral: tiny Mistral "
+        "with the real Tekken tokenizer, --tokenizer-mode mistral, mistral tool calls",
+    )  # fmt: skip
     train = sub.add_parser(
         "train",
         help="a closed GRPO loop on the tiny model through the gate, with weight pushes",
@@ -75,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     train.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/train-<time>)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
     show = sub.add_parser("show", help="re-print the summary of a saved demo or train run")
     show.add_argument("run_dir", type=Path)
     sub.add_parser(
@@ -107,6 +118,8 @@ def _demo(ns: argparse.Namespace) -> int:
         out=ns.out,
         quick=ns.quick,
         seed=ns.seed,
+        ray_address=ns.ray_address,
+        model_family=ns.model_family,
     )
     return run_demo(options)
 
@@ -123,6 +136,7 @@ def _train(ns: argparse.Namespace) -> int:
         lr=ns.lr,
         seed=ns.seed,
         out=ns.out,
+        ray_address=ns.ray_address,
     )
     return run_train(options)
 

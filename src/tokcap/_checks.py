@@ -6,23 +6,22 @@
   its logprobs are the ones the server returned. The call is matched through the
   manifest's ``Staged.response_id``.
 - **Re-tokenisation drift** (what tokcap avoids): render the harness's final transcript
-  through the chat template, as a trainer that re-tokenises text would, and compare with
-  the row. Template text after the row's last token (ChatML's ``\\n`` after
-  ``<|im_end|>``) is not counted as drift.
+  through the chat template (or the family's tokenizer, `tokcap._families`), as a trainer
+  that re-tokenises text would, and compare with the row. Template text after the row's
+  last token (ChatML's ``\\n`` after ``<|im_end|>``) is not counted as drift.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tokcap_core import Manifest, TrainingRow
 from tokcap_core.ledger import Staged
 
-from ._harness import TOOLS, EngineCall, Episode
-from ._tiny import CHATML_TOOLS_TEMPLATE
+from ._harness import EngineCall, Episode
 
 __all__ = ["Drift", "Parity", "check_rows", "engine_parity", "retokenization_drift"]
 
@@ -89,16 +88,15 @@ def engine_parity(row: TrainingRow, manifest: Manifest, calls: Sequence[EngineCa
     return Parity(row.rollout_id, row.segment, len(row.call_spans), differs, worst)
 
 
-def retokenization_drift(row: TrainingRow, episode: Episode, tokenizer: Any) -> Drift:
-    """Re-tokenise ``episode``'s final transcript through the chat template; compare to ``row``."""
-    text = tokenizer.apply_chat_template(
-        episode.messages,
-        tools=list(TOOLS),
-        chat_template=CHATML_TOOLS_TEMPLATE,
-        tokenize=False,
-        add_generation_prompt=False,
-    )
-    retok = list(tokenizer.encode(text, add_special_tokens=False))
+Retokenize = Callable[[Any, Sequence[dict[str, Any]]], list[int]]
+"""``(tokenizer, messages)`` → the ids a text-based trainer would train on."""
+
+
+def retokenization_drift(
+    row: TrainingRow, episode: Episode, tokenizer: Any, retokenize: Retokenize
+) -> Drift:
+    """Re-tokenise ``episode``'s final transcript (``retokenize``); compare to ``row``."""
+    retok = retokenize(tokenizer, episode.messages)
     ids = list(row.input_ids)
     at = _first_diff(ids, retok[: len(ids)])
     return Drift(row.rollout_id, len(ids), len(retok), at, retok)
@@ -109,6 +107,7 @@ def check_rows(
     episodes: Mapping[str, Episode],
     manifests: Mapping[str, Manifest],
     tokenizer: Any,
+    retokenize: Retokenize,
 ) -> tuple[list[Parity], list[Drift]]:
     """Engine parity for every valid row; drift for every valid terminal (segment 0) row."""
     parity = [
@@ -117,7 +116,7 @@ def check_rows(
         if r.sample_mask
     ]
     drift = [
-        retokenization_drift(r, episodes[r.rollout_id], tokenizer)
+        retokenization_drift(r, episodes[r.rollout_id], tokenizer, retokenize)
         for r in rows
         if r.sample_mask and r.segment == 0
     ]

@@ -73,6 +73,8 @@ class DemoOptions:
     seed: int = 0
     cache: Path = Path(".tokcap")
     samples: int = 4
+    ray_address: str | None = None
+    model_family: str = "qwen"
 
 
 def _interrupt_once(signum: int, frame: Any) -> None:
@@ -104,32 +106,40 @@ def _run(
     from ._stages import Stages
 
     with Stages(err) as stages:
-        with stages.stage("build tiny model (cached)"):
-            from ._tiny import build_tiny_model
+        with stages.stage(f"build tiny {options.model_family} model (cached)"):
+            from ._families import model_family
 
-            model = build_tiny_model(options.cache / "tiny" / "dense", kind="dense")
+            family = model_family(options.model_family, options.cache)
             from ._pipeline import DemoConfig, run_pipeline
 
         config = DemoConfig(
-            model=model,
+            model=family.model,
             groups=pick["groups"],
             rollouts=pick["rollouts"],
             turns=pick["turns"],
             max_tokens=pick["max_tokens"],
             segments=options.segments,
             seed=options.seed,
+            ray_address=options.ray_address,
+            family=family.name,
         )
-        run = run_pipeline(config, stages)
+        run = run_pipeline(
+            config,
+            stages,
+            vllm_args=family.vllm_args,
+            force_tools=family.force_tools,
+            tools_every_turn=family.tools_every_turn,
+        )
         with stages.stage("checks, summary, report"):
-            from transformers import AutoTokenizer
-
             from ._checks import check_rows
             from ._report import render_report
             from ._summary import build_summary
 
-            tokenizer = AutoTokenizer.from_pretrained(model)
+            tokenizer = family.load_tokenizer()
             episodes = {e.rollout_id: e for e in run.episodes}
-            parity, drift = check_rows(run.rows, episodes, run.manifests, tokenizer)
+            parity, drift = check_rows(
+                run.rows, episodes, run.manifests, tokenizer, family.retokenize
+            )
             summary = build_summary(run, parity, drift, stages.timings_s)
             samples = _samples(run, drift, options.samples)
             out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ import json
 import operator
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -223,10 +223,16 @@ async def run_episode(
     turns: int,
     max_tokens: int,
     seed: int,
+    force_tools: Callable[[int], dict[str, Any]] | None = None,
+    tools_every_turn: bool = False,
 ) -> Episode:
     """Play ``turns`` chat calls of ``episode``; fills its calls, transcript and reward.
 
-    Even turns but the last force tool calls (two on the first turn, in parallel); the
+    Even turns but the last force tool calls (two on the first turn, in parallel) through
+    ``force_tools`` (``count`` → request fields; default `forced_tool_calls` on `TOOLS`, for
+    a model served with vLLM's ``hermes`` parser); with ``tools_every_turn`` every turn but
+    the last does (no user nudges: with tools offered, Mistral's tokenizers re-render the
+    history at every new user turn, which starts a new root); the
     assistant message goes back as vLLM returned it (``content`` and ``tool_calls``),
     followed by one ``role: "tool"`` answer per call, or by a user nudge after free text.
     """
@@ -238,10 +244,11 @@ async def run_episode(
         if episode.behaviour == "rewrite" and turn == max(1, turns // 2):
             messages = _compact(messages, episode.task)
         last = turn == turns - 1
-        forced = not last and turn % 2 == 0
+        forced = not last and (tools_every_turn or turn % 2 == 0)
         extra: dict[str, Any] = {"return_token_ids": True}
         if forced:
-            extra.update(forced_tool_calls(TOOLS, 2 if turn == 0 else 1))
+            count = 2 if turn == 0 else 1
+            extra.update(force_tools(count) if force_tools else forced_tool_calls(TOOLS, count))
         response = await client.chat.completions.create(  # type: ignore[call-overload]
             model=model,
             messages=messages,

@@ -19,6 +19,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,24 +29,19 @@ import openai
 
 from tokcap_core import CaptureConfig, FinalizedGroup, Manifest, Receipt, TrainingRow
 from tokcap_ray import ReassemblerPool
-from tokcap_tq import TQSink, TQSinkConfig, local_tq
+from tokcap_tq import TQSink, TQSinkConfig, connect_tq, local_tq
 from tokcap_vllm import ControlPlaneClient, Gate, GateConfig, InProcessServer
 
 from ._examples import load_example
+from ._families import ENGINE_ARGS, chatml_tool_args
 from ._harness import BEHAVIOURS, Episode, Task, run_episode
 from ._stages import Stages
+from ._tiny import CHATML_TOOLS_TEMPLATE
 
-__all__ = ["VLLM_ARGS", "DemoConfig", "DemoRun", "run_pipeline"]
+__all__ = ["VLLM_ARGS", "DemoConfig", "DemoRun", "run_pipeline", "services"]
 
-VLLM_ARGS = (
-    "--enforce-eager",
-    "--distributed-executor-backend", "uni",
-    "--max-model-len", "4096",
-    "--dtype", "float32",
-    "--disable-log-stats",
-    "--max-num-seqs", "64",
-    "--no-use-tqdm-on-load",
-)  # fmt: skip
+VLLM_ARGS = (*ENGINE_ARGS, *chatml_tool_args(CHATML_TOOLS_TEMPLATE))
+"""The engine options of the default (``qwen``) family: `tokcap demo` and `tokcap train`."""
 
 
 SERVER_THREAD = "tokcap-vllm-server"  # the name InProcessServer gives its thread
@@ -66,6 +62,10 @@ class DemoConfig:
     seed: int = 0
     tag: str = "demo"
     max_seq_len: int = 4096
+    ray_address: str | None = None
+    """An existing Ray cluster to run TransferQueue and the pool on (None: start one here)."""
+    family: str = "qwen"
+    """The model family served (`tokcap._families`; recorded in the summary)."""
 
 
 @dataclass(slots=True)
@@ -96,8 +96,22 @@ def capture_config(config: DemoConfig) -> CaptureConfig:
     ).with_derived(environ=os.environ)
 
 
-def run_pipeline(config: DemoConfig, stages: Stages) -> DemoRun:
-    """Start everything, run the rollouts, reassemble, and shut everything down again."""
+def run_pipeline(
+    config: DemoConfig,
+    stages: Stages,
+    *,
+    vllm_args: tuple[str, ...] = VLLM_ARGS,
+    force_tools: Callable[[int], dict[str, Any]] | None = None,
+    tools_every_turn: bool = False,
+) -> DemoRun:
+    """Start everything, run the rollouts, reassemble, and shut everything down again.
+
+    ``vllm_args`` serve ``config.model``; ``force_tools`` and ``tools_every_turn`` go to
+    `tokcap._harness.run_episode` (default: the Hermes structural tag, every other turn).
+    """
+    harness = functools.partial(
+        run_episode, force_tools=force_tools, tools_every_turn=tools_every_turn
+    )
     run = DemoRun(config)
     tag = config.tag.replace("-", "_")
     capture = capture_config(config)
@@ -105,20 +119,79 @@ def run_pipeline(config: DemoConfig, stages: Stages) -> DemoRun:
         TQSinkConfig(staging_partition=f"{tag}_staging", training_partition=f"{tag}_rows")
     )
     gate = Gate(GateConfig(parent_commit_timeout_s=60, capture=capture), sink=sink)
-    server = InProcessServer(str(config.model), gate=gate, vllm_args=VLLM_ARGS)
+    server = InProcessServer(str(config.model), gate=gate, vllm_args=vllm_args)
+    with services(server, stages, workers=config.workers, ray_address=config.ray_address):
+        anyio.run(_drive, run, server, sink, capture, stages, harness)
+    return run
+
+
+@contextlib.contextmanager
+def services(
+    server: InProcessServer, stages: Stages, *, workers: int, ray_address: str | None = None
+) -> Iterator[None]:
+    """Start a loopback Ray + TransferQueue (room for ``workers`` pool actors), or connect to
+    the cluster at ``ray_address`` and start TransferQueue on it, and launch ``server`` as
+    soon as Ray is up, so its engine builds while TransferQueue starts; on exit stop the
+    engine, then TransferQueue and Ray (a cluster given by address keeps running).
+
+    Not before Ray's node is up: Ray 2.60's raylet gives its dashboard agent 15 s to report
+    its ports and aborts the start when it is late, and on a loaded 2-core box an engine
+    building at the same moment made it late in 6 of 7 starts (load 10-30); a start that
+    failed so is tried once more (the agent's imports are in the page cache by then).
+    `InProcessServer.wait_ready` is the caller's (overlap it with other start-up work).
+    Shared by `tokcap demo` and `tokcap train`.
+    """
     with tempfile.TemporaryDirectory(prefix="tokcap-") as tmp, contextlib.ExitStack() as ray:
-        with stages.stage("start Ray + TransferQueue (vLLM building)"):
-            server.launch()  # the engine builds in its thread while Ray and TQ start
+        where = f"connect to Ray at {ray_address}" if ray_address else "start Ray"
+        with stages.stage(f"{where} + TransferQueue (vLLM building)"):
+            cancel, launched = threading.Event(), threading.Event()
+            launcher = threading.Thread(
+                target=_launch_once_ray_is_up, args=(server, cancel, launched)
+            )
+            launcher.start()
             try:
-                ray.enter_context(local_tq(tmp, storage_units=1, extra_cpus=config.workers))
+                if ray_address:
+                    ray.enter_context(connect_tq(ray_address, init_timeout_s=300.0))
+                else:
+                    _enter_local_tq(ray, tmp, workers)
             except BaseException:
-                _stop(server)
+                cancel.set()
+                launcher.join()
+                if launched.is_set():
+                    _stop(server)
                 raise
+            launcher.join()
         try:  # the engine and its sink writes stop before TransferQueue does
-            anyio.run(_drive, run, server, sink, capture, stages)
+            yield
         finally:
             _stop(server)
-    return run
+
+
+def _enter_local_tq(stack: contextlib.ExitStack, tmp: str, workers: int) -> None:
+    """Enter `local_tq` on ``stack``; once more if Ray's node timed out starting.
+
+    TransferQueue's start gets 300 s, not 120: on a loaded 2-core box it took longer.
+    """
+    start = functools.partial(local_tq, tmp, storage_units=1, extra_cpus=workers)
+    try:
+        stack.enter_context(start(init_timeout_s=300.0))
+    except Exception as e:
+        if "timed out during startup" not in str(e):
+            raise
+        stack.enter_context(start(init_timeout_s=300.0))
+
+
+def _launch_once_ray_is_up(
+    server: InProcessServer, cancel: threading.Event, launched: threading.Event
+) -> None:
+    import ray
+
+    while not cancel.is_set():
+        if ray.is_initialized():
+            server.launch()
+            launched.set()
+            return
+        time.sleep(0.05)
 
 
 def _stop(server: InProcessServer, timeout_s: float = 180.0) -> None:
@@ -135,7 +208,12 @@ def _stop(server: InProcessServer, timeout_s: float = 180.0) -> None:
 
 
 async def _drive(
-    run: DemoRun, server: InProcessServer, sink: TQSink, capture: CaptureConfig, stages: Stages
+    run: DemoRun,
+    server: InProcessServer,
+    sink: TQSink,
+    capture: CaptureConfig,
+    stages: Stages,
+    harness: Callable[..., Awaitable[Episode]],
 ) -> None:
     trainer: Any = load_example("custom_trainer")
     config = run.config
@@ -146,7 +224,7 @@ async def _drive(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(functools.partial(anyio.to_thread.run_sync, server.wait_ready))
                 await pool.start()
-        await _rollouts(run, server, stages)
+        await _rollouts(run, server, stages, harness)
         assert capture.control_token is not None
         async with ControlPlaneClient(server.base_url, capture.control_token) as control:
             await _declare_terminals(run, control)
@@ -177,7 +255,12 @@ async def _drive(
             pool.close()
 
 
-async def _rollouts(run: DemoRun, server: InProcessServer, stages: Stages) -> None:
+async def _rollouts(
+    run: DemoRun,
+    server: InProcessServer,
+    stages: Stages,
+    harness: Callable[..., Awaitable[Episode]],
+) -> None:
     config = run.config
     for g in range(config.groups):
         task = Task.for_group(config.seed, g)
@@ -195,7 +278,7 @@ async def _rollouts(run: DemoRun, server: InProcessServer, stages: Stages) -> No
                     base_url=server.rollout_url(episode.rollout_id), api_key="unused", max_retries=0
                 ) as client,
             ):
-                await run_episode(
+                await harness(
                     client,
                     server.model,
                     episode,

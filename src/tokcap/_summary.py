@@ -185,7 +185,9 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     console = console or summary_console()
     ro, rows, tok, calls = summary["rollouts"], summary["rows"], summary["tokens"], summary["calls"]
     overview = _table("What was captured", "", "count")
+    family = summary.get("config", {}).get("family", "qwen")
     for label, value in (
+        ("model family (tiny, random weights)", family),
         ("groups x rollouts", f"{ro['groups']} x {ro['total'] // max(1, ro['groups'])}"),
         ("rollouts verified / poisoned", f"{ro['verified']} / {ro['poisoned']}"),
         ("model calls (on a receipt chain)", f"{calls['total']} ({calls['on_chain']})"),

@@ -40,6 +40,7 @@ class TrainOptions:
     seed: int = 0
     out: Path | None = None
     cache: Path = Path(".tokcap")
+    ray_address: str | None = None
 
 
 def run_train(options: TrainOptions, console: Console | None = None) -> int:
@@ -79,6 +80,7 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
             max_tokens=options.max_tokens,
             lr=options.lr,
             seed=options.seed,
+            ray_address=options.ray_address,
         )
 
         def progress(record: StepRecord) -> None:

@@ -47,12 +47,9 @@ __all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "r
 TRAIN_VLLM_ARGS = (
     *VLLM_ARGS,
     "--worker-extension-cls", "tokcap_vllm.WeightSyncWorker",
-    # A seeded request whose prefill is split across engine steps crashes vLLM 0.32 on CPU
-    # (it rewinds the request's generator: "CPU Generator does not use offset"); 32 chats
-    # of ~80 prompt tokens exceed the default 2,048-token step. No chunking, a bigger step.
-    "--no-enable-chunked-prefill",
-    "--max-num-batched-tokens", "8192",
 )  # fmt: skip
+# VLLM_ARGS already turns chunked prefill off: the loop's seeded requests (32 chats of ~80
+# prompt tokens a step) would otherwise crash vLLM 0.32's CPU engine core.
 
 
 def run_loop(
@@ -76,7 +73,7 @@ def run_loop(
     )
     gate = Gate(GateConfig(parent_commit_timeout_s=60, capture=capture), sink=sink)
     server = InProcessServer(str(config.model), gate=gate, vllm_args=TRAIN_VLLM_ARGS)
-    with services(server, stages, workers=config.workers):
+    with services(server, stages, workers=config.workers, ray_address=config.ray_address):
         anyio.run(_drive, run, server, sink, capture, stages, on_step, observe)
     return run
 

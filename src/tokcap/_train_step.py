@@ -45,6 +45,8 @@ class LoopConfig:
     concurrency: int = 32
     tag: str = "train"
     max_seq_len: int = 4096
+    ray_address: str | None = None
+    """An existing Ray cluster to run TransferQueue and the pool on (None: start one here)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups", "rollouts", "turns", "max_tokens", "workers"):
@@ -144,7 +146,8 @@ class _Clock:
 
 class _Timed:
     """Forwards every attribute of ``target``; awaits of the named methods are timed into
-    ``clock`` under their part's name (how the loop splits `collect` without changing it)."""
+    ``clock`` under their part's name and their own (how the loop splits `collect` without
+    changing it)."""
 
     def __init__(self, target: Any, clock: _Clock, parts: Mapping[str, str]) -> None:
         self._target, self._clock, self._parts = target, clock, dict(parts)
@@ -156,8 +159,13 @@ class _Timed:
             return attribute
 
         async def timed(*args: Any, **kwargs: Any) -> Any:
-            with self._clock.time(part):
+            start = time.perf_counter()
+            try:
                 return await attribute(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                self._clock.add(part, seconds)
+                self._clock.add(name, seconds)
 
         return timed
 

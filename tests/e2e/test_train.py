@@ -1,6 +1,7 @@
 """``tokcap train`` end to end, run as a user runs it: real vLLM engine, TransferQueue, Ray.
 
-One run of 20 steps with a fixed seed (in a subprocess) feeds every test: the loop must
+One run of 20 steps with a fixed seed (in a subprocess, on an existing two-node Ray cluster
+given by ``--ray-address``, as a user with a cluster runs it) feeds every test: the loop must
 learn (the digits reward of its last 5 steps well above its first 5), keep the trainer's
 logprobs on the engine's after every push (K3 <= 1e-9 each step), push a strictly
 increasing weight version that the next step's rows were sampled by, and verify every
@@ -16,6 +17,7 @@ import re
 import subprocess
 import sys
 import xml.dom.minidom
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +36,42 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def train_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def cluster_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A two-node Ray cluster on loopback, held by its own process (tests/e2e/_cluster.py)."""
+    tmp = tmp_path_factory.mktemp("cluster")
+    with subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_cluster.py")), str(tmp)],
+        cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as holder:  # fmt: skip
+        assert holder.stdout is not None
+        assert holder.stdin is not None
+        address = holder.stdout.readline().strip()
+        assert address, f"the cluster did not start (exit {holder.poll()})"
+        try:
+            yield address
+        finally:
+            holder.stdin.close()  # the holder stops its cluster and exits
+            holder.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory: pytest.TempPathFactory, cluster_address: str) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("train") / "run"
     command = [sys.executable, "-m", "tokcap", "train", "--steps", str(STEPS), "--seed", "0"]
     proc = subprocess.run(
-        [*command, "--out", str(out)],
+        [*command, "--out", str(out), "--ray-address", cluster_address],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (
         f"tokcap train failed ({proc.returncode}):\n{proc.stdout}\n" + (proc.stderr[-4000:])
     )
     return out, proc.stdout
+
+
+def test_the_run_used_the_cluster_it_was_given(
+    summary: dict[str, Any], cluster_address: str, train_run: tuple[Path, str]
+) -> None:
+    assert summary["config"]["ray_address"] == cluster_address
 
 
 @pytest.fixture(scope="module")

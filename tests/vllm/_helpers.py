@@ -26,6 +26,10 @@ VLLM_ARGS = [
     "--trust-request-chat-template",
     "--max-num-seqs",
     "128",
+    # vLLM 0.32 CPU: a seeded request whose prefill is chunked kills the engine core
+    "--no-enable-chunked-prefill",
+    "--max-num-batched-tokens",
+    "8192",
     "--worker-extension-cls",
     "tokcap_vllm.WeightSyncWorker",
     "--enable-auto-tool-choice",

@@ -257,3 +257,47 @@ def test_questionable_inputs_are_refused_as_decided(server: InProcessServer) -> 
         )
         assert _code(big) == (400, "prompt_too_long")
     assert not {"hx-q-a", "hx-q-b", "hx-q-big"} & set(server.gate.rollouts())
+
+
+def test_a_seed_that_would_crash_a_chunking_cpu_engine_is_refused() -> None:
+    """vLLM 0.32's CPU runner dies on a seeded request whose prefill is chunked (it rewinds
+    the request's generator, which CPU generators refuse). The gate knows when its engine is
+    exposed: CPU platform with chunked prefill on. (The engine here is a configuration
+    stand-in: the property reads only ``vllm_config.scheduler_config``.)"""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from tokcap_vllm.extend import CaptureHost
+
+    def host(chunked: bool) -> CaptureHost:
+        config = SimpleNamespace(scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked))
+        return CaptureHost(SimpleNamespace(generate=None, vllm_config=config))
+
+    assert host(chunked=True).seeded_prefill_chunks_crash is current_platform.is_cpu()
+    assert not host(chunked=False).seeded_prefill_chunks_crash
+
+
+def test_the_session_engine_serves_seeded_calls_with_long_prompts(server: InProcessServer) -> None:
+    """The test engine runs without chunked prefill (tests/vllm/_helpers.py): many seeded
+    calls with long prompts at once are served, and the engine stays up."""
+    bodies = [_body(server, f"{i} " + "word " * 700, seed=i, temperature=1.0) for i in range(6)]
+    url = server.rollout_url("hx-seeded") + "/chat/completions"
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            out: list[int] = []
+
+            async def one(body: dict[str, Any]) -> None:
+                answer = await http.post(
+                    url.replace("hx-seeded", f"hx-seeded-{body['seed']}"), json=body
+                )
+                out.append(answer.status_code)
+
+            async with anyio.create_task_group() as tg:
+                for body in bodies:
+                    tg.start_soon(one, body)
+        return out
+
+    assert anyio.run(main) == [200] * 6
+    _assert_serving(server, "hx-seeded-after")

@@ -18,6 +18,7 @@ Everything else passes through untouched.
 from __future__ import annotations
 
 import contextvars
+import functools
 from array import array
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,24 @@ class CaptureHost:
     def tokenizer(self) -> Any:
         """The engine's tokenizer (the one vLLM's own renderer uses)."""
         return self.engine.tokenizer
+
+    @functools.cached_property
+    def seeded_prefill_chunks_crash(self) -> bool:
+        """Whether a seeded request whose prefill gets chunked would kill this engine.
+
+        vLLM's CPU model runner rewinds a request's random generator after a partial
+        prefill chunk, which CPU generators refuse (``CPU Generator does not use offset``):
+        the engine core dies, for every rollout. True on the CPU platform with chunked
+        prefill enabled; the gate then refuses seeded captured calls (``seed_unsupported``)
+        rather than let one harness take the server down.
+        """
+        config = getattr(self.engine, "vllm_config", None)
+        scheduler = getattr(config, "scheduler_config", None)
+        if scheduler is None or not getattr(scheduler, "enable_chunked_prefill", False):
+            return False
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
 
     def install(self) -> None:
         """Route every ``generate`` call on this engine through the host."""

@@ -27,7 +27,7 @@ from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
 from ._config import GateConfig
 from ._control import ControlPlane
-from ._errors import BadRequest, GateError
+from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._lifecycle import PLANNING, GateCall
@@ -151,6 +151,13 @@ class GateMiddleware:
                 body, kind, token_ids_allowed=self.gate.config.capture.return_token_ids
             )
             host = self._capture_host(scope)
+            if parsed.seed is not None and host.seeded_prefill_chunks_crash:
+                raise Unsupported(
+                    "seed_unsupported",
+                    "a seeded request would crash this vLLM CPU engine when its prefill is "
+                    "chunked (vLLM's CPU generators cannot rewind); drop `seed`, or serve with "
+                    "--no-enable-chunked-prefill and --max-num-batched-tokens >= max_model_len",
+                )
             renderer = self._request_renderer(scope, host)
             call = self.gate.begin(
                 rollout_id,

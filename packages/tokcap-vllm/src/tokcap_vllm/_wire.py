@@ -27,6 +27,7 @@ class ChatBody(msgspec.Struct):
     request_id: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    seed: int | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -41,6 +42,7 @@ class CompletionBody(msgspec.Struct):
     request_id: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    seed: int | None = None
 
 
 def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody | CompletionBody:

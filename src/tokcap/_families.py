@@ -1,0 +1,146 @@
+"""The model families ``tokcap demo --model-family`` serves, each the way its users serve it.
+
+- ``qwen`` (default): the tiny Qwen3 model of `tokcap._tiny` with a ChatML template that
+  renders tools, vLLM's ``hermes`` tool parser; tool calls forced with an xgrammar
+  structural tag (`tokcap._harness.forced_tool_calls`). The gate plans prompts in text.
+- ``mistral``: a tiny ``MistralForCausalLM`` next to the real Tekken tokenizer that
+  ``mistral_common`` ships (`tokcap._tiny_mistral`), served with ``--tokenizer-mode
+  mistral`` and the ``mistral`` tool parser, as Mistral's model cards ask; tool calls forced
+  with a regex and a bias on ``[TOOL_CALLS]`` (`tokcap._tiny_mistral.force_tool_calls`). The
+  gate plans prompts in token ids (``mistral_common`` renders requests straight to ids).
+
+A family also says how the demo's independent checks load its tokenizer and re-tokenise a
+transcript (the text-based baseline the report compares the captured rows against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from ._harness import TOOLS, forced_tool_calls
+
+__all__ = ["ENGINE_ARGS", "FAMILIES", "ModelFamily", "chatml_tool_args", "model_family"]
+
+FAMILIES: Final = ("qwen", "mistral")
+"""The names ``--model-family`` accepts (the first is the default)."""
+
+ENGINE_ARGS: Final = (
+    "--enforce-eager",
+    "--distributed-executor-backend", "uni",
+    "--max-model-len", "4096",
+    "--dtype", "float32",
+    "--disable-log-stats",
+    "--max-num-seqs", "64",
+    # vLLM 0.32 CPU: a seeded request whose prefill is chunked kills the engine core
+    "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
+    "--no-use-tqdm-on-load",
+)  # fmt: skip
+"""The CPU engine's options, the same for every family."""
+
+
+def chatml_tool_args(template: str) -> tuple[str, ...]:
+    """vLLM options for the tiny Qwen model's tool calls: ``hermes`` parser, ``template``."""
+    return (
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--chat-template", template,
+    )  # fmt: skip
+
+
+# A calc call's arguments as the tool's JSON schema allows them (integers 0..99).
+_CALC_ARGUMENTS: Final = r'\{"a": (\d|[1-9]\d), "op": "[-+*]", "b": (\d|[1-9]\d)\}'
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelFamily:
+    """One way of serving a model: its folder, vLLM options, tool forcing and checks."""
+
+    name: str
+    model: Path
+    """The model folder vLLM serves (built locally, cached)."""
+    vllm_args: tuple[str, ...]
+    force_tools: Callable[[int], dict[str, Any]]
+    """``count`` → request fields (``extra_body``) that force ``count`` tool calls."""
+    load_tokenizer: Callable[[], Any]
+    """The tokenizer the checks and the report decode with (transformers-compatible)."""
+    retokenize: Callable[[Any, Sequence[dict[str, Any]]], list[int]]
+    """``(tokenizer, messages)`` → the ids a text-based trainer would train on."""
+    tools_every_turn: bool = False
+    """Whether the harness calls tools on every turn but the last (no user nudges)."""
+
+
+def model_family(name: str, cache: Path) -> ModelFamily:
+    """Build (or reuse, under ``cache``) the tiny model of family ``name``.
+
+    Raises `ValueError` for a name not in `FAMILIES`.
+    """
+    if name == "qwen":
+        return _qwen(cache)
+    if name == "mistral":
+        return _mistral(cache)
+    raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def _qwen(cache: Path) -> ModelFamily:
+    from ._tiny import CHATML_TOOLS_TEMPLATE, build_tiny_model
+
+    model = build_tiny_model(cache / "tiny" / "dense", kind="dense")
+
+    def load_tokenizer() -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+
+    def retokenize(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(TOOLS),
+            chat_template=CHATML_TOOLS_TEMPLATE,
+            tokenize=False,
+            add_generation_prompt=False,
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return ModelFamily(
+        name="qwen",
+        model=model,
+        vllm_args=(*ENGINE_ARGS, *chatml_tool_args(CHATML_TOOLS_TEMPLATE)),
+        force_tools=lambda count: forced_tool_calls(TOOLS, count),
+        load_tokenizer=load_tokenizer,
+        retokenize=retokenize,
+    )
+
+
+def _mistral(cache: Path) -> ModelFamily:
+    from ._tiny_mistral import force_tool_calls, tiny_mistral
+
+    model, args = tiny_mistral(cache / "tiny")
+    calc = {"calc": _CALC_ARGUMENTS}
+
+    def load_tokenizer() -> Any:
+        from transformers.tokenization_mistral_common import MistralCommonBackend
+
+        return MistralCommonBackend.from_pretrained(str(model))
+
+    def retokenize(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+        # mistral_common renders requests for serving: a transcript that ends on the
+        # assistant's answer is rendered as that answer continued (no end-of-turn token).
+        encoded = tokenizer.apply_chat_template(
+            list(messages), tools=list(TOOLS), tokenize=True, continue_final_message=True
+        )
+        ids = encoded if isinstance(encoded, list) else encoded["input_ids"]
+        return [int(i) for i in ids]
+
+    return ModelFamily(
+        name="mistral",
+        model=model,
+        vllm_args=(*ENGINE_ARGS, *args),
+        force_tools=lambda count: force_tool_calls(model, calc, calls=count),
+        load_tokenizer=load_tokenizer,
+        retokenize=retokenize,
+        # With tools offered, Mistral's v3 tokenizers put the tool list before the *last*
+        # user message: a user nudge re-renders the history (a `template_unstable` root).
+        tools_every_turn=True,
+    )
