@@ -27,9 +27,13 @@ for _name, _value in {
     "TOKENIZERS_PARALLELISM": "false",
     # torch's C++ notes (NUMA binding, ...) go straight to stderr unless silenced here
     "TORCH_CPP_LOG_LEVEL": "ERROR",
+    # torch's Python loggers ("Triton not available", fx tracing notes): torch sets their
+    # level itself at import, in this process and in every child, from this variable
+    "TORCH_LOGS": "-all",
     # the multiprocessing resource tracker (a child process) warns about semaphores that
-    # vLLM's engine leaves for it to clean up at exit: nothing the user can act on
-    "PYTHONWARNINGS": "ignore::UserWarning:multiprocessing.resource_tracker",
+    # vLLM's engine leaves for it to clean up at exit: nothing the user can act on; and
+    # FutureWarnings raised at import in child processes (vLLM's, torch's deprecations)
+    "PYTHONWARNINGS": "ignore::UserWarning:multiprocessing.resource_tracker,ignore::FutureWarning",
 }.items():
     os.environ.setdefault(_name, _value)
 

@@ -58,6 +58,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         check=False,
     )
     elapsed = time.monotonic() - started
+    (out.parent / "demo.stderr").write_text(proc.stderr)
     assert proc.returncode == 0, (
         f"demo failed ({proc.returncode}) after {elapsed:.0f} s:\n{proc.stdout}\n"
         f"{proc.stderr[-4000:]}"
@@ -68,6 +69,14 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def summary(demo_run: tuple[Path, str]) -> dict[str, Any]:
     return json.loads((demo_run[0] / "summary.json").read_text())
+
+
+def test_the_screen_shows_tokcaps_progress_only(demo_run: tuple[Path, str]) -> None:
+    """No third-party warnings or notes (torch, vLLM, Ray, TransferQueue; in this process
+    or in a child) between tokcap's stage lines."""
+    lines = [line for line in (demo_run[0].parent / "demo.stderr").read_text().splitlines() if line]
+    assert lines
+    assert [line for line in lines if not line.startswith("[tokcap]")] == []
 
 
 def test_counts_add_up(summary: dict[str, Any]) -> None:
