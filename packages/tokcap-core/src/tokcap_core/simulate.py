@@ -8,6 +8,7 @@ example, the benchmarks and the tamper sweeps.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +18,7 @@ from ._manifest import Manifest, manifest_of
 from ._staged import StagedCall
 from .routes import Routes, routes_from_rows
 
-__all__ = ["SimulatedRollout", "simulate_rollout"]
+__all__ = ["SimulatedRollout", "admit_call", "simulate_rollout", "stage_call"]
 
 TerminalMode = Literal["declared", "response_id", "content", "heuristic"]
 
@@ -82,12 +83,10 @@ def simulate_rollout(
             ]
             output = [rng.randrange(vocab) for _ in range(rng.randint(1, max_delta))]
             prompt = history + carry
-            call = StagedCall.from_engine_output(
-                rollout_id=rollout_id,
-                call_id=call_id,
-                parent_id=parent.call_id if parent else None,
-                parent_cum_len=parent.cum_len if parent else 0,
-                parent_chain_hash=parent.chain_hash if parent else None,
+            call = stage_call(
+                ledger,
+                call_id,
+                parent,
                 prompt_ids=prompt,
                 output_ids=output,
                 logprobs=[-rng.random() * 4 for _ in output],
@@ -95,20 +94,8 @@ def simulate_rollout(
                 weight_version=(version := rng.randint(0, 2)),
                 weight_version_last=version + (rng.random() < 0.2),
                 routes=_routes(rng, len(prompt) + len(output) - 1) if routes else None,
-            )
-            ledger.append(
-                Staged(
-                    call_id=call_id,
-                    carry_len=call.carry_len,
-                    gen_len=call.gen_len,
-                    weight_version=call.weight_version,
-                    weight_version_last=call.weight_version_last,
-                    finish_reason=call.finish_reason,
-                    call_digest=call.digest,
-                    chain_hash=call.chain_hash,
-                    response_id=f"resp-{rollout_id}-{call_id}",
-                    output_fingerprint=f"out-{call.digest[:16]}",
-                )
+                response_id=f"resp-{rollout_id}-{call_id}",
+                output_fingerprint=lambda digest: f"out-{digest[:16]}",
             )
             staged[call.key] = call
             history = prompt + output
@@ -127,6 +114,77 @@ def simulate_rollout(
         witnesses = Witnesses(content_fingerprint=f"out-{last.digest[:16]}")
     ledger.append(Closed(reward=reward, witnesses=witnesses))
     return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
+
+
+def admit_call(
+    ledger: Ledger, parent: StagedCall | None, *, admitted_at: int, request_fingerprint: str
+) -> str:
+    """Append the ``Admitted`` of a new call that extends ``parent`` (a root when None)."""
+    call_id = ledger.next_call_id()
+    ledger.append(
+        Admitted(
+            call_id=call_id,
+            parent_id=parent.call_id if parent else None,
+            prefix_len=parent.cum_len if parent else 0,
+            admitted_at=admitted_at,
+            request_fingerprint=request_fingerprint,
+            formation="extend" if parent else "root",
+        )
+    )
+    return call_id
+
+
+def stage_call(
+    ledger: Ledger,
+    call_id: str,
+    parent: StagedCall | None,
+    *,
+    prompt_ids: Iterable[int],
+    output_ids: Iterable[int],
+    logprobs: Iterable[float],
+    finish_reason: str = "stop",
+    weight_version: int = 0,
+    weight_version_last: int | None = None,
+    routes: Routes | None = None,
+    response_id: str | None = None,
+    output_fingerprint: str | Callable[[str], str] | None = None,
+) -> StagedCall:
+    """Build the call a gate stages for admitted ``call_id`` and append its ``Staged``.
+
+    ``prompt_ids`` is the whole prompt (``parent``'s cumulative ids first);
+    ``output_fingerprint`` may be a function of the call's digest.
+    """
+    call = StagedCall.from_engine_output(
+        rollout_id=ledger.rollout_id,
+        call_id=call_id,
+        parent_id=parent.call_id if parent else None,
+        parent_cum_len=parent.cum_len if parent else 0,
+        parent_chain_hash=parent.chain_hash if parent else None,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        weight_version=weight_version,
+        weight_version_last=weight_version_last,
+        routes=routes,
+    )
+    if callable(output_fingerprint):
+        output_fingerprint = output_fingerprint(call.digest)
+    ledger.append(
+        Staged(
+            call_id=call_id,
+            carry_len=call.carry_len,
+            gen_len=call.gen_len,
+            weight_version=call.weight_version,
+            weight_version_last=call.weight_version_last,
+            finish_reason=call.finish_reason,
+            call_digest=call.digest,
+            chain_hash=call.chain_hash,
+            response_id=response_id,
+            output_fingerprint=output_fingerprint,
+        )
+    )
+    return call
 
 
 def _admit(
