@@ -178,11 +178,11 @@ class GateMiddleware:
             messages, plan = renderer.planner(parsed)
             await self.gate.admit(call, plan)
             await self._generate(scope, replay_receive, watched_send, call, host, messages)
-        except GateError as e:
+        except (GateError, RecursionError) as e:
             if call is not None and call.phase is PLANNING:
                 self.gate.drop(call)
             if not started:
-                await self._refuse(send, e)
+                await self._refuse(send, _typed(e))
         except Exception as e:  # containment: one request's failure answers for itself alone
             _log.exception("tokcap gate: a captured request of %s failed", rollout_id)
             if call is not None and call.phase is PLANNING:
@@ -272,6 +272,14 @@ class GateMiddleware:
             cum_text=cum_text,
             conversation_fp=conversation_fp,
         )
+
+
+def _typed(error: GateError | RecursionError) -> GateError:
+    """A refusal's typed error: a recursion limit hit anywhere in the request's JSON (a
+    template, a tool schema, ...) is the caller's nesting, a 400 like any bad JSON."""
+    if isinstance(error, RecursionError):
+        return BadRequest("bad_json", "the request is nested too deeply")
+    return error
 
 
 def _one_header(scope: Scope, name: str) -> str | None:
