@@ -39,3 +39,29 @@ def test_a_weight_version_the_ledger_cannot_store_is_refused_before_the_push(ver
         begin(state, version)
     assert raised.value.code == "bad_version"
     assert begin(state, 2**63 - 1).target == 2**63 - 1
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/embeddings", "/tokenize"])
+def test_the_rollout_header_refuses_what_the_path_form_refuses(path: str) -> None:
+    """B4/B5: a POST naming a rollout by header on an endpoint the gate does not capture is
+    ``uncaptured_endpoint``, as on the rollout path; without the header it passes untouched."""
+    from tokcap_vllm._errors import RolloutNotFound
+    from tokcap_vllm._routing import route_request
+
+    prefix = "/tokcap/rollouts/"
+    for raw, headers in ((path, ["r1"]), (f"{prefix}r1{path}", [])):
+        if not path.startswith("/v1/"):
+            continue
+        with pytest.raises(RolloutNotFound) as raised:
+            route_request(raw.encode(), raw, "POST", headers, prefix=prefix)
+        assert raised.value.code == "uncaptured_endpoint"
+    with pytest.raises(RolloutNotFound):
+        route_request(path.encode(), path, "POST", ["r1"], prefix=prefix)
+    plain = route_request(path.encode(), path, "POST", [], prefix=prefix)
+    assert (plain.rollout_id, plain.path, plain.endpoint) == (None, path, None)
+    models = route_request(b"/v1/models", "/v1/models", "GET", ["r1"], prefix=prefix)
+    assert (models.rollout_id, models.endpoint) == ("r1", None)  # a GET is served, not captured
+    chat = route_request(
+        b"/v1/chat/completions/", "/v1/chat/completions/", "POST", ["r1"], prefix=prefix
+    )
+    assert (chat.path, chat.endpoint) == ("/v1/chat/completions", "chat")
