@@ -65,3 +65,27 @@ def test_the_rollout_header_refuses_what_the_path_form_refuses(path: str) -> Non
         b"/v1/chat/completions/", "/v1/chat/completions/", "POST", ["r1"], prefix=prefix
     )
     assert (chat.path, chat.endpoint) == ("/v1/chat/completions", "chat")
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    ["", "a" * 248, "tab\there", "new\nline", "caf\u00e9", "x" * 10_000, "nul\x00"],
+)
+def test_a_request_id_the_ledger_cannot_store_is_refused(request_id: str) -> None:
+    """B1/B2: vLLM's response id is ``chatcmpl-`` + the request id; the ledger stores 1..256
+    printable ASCII characters, so a chat request id is 1..247 of them."""
+    from tokcap_vllm._wire import check_request_id
+
+    with pytest.raises(BadRequest) as raised:
+        check_request_id(request_id, "chat")
+    assert raised.value.code == "bad_request_id"
+
+
+def test_request_ids_up_to_the_bound_are_kept_as_given() -> None:
+    from tokcap_vllm._wire import check_request_id
+
+    assert check_request_id("a" * 247, "chat") == "a" * 247
+    assert check_request_id("a" * 251, "completion") == "a" * 251
+    assert check_request_id("with space ~!", "chat") == "with space ~!"
+    with pytest.raises(BadRequest):
+        check_request_id("a" * 252, "completion")
