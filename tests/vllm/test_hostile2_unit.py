@@ -89,3 +89,19 @@ def test_request_ids_up_to_the_bound_are_kept_as_given() -> None:
     assert check_request_id("with space ~!", "chat") == "with space ~!"
     with pytest.raises(BadRequest):
         check_request_id("a" * 252, "completion")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("value", [-1, 0, 5])
+def test_truncate_prompt_tokens_is_refused_not_ignored(kind: str, value: int) -> None:
+    """Q5: vLLM would truncate the prompt the gate admitted; refused before admission."""
+    import json
+
+    from tokcap_vllm._errors import Unsupported
+    from tokcap_vllm._wire import decode_body
+
+    body = {"truncate_prompt_tokens": value}
+    body |= {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}
+    with pytest.raises(Unsupported) as raised:
+        decode_body(json.dumps(body).encode(), kind, token_ids_allowed=False)
+    assert raised.value.code == "truncate_prompt_tokens_unsupported"

@@ -32,6 +32,7 @@ class ChatBody(msgspec.Struct):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     seed: int | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -47,6 +48,7 @@ class CompletionBody(msgspec.Struct):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     seed: int | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody | CompletionBody:
@@ -69,6 +71,12 @@ def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody 
     if parsed.n not in (None, 1) or parsed.best_of not in (None, 1):
         raise Unsupported(
             "n_unsupported", "captured rollouts take n=1 (one completion per call); send n calls"
+        )
+    if parsed.truncate_prompt_tokens is not None:
+        raise Unsupported(
+            "truncate_prompt_tokens_unsupported",
+            "a captured call runs on the exact ids the gate admitted; truncating the prompt "
+            "would cut the rollout's history (send a shorter conversation instead)",
         )
     if parsed.use_beam_search:
         raise Unsupported("beam_search_unsupported", "beam search cannot be captured")
