@@ -12,6 +12,8 @@ from ._rows import (
     CallSpan,
     TrainingRow,
     placeholder_row,
+)
+from .ids import (
     training_key,
 )
 
