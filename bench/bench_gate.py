@@ -1,7 +1,7 @@
 """Plain vLLM serving vs serving through the tokcap gate with capture: same engine, same run.
 
 For each model size (``--models``: the demo's tiny model and/or a ~100M-parameter random
-Qwen3 of the same family, `tokcap._tiny_small`), one in-process vLLM CPU server (fp32,
+Qwen3 of the same family, `tokcap.tiny.build_small_model`), one in-process vLLM CPU server (fp32,
 fast-start mode) with the gate installed, in a child process of its own (one engine at a
 time). Four kinds of requests, each ``--requests`` chat calls at ``--concurrency``:
 
@@ -117,10 +117,10 @@ def _model_dir(size: str) -> Path:
     sys.path.insert(0, str(ROOT / "src"))
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     if size == "tiny":
-        from tokcap._tiny import build_tiny_model
+        from tokcap.tiny import build_tiny_model
 
         return build_tiny_model(cache / "dense")
-    from tokcap._tiny_small import build_small_model
+    from tokcap.tiny import build_small_model
 
     return build_small_model(cache / "small")
 
@@ -129,7 +129,7 @@ def _measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
     """One engine of ``size``: warm-up, then ``rounds`` rounds of every kind, rotating."""
     import anyio
 
-    from tokcap._tiny_small import parameter_count
+    from tokcap.tiny import parameter_count
     from tokcap_vllm import InProcessServer
 
     model = str(_model_dir(size))

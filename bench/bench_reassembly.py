@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    from tokcap._tiny import build_tiny_tokenizer
+    from tokcap.tiny import build_tiny_tokenizer
 
     print(f"[1/4] tiny tokenizer in {args.cache}", flush=True)
     tok_dir = build_tiny_tokenizer(args.cache)

@@ -261,7 +261,7 @@ def main() -> None:
     import anyio
 
     from tests.vllm._helpers import VLLM_ARGS
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
     from tokcap_core import CaptureConfig, MemorySink
     from tokcap_vllm import Gate, GateConfig, InProcessServer
 

@@ -1,6 +1,6 @@
 """Soak: 10,000 rollouts streamed through gate -> TQSink -> Ray pool -> clears, memory traced.
 
-The demo's services on one machine (`tokcap._pipeline` is the model): vLLM's OpenAI server
+The demo's services on one machine (`tokcap.demo._pipeline` is the model): vLLM's OpenAI server
 with the gate (tiny model, the demo's vLLM options, ledger persisted to a file that
 compacts as rollouts are released) staging into a `TQSink` on a loopback Ray +
 TransferQueue, and a `ReassemblerPool` of ``--workers`` actors. A harness (the real
@@ -313,8 +313,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     import anyio
 
-    from tokcap._pipeline import VLLM_ARGS
-    from tokcap._tiny import build_tiny_model
+    from tokcap.demo._pipeline import VLLM_ARGS
+    from tokcap.tiny import build_tiny_model
     from tokcap_core import CaptureConfig
     from tokcap_tq import TQSink, TQSinkConfig, local_tq
     from tokcap_vllm import Gate, GateConfig, InProcessServer
