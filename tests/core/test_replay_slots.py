@@ -11,7 +11,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from tokcap_core._errors import ReplaySlotError
+from tokcap_core.errors import ReplaySlotError
 from tokcap_core.slots import READY, RESERVED, ClearPlan, ReplaySlots, Slot
 
 Op = Callable[[ReplaySlots], object]

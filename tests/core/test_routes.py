@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcap_core import routes as routes_module
-from tokcap_core._errors import RoutesError
+from tokcap_core.errors import RoutesError
 from tokcap_core.routes import (
     Routes,
     align_routes,
