@@ -8,6 +8,7 @@ from ._staged import (
     token_array,
 )
 from ._staged_json import (
+    MAX_STAGED_BYTES,
     STAGED_FORMAT,
     decode_staged_calls,
     encode_staged_calls,
@@ -17,6 +18,7 @@ from ._staged_json import (
 
 __all__ = [
     "FINISH_REASONS",
+    "MAX_STAGED_BYTES",
     "STAGED_FORMAT",
     "StagedCall",
     "compute_call_digest",
