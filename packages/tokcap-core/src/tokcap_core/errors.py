@@ -3,6 +3,8 @@
 One root (`TokcapError`), split by who is at fault, each with a stable ``code``.
 """
 
+import warnings
+
 from ._errors import (
     ConfigError,
     InvalidId,
@@ -12,9 +14,9 @@ from ._errors import (
     MetadataViolation,
     MissingRows,
     ReassemblyError,
-    ReplaySlotError,
     RoutesError,
     SinkError,
+    SlotError,
     TokcapError,
     VerificationError,
 )
@@ -36,9 +38,23 @@ __all__ = [
     "MetadataViolation",
     "MissingRows",
     "ReassemblyError",
-    "ReplaySlotError",
     "RoutesError",
     "SinkError",
+    "SlotError",
     "TokcapError",
     "VerificationError",
 ]
+
+_RENAMED = {"ReplaySlotError": "SlotError"}
+"""Old name -> new name (the word "replay" is kept for the ledger's replay alone)."""
+
+
+def __getattr__(name: str) -> object:
+    """Deprecated names: ``ReplaySlotError`` (now `SlotError`)."""
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"{__name__}.{name} is deprecated; use {new}", DeprecationWarning, stacklevel=2
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
