@@ -3,8 +3,6 @@
 One root (`TokcapError`), split by who is at fault, each with a stable ``code``.
 """
 
-import warnings
-
 from ._errors import (
     ConfigError,
     InvalidId,
@@ -20,6 +18,7 @@ from ._errors import (
     TokcapError,
     VerificationError,
 )
+from ._renamed import renamed_names
 from ._rpc import (
     InvalidRequest,
 )
@@ -45,16 +44,5 @@ __all__ = [
     "VerificationError",
 ]
 
-_RENAMED = {"ReplaySlotError": "SlotError"}
-"""Old name -> new name (the word "replay" is kept for the ledger's replay alone)."""
-
-
-def __getattr__(name: str) -> object:
-    """Deprecated names: ``ReplaySlotError`` (now `SlotError`)."""
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"{__name__}.{name} is deprecated; use {new}", DeprecationWarning, stacklevel=2
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed_names(__name__, {"ReplaySlotError": SlotError})
+"""``ReplaySlotError`` was renamed `SlotError` ("replay" names the ledger's replay alone)."""

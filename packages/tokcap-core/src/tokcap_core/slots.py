@@ -16,12 +16,12 @@ Invariants:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Final, TypeVar
 
 from ._errors import SlotError
+from ._renamed import renamed_names
 from ._sentinel import Sentinel
 from .ids import StagingKey, TrainingKey
 
@@ -264,16 +264,5 @@ class GroupSlots:
         return f"GroupSlots({len(self._slots)} slots, {len(self._ready)} ready)"
 
 
-_RENAMED = {"ReplaySlots": "GroupSlots"}
-"""Old name -> new name (the word "replay" is kept for the ledger's replay alone)."""
-
-
-def __getattr__(name: str) -> object:
-    """Deprecated names: ``ReplaySlots`` (now `GroupSlots`)."""
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"{__name__}.{name} is deprecated; use {new}", DeprecationWarning, stacklevel=2
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed_names(__name__, {"ReplaySlots": GroupSlots})
+"""``ReplaySlots`` was renamed `GroupSlots` ("replay" names the ledger's replay alone)."""

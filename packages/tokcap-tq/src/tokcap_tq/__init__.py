@@ -49,16 +49,10 @@ __all__ = [
     "to_padded_batch",
 ]
 
-_RENAMED = {"TQReplayBuffer": "TQGroupBuffer"}
-"""Old name -> new name (the word "replay" is kept for the ledger's replay alone)."""
-
 
 def __getattr__(name: str) -> object:
-    """Deprecated names: ``TQReplayBuffer`` (now `TQGroupBuffer`)."""
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"{__name__}.{name} is deprecated; use {new}", DeprecationWarning, stacklevel=2
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """``TQReplayBuffer`` was renamed `TQGroupBuffer`: the old name warns, then resolves."""
+    if name != "TQReplayBuffer":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn("TQReplayBuffer is deprecated; use TQGroupBuffer", DeprecationWarning, 2)
+    return TQGroupBuffer
