@@ -4,7 +4,8 @@
 - the sink kit: `SinkConformance` (subclass it as a pytest ``Test...`` class with an async
   ``make_sink``) or the ``check_*`` functions / `SINK_CHECKS` on any async sink factory;
 - the format kit: `check_capture_format` on an implementation's ``(manifest, staged)``
-  samples (or, with ``verify=``, another verifier on `golden_samples`).
+  samples (or, with ``verify=``, another verifier on `golden_samples`; `cli_verifier`
+  makes one of a verifier's command line, ``tokcap-core verify`` by default).
 
 Importing this module imports hypothesis (``pip install "tokcap-core[testing]"``);
 ``import tokcap_core`` alone never does.
@@ -21,7 +22,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         'tokcap_core.testing needs hypothesis: pip install "tokcap-core[testing]"'
     ) from e
 
-from . import _conformance_format, _conformance_sink
+from . import _conformance_cli, _conformance_format, _conformance_sink
+from ._conformance_cli import *  # noqa: F403
 from ._conformance_format import *  # noqa: F403
 from ._conformance_sink import *  # noqa: F403
 from ._ledger import Entry
@@ -30,6 +32,7 @@ from ._staged import StagedCall
 from .simulate import SimulatedRollout, simulate_rollout
 
 __all__ = [
+    *_conformance_cli.__all__,
     *_conformance_format.__all__,
     *_conformance_sink.__all__,
     "entries",
