@@ -14,47 +14,32 @@ a tokcap `~tokcap_core.Receipt` and `~tokcap_core.TrainingRow` (Gym's reason kep
     result.receipt.status, result.row.input_ids, result.gym_reason
 """
 
-from . import _gym_convert, _gym_digest, _gym_errors, _gym_export, _gym_lineage, _gym_verify
-from ._gym_convert import *  # noqa: F403
-from ._gym_decode import (
-    decode_gym_manifest,
-    decode_gym_receipt,
-    decode_gym_snapshots,
-    decode_gym_staged_record,
-    encode_gym_json,
+from . import (
+    _gym_convert,
+    _gym_decode,
+    _gym_digest,
+    _gym_errors,
+    _gym_export,
+    _gym_lineage,
+    _gym_records,
+    _gym_verify,
 )
+from ._gym_convert import *  # noqa: F403
+from ._gym_decode import *  # noqa: F403
 from ._gym_digest import *  # noqa: F403
 from ._gym_errors import *  # noqa: F403
 from ._gym_export import *  # noqa: F403
 from ._gym_lineage import *  # noqa: F403
-from ._gym_records import (
-    GYM_TERMINAL_SELECTIONS,
-    GymCallRecord,
-    GymManifest,
-    GymManifestFailure,
-    GymReceipt,
-    GymStagedRecord,
-    gym_staging_key,
-)
+from ._gym_records import *  # noqa: F403
 from ._gym_verify import *  # noqa: F403
 
 __all__ = [
     *_gym_convert.__all__,
+    *_gym_decode.__all__,
     *_gym_digest.__all__,
     *_gym_errors.__all__,
     *_gym_export.__all__,
     *_gym_lineage.__all__,
+    *_gym_records.__all__,
     *_gym_verify.__all__,
-    "GYM_TERMINAL_SELECTIONS",
-    "GymCallRecord",
-    "GymManifest",
-    "GymManifestFailure",
-    "GymReceipt",
-    "GymStagedRecord",
-    "decode_gym_manifest",
-    "decode_gym_receipt",
-    "decode_gym_snapshots",
-    "decode_gym_staged_record",
-    "encode_gym_json",
-    "gym_staging_key",
 ]
