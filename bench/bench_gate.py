@@ -40,14 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _k, _v in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}.items():
-    os.environ.setdefault(_k, _v)
+from _harness import set_engine_env  # bench/ is on sys.path
+
+set_engine_env()
 
 from _procmem import cpu_seconds, descendants, role_of  # noqa: E402  (bench/ is on sys.path)
 

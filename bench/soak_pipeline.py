@@ -44,15 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-for _k, _v in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-}.items():
-    os.environ.setdefault(_k, _v)
+from _harness import parse_counts, set_engine_env  # bench/ is on sys.path
+
+set_engine_env(RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
 
 from _procmem import memory_by_role  # noqa: E402  (bench/ is on sys.path)
 
@@ -305,16 +299,17 @@ def _progress(totals: Totals, started: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", type=int, default=10_000)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--batch-groups", type=int, default=25)
-    parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--checkpoints", type=int, default=10)
-    args = parser.parse_args()
+    args = parse_counts(
+        __doc__,
+        rollouts=10_000,
+        group_size=4,
+        batch_groups=25,
+        turns=2,
+        max_tokens=4,
+        concurrency=64,
+        workers=2,
+        checkpoints=10,
+    )
     sys.path.insert(0, str(ROOT / "src"))
     import anyio
 
