@@ -42,30 +42,23 @@ for _name, _value in {
 
 import torch  # noqa: E402
 
+from tokcap.tiny import SMALL_SHAPE  # noqa: E402
 from tokcap.train import Trainer  # noqa: E402
 from tokcap_core import LogprobParity, TrainingRow  # noqa: E402
 from tokcap_vllm import WeightSync  # noqa: E402
 from tokcap_vllm.weights import WeightPhase, WeightState  # noqa: E402
 
-LARGE = {  # ~100M parameters with the tiny tokenizer's 2k vocabulary
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-}
 PROMPTS, NEW_TOKENS = 8, 16
 Transport = Literal["rpc", "shm"]
 SKIP = ("config.json", "tokcap-tiny.json", "model.safetensors.index.json")
 
 
 def build_large(tiny_dir: Path, out_dir: Path) -> Path:
-    """A random Qwen3 with the ``LARGE`` shape and the tiny model's tokenizer, fp32, tied."""
+    """A random Qwen3 of `SMALL_SHAPE` (~100M) with the tiny model's tokenizer, fp32, tied."""
     import transformers
 
     tiny = transformers.AutoConfig.from_pretrained(tiny_dir).to_dict()
-    config = transformers.Qwen3Config(**{**tiny, **LARGE, "layer_types": None})
+    config = transformers.Qwen3Config(**{**tiny, **SMALL_SHAPE, "layer_types": None})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
