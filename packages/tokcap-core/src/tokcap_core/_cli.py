@@ -23,8 +23,8 @@ from ._cli_verify import (
     verify_command,
 )
 from ._errors import TokcapError
-from ._golden import assert_golden_vectors
 from ._receipt import SEGMENT_MODES
+from .golden import assert_golden_vectors
 
 __all__ = [
     "EXIT_IO_ERROR",

@@ -21,11 +21,11 @@ from ._coverage import Uncovered, uncovered_calls
 from ._errors import TokcapError
 from ._manifest import MAX_MANIFEST_BYTES, decode_manifest, verify_manifest
 from ._receipt import Receipt, assemble_receipt
-from ._routes import encode_routes
 from ._rows import TrainingRow
 from ._staged import StagedCall
 from ._staged_json import MAX_STAGED_BYTES, decode_staged_calls
 from ._verify import verify_staged
+from .routes import encode_routes
 
 EXIT_OK: Final = 0
 EXIT_POISONED: Final = 1

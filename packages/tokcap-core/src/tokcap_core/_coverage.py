@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
-from ._ids import staging_key
 from ._ledger import FAILED, STAGED, CallRecord, RolloutState
 from ._receipt import Receipt
 from ._staged import StagedCall
+from .ids import staging_key
 
 __all__ = ["UNCOVERED_REASONS", "StagedMatch", "Uncovered", "UncoveredReason", "uncovered_calls"]
 

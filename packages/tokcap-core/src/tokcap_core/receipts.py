@@ -1,38 +1,9 @@
 """Receipts: the verified chain of staged calls a rollout trains on, staged-row checks, and
 what a receipt leaves uncovered."""
 
-from ._coverage import (
-    UNCOVERED_REASONS,
-    StagedMatch,
-    Uncovered,
-    UncoveredReason,
-    uncovered_calls,
-)
-from ._receipt import (
-    SEGMENT_MODES,
-    TERMINAL_SELECTIONS,
-    Receipt,
-    ReceiptCall,
-    SegmentMode,
-    TerminalSelection,
-    assemble_receipt,
-)
-from ._verify import (
-    verify_staged,
-)
+from . import _coverage, _receipt, _verify
+from ._coverage import *  # noqa: F403
+from ._receipt import *  # noqa: F403
+from ._verify import *  # noqa: F403
 
-__all__ = [
-    "SEGMENT_MODES",
-    "TERMINAL_SELECTIONS",
-    "UNCOVERED_REASONS",
-    "Receipt",
-    "ReceiptCall",
-    "SegmentMode",
-    "StagedMatch",
-    "TerminalSelection",
-    "Uncovered",
-    "UncoveredReason",
-    "assemble_receipt",
-    "uncovered_calls",
-    "verify_staged",
-]
+__all__ = [*_receipt.__all__, *_verify.__all__, *_coverage.__all__]
