@@ -15,6 +15,7 @@ __all__ = [
     "FAILURE_BUCKETS",
     "GATE_FAILED",
     "GATE_RESTARTED",
+    "GATE_UNREACHABLE",
     "LEDGER_REFUSED",
     "LEDGER_WRITE_FAILED",
     "MANIFEST_INVALID",
@@ -55,6 +56,9 @@ NOT_CLOSED: Final = "not_closed"
 """A receipt was asked for a rollout that is still open."""
 GATE_RESTARTED: Final = "gate_restarted"
 """The rollout was open when its gate crashed and restarted."""
+GATE_UNREACHABLE: Final = "gate_unreachable"
+"""The rollout's gate stopped answering while the rollout was open (a fleet client poisons
+that gate's open rollouts only; detail: the transport error)."""
 MISSING_ROWS: Final = "missing_rows"
 """The sink does not hold every staged row a receipt names."""
 REASSEMBLY_FAILED: Final = "reassembly_failed"
@@ -95,6 +99,7 @@ FAILURE_BUCKETS: Final[tuple[str, ...]] = (
     LEDGER_WRITE_FAILED,
     GATE_FAILED,
     PEER_POISONED,
+    GATE_UNREACHABLE,
 )
 """Every failure bucket, in a stable order (metrics may use it as their key set)."""
 

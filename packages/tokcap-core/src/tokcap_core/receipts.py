@@ -6,4 +6,4 @@ from ._coverage import *  # noqa: F403
 from ._receipt import *  # noqa: F403
 from ._verify import *  # noqa: F403
 
-__all__ = [*_receipt.__all__, *_verify.__all__, *_coverage.__all__]
+__all__ = [*_coverage.__all__, *_receipt.__all__, *_verify.__all__]

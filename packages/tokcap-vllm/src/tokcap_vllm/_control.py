@@ -63,6 +63,7 @@ from ._gate import Gate
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ._persist import LedgerFileError
 from ._routing import parse_rollout_id
+from ._served import describe_sink
 
 __all__ = ["ControlPlane"]
 
@@ -166,7 +167,10 @@ class ControlPlane:
 
     def _health(self) -> _Reply:
         health = self.gate.health()
+        sink, warnings = describe_sink(self.gate.sink)
         body = Health(
+            sink=sink,
+            warnings=warnings,
             status=health.status,  # type: ignore[arg-type]
             serving=health.serving,
             rollouts_open=health.rollouts_open,

@@ -15,9 +15,12 @@ and is logged: it never reaches vLLM's server or the gate's task group.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -25,7 +28,6 @@ import anyio
 from ._admission import message_fingerprints, normalize_message, output_fingerprint
 from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
-from ._config import GateConfig
 from ._control import ControlPlane
 from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
@@ -34,30 +36,34 @@ from ._lifecycle import PLANNING, GateCall
 from ._render import RequestRenderer
 from ._renderers import request_renderer
 from ._routing import route_request
+from ._served import served_gate
 from ._wire import ResponseObserver, check_request_id, decode_body
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
 _log = logging.getLogger("tokcap_vllm.gate")
 _installed: Gate | None = None
+_installed_attach: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 
-def install_gate(gate: Gate) -> Gate:
-    """Make ``gate`` the one `GateMiddleware` uses when vLLM builds it by import path."""
-    global _installed
-    _installed = gate
+def install_gate(
+    gate: Gate, *, attach: Callable[[], AbstractAsyncContextManager[None]] | None = None
+) -> Gate:
+    """Make ``gate`` the one `GateMiddleware` uses when vLLM builds it by import path;
+    ``attach()`` is entered on the server's start-up, before the gate serves."""
+    global _installed, _installed_attach
+    _installed, _installed_attach = gate, attach
     return gate
 
 
 def default_gate() -> Gate:
-    """The installed gate, or a new one with a `MemorySink` (installed on first use).
-
-    A new gate is configured from the environment (`GateConfig.from_environ`: the ledger
-    file from ``TOKCAP_LEDGER_PATH``).
-    """
+    """The installed gate, or the one the ``TOKCAP_*`` variables describe (installed on
+    first use; see `tokcap_vllm._served`: ``TOKCAP_SINK`` is required)."""
     if _installed is not None:
         return _installed
-    return install_gate(Gate(GateConfig.from_environ(os.environ)))
+    served = served_gate(environ=os.environ)
+    assert served is not None
+    return install_gate(served.gate, attach=served.attach)
 
 
 class GateMiddleware:
@@ -66,6 +72,7 @@ class GateMiddleware:
     def __init__(self, app: App, gate: Gate | None = None) -> None:
         self.app = app
         self.gate = gate if gate is not None else default_gate()
+        self._attach = _installed_attach if gate is None else None
         self._host: CaptureHost | None = None
         self._renderer: RequestRenderer | None = None
         self._control = ControlPlane(self.gate)
@@ -105,7 +112,8 @@ class GateMiddleware:
         if self.gate.running:
             await self.app(scope, receive, send)
             return
-        async with anyio.create_task_group() as tg:
+        attached = self._attach() if self._attach is not None else contextlib.nullcontext()
+        async with attached, anyio.create_task_group() as tg:
             await tg.start(self.gate.serve)
             try:
                 await self.app(scope, receive, send)
