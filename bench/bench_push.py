@@ -279,7 +279,7 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true")
     args = parser.parse_args()
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
 
     tiny = build_tiny_model(Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny")) / "dense")
     results = [bench_model("tiny", tiny, args.pushes)]

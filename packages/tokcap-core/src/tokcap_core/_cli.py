@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Final
 
 from ._errors import TokcapError
-from ._golden import assert_golden_vectors
 from ._manifest import decode_manifest, verify_manifest
 from ._receipt import SEGMENT_MODES, assemble_receipt
-from ._routes import encode_routes
 from ._rows import TrainingRow
 from ._staged_json import decode_staged_calls
 from ._verify import verify_staged
+from .golden import assert_golden_vectors
+from .routes import encode_routes
 
 __all__ = [
     "EXIT_IO_ERROR",

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ._errors import InvalidStagedCall, TokcapError
-from ._routes import decode_routes, encode_routes
 from ._staged import StagedCall
+from .routes import decode_routes, encode_routes
 
 __all__ = [
     "STAGED_FORMAT",

@@ -1,25 +1,7 @@
 """Receipts: the verified chain of staged calls a rollout trains on, and staged-row checks."""
 
-from ._receipt import (
-    SEGMENT_MODES,
-    TERMINAL_SELECTIONS,
-    Receipt,
-    ReceiptCall,
-    SegmentMode,
-    TerminalSelection,
-    assemble_receipt,
-)
-from ._verify import (
-    verify_staged,
-)
+from . import _receipt, _verify
+from ._receipt import *  # noqa: F403
+from ._verify import *  # noqa: F403
 
-__all__ = [
-    "SEGMENT_MODES",
-    "TERMINAL_SELECTIONS",
-    "Receipt",
-    "ReceiptCall",
-    "SegmentMode",
-    "TerminalSelection",
-    "assemble_receipt",
-    "verify_staged",
-]
+__all__ = [*_receipt.__all__, *_verify.__all__]

@@ -44,8 +44,8 @@ from ._conformance_sink import (
 )
 from ._ledger import Entry
 from ._manifest import Manifest
-from ._simulate import SimulatedRollout, simulate_rollout
 from ._staged import StagedCall
+from .simulate import SimulatedRollout, simulate_rollout
 
 __all__ = [
     "SINK_CHECKS",

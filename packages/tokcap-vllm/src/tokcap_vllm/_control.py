@@ -104,6 +104,8 @@ class ControlPlane:
         except GateError as e:
             status = type(e).status
             reply = _Reply(error_json(e.code, e.message, status), status=status)
+        except RecursionError:  # a witness nested past Python's recursion limit
+            reply = _Reply(error_json("bad_json", "the body is nested too deeply", 400), status=400)
         headers = [(b"www-authenticate", b"Bearer")] if reply.status == 401 else []
         await send_body(
             send, reply.status, reply.body, content_type=reply.content_type, headers=headers

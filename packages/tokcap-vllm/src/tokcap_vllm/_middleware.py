@@ -37,7 +37,7 @@ from ._render import RequestRenderer
 from ._renderers import request_renderer
 from ._routing import route_request
 from ._served import served_gate
-from ._wire import ResponseObserver, decode_body
+from ._wire import ResponseObserver, check_request_id, decode_body
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
@@ -172,7 +172,7 @@ class GateMiddleware:
                 kind=kind,
                 idempotency_key=_one_header(scope, self.gate.config.idempotency_header),
                 body_fingerprint=hashlib.sha256(body).hexdigest(),
-                request_id=_one_header(scope, "x-request-id") or parsed.request_id,
+                request_id=_request_id(scope, parsed.request_id, kind),
             )
             replay_receive = _replaying(body, receive)
             if call is None:  # the rollout already failed: served, not captured
@@ -186,11 +186,11 @@ class GateMiddleware:
             messages, plan = renderer.planner(parsed)
             await self.gate.admit(call, plan)
             await self._generate(scope, replay_receive, watched_send, call, host, messages)
-        except GateError as e:
+        except (GateError, RecursionError) as e:
             if call is not None and call.phase is PLANNING:
                 self.gate.drop(call)
             if not started:
-                await self._refuse(send, e)
+                await self._refuse(send, _typed(e))
         except Exception as e:  # containment: one request's failure answers for itself alone
             _log.exception("tokcap gate: a captured request of %s failed", rollout_id)
             if call is not None and call.phase is PLANNING:
@@ -280,6 +280,21 @@ class GateMiddleware:
             cum_text=cum_text,
             conversation_fp=conversation_fp,
         )
+
+
+def _typed(error: GateError | RecursionError) -> GateError:
+    """A refusal's typed error: a recursion limit hit anywhere in the request's JSON (a
+    template, a tool schema, ...) is the caller's nesting, a 400 like any bad JSON."""
+    if isinstance(error, RecursionError):
+        return BadRequest("bad_json", "the request is nested too deeply")
+    return error
+
+
+def _request_id(scope: Scope, in_body: str | None, kind: str) -> str | None:
+    """The request id vLLM will use (the header wins, even empty), checked for the ledger."""
+    header = _one_header(scope, "x-request-id")
+    chosen = header if header is not None else in_body
+    return None if chosen is None else check_request_id(chosen, kind)
 
 
 def _one_header(scope: Scope, name: str) -> str | None:
