@@ -220,7 +220,7 @@ class Gate:
 
         A rollout that already failed (poisoned) serves its later calls uncaptured.
         """
-        record = self.registry.join(rollout_id)
+        record = self.registry.join(rollout_id, require_open=self.config.require_open)
         if record.uncaptured_reason is not None:
             self.telemetry.uncaptured_after_failure.inc()
             return None
@@ -586,6 +586,11 @@ class Gate:
         record.uncaptured_reason = record.uncaptured_reason or reason
 
     # ---- control operations ------------------------------------------------------------
+
+    def open(self, rollout_id: str) -> None:
+        """Open a rollout before its first call (what ``GateConfig.require_open`` asks for);
+        opening an open rollout again changes nothing."""
+        self.registry.open(rollout_id)
 
     def declare_terminal(
         self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None

@@ -52,6 +52,8 @@ class RolloutRecord:
     """Set once the rollout cannot verify: its later calls pass uncaptured."""
     poison_reason: str | None = None
     """A failure outside any one call (the ledger file): the close appends ``Poisoned``."""
+    opened: bool = False
+    """Opened explicitly (``POST …/open``): held, and closable, before its first call."""
 
     @property
     def accepting(self) -> bool:
@@ -67,16 +69,22 @@ class RolloutRegistry:
         self._open: dict[RolloutId, RolloutRecord] = {}
         self._closed: dict[RolloutId, Ledger] = {}
 
-    def join(self, rollout_id: str) -> RolloutRecord:
+    def join(self, rollout_id: str, *, require_open: bool = False) -> RolloutRecord:
         """The open record a new request joins, made on first use.
 
         `RolloutConflict` (409) if the id names a closed (or closing) rollout;
-        `TooManyRollouts` (503) when ``max_open`` records are open already.
+        `TooManyRollouts` (503) when ``max_open`` records are open already;
+        with ``require_open``, `RolloutNotFound` (``unknown_rollout``) unless it was opened.
         """
         rid = validate_rollout_id(rollout_id)
         if rid in self._closed:
             raise RolloutConflict("rollout_closed", f"{rid} is closed; start a new rollout id")
         record = self._open.get(rid)
+        if require_open and (record is None or not record.opened):
+            raise RolloutNotFound(
+                "unknown_rollout",
+                f"{rid} was not opened on this gate (POST /tokcap/v1/rollouts/{rid}/open)",
+            )
         if record is None:
             if len(self._open) >= self.max_open:
                 raise TooManyRollouts(
@@ -88,10 +96,18 @@ class RolloutRegistry:
             raise RolloutConflict("rollout_closed", f"{rid} is closing")
         return record
 
+    def open(self, rollout_id: str) -> RolloutRecord:
+        """Open a rollout explicitly (made if new; opening it again changes nothing)."""
+        record = self.join(rollout_id)
+        record.opened = True
+        return record
+
     def forget_if_idle(self, record: RolloutRecord) -> None:
-        """Drop an open record that never admitted a call and has no live call left."""
+        """Drop an open record that never admitted a call, has no live call left and was
+        not opened explicitly."""
         if (
-            not record.ledger.head[0]
+            not record.opened
+            and not record.ledger.head[0]
             and not record.live
             and self._open.get(record.rollout_id) is record
         ):
@@ -101,7 +117,7 @@ class RolloutRegistry:
         """The open record of ``rollout_id``: `RolloutNotFound` / `RolloutConflict` if not open."""
         rid = validate_rollout_id(rollout_id)
         record = self._open.get(rid)
-        if record is None or not record.ledger.head[0]:
+        if record is None or not (record.ledger.head[0] or record.opened):
             if rid in self._closed:
                 raise RolloutConflict("rollout_closed", f"{rid} is closed")
             raise RolloutNotFound("unknown_rollout", f"no open rollout {rid}")
