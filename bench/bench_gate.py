@@ -1,7 +1,7 @@
 """Plain vLLM serving vs serving through the tokcap gate with capture: same engine, same run.
 
 For each model size (``--models``: the demo's tiny model and/or a ~100M-parameter random
-Qwen3 of the same family, `tokcap._tiny_small`), one in-process vLLM CPU server (fp32,
+Qwen3 of the same family, `tokcap.tiny.build_small_model`), one in-process vLLM CPU server (fp32,
 fast-start mode) with the gate installed, in a child process of its own (one engine at a
 time). Four kinds of requests, each ``--requests`` chat calls at ``--concurrency``:
 
@@ -40,14 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _k, _v in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}.items():
-    os.environ.setdefault(_k, _v)
+from _harness import set_engine_env  # bench/ is on sys.path
+
+set_engine_env()
 
 from _procmem import cpu_seconds, descendants, role_of  # noqa: E402  (bench/ is on sys.path)
 
@@ -122,10 +117,10 @@ def _model_dir(size: str) -> Path:
     sys.path.insert(0, str(ROOT / "src"))
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     if size == "tiny":
-        from tokcap._tiny import build_tiny_model
+        from tokcap.tiny import build_tiny_model
 
         return build_tiny_model(cache / "dense")
-    from tokcap._tiny_small import build_small_model
+    from tokcap.tiny import build_small_model
 
     return build_small_model(cache / "small")
 
@@ -134,7 +129,7 @@ def _measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
     """One engine of ``size``: warm-up, then ``rounds`` rounds of every kind, rotating."""
     import anyio
 
-    from tokcap._tiny_small import parameter_count
+    from tokcap.tiny import parameter_count
     from tokcap_vllm import InProcessServer
 
     model = str(_model_dir(size))

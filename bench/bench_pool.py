@@ -33,6 +33,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray
+from _harness import parse_counts  # bench/ is on sys.path
 
 from tokcap_core import MemorySink, ReassemblyRequest, StagedCall, assemble_receipt, verify_manifest
 from tokcap_core.rows import on_chain_keys, reassemble_group
@@ -135,13 +136,9 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=128)
-    parser.add_argument("--rollouts", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--delta", type=int, default=256)
-    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
-    args = parser.parse_args()
+    args = parse_counts(
+        __doc__, groups=128, rollouts=8, turns=4, delta=256, cpus=os.cpu_count() or 2
+    )
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     temp_dir = tempfile.mkdtemp(prefix="tokcap-bench-", dir="/tmp")
     ray.init(

@@ -35,6 +35,7 @@ os.environ.setdefault("TQ_NUM_THREADS", "2")
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import parse_counts
 from bench_pool import make_workload
 
 from tokcap_core import StagedCall
@@ -82,13 +83,7 @@ def _load() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=64)
-    parser.add_argument("--rollouts", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--delta", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_counts(__doc__, groups=64, rollouts=8, turns=4, delta=256, rounds=3)
     print(f"{os.cpu_count()} cores; load average at start {_load()}")
     head = NodeSpec(num_cpus=2, resources={"tq_storage": 1})  # TQ's controller and unit
     nodes = [head, *(NodeSpec(num_cpus=1) for _ in range(3))]

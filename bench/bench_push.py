@@ -422,7 +422,7 @@ def main() -> None:
     parser.add_argument("--skip-large", action="store_true")
     parser.add_argument("--served", action="store_true", help="served gates only")
     args = parser.parse_args()
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
 
     tiny = build_tiny_model(Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny")) / "dense")
     if args.served:

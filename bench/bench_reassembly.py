@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from tokcap_core import Ledger, Receipt, StagedCall, assemble_receipt, reassemble
-from tokcap_core.ledger import Admitted, Closed, Staged, TerminalDeclared, replay
+from tokcap_core.ledger import Closed, TerminalDeclared, replay
+from tokcap_core.simulate import admit_call, stage_call
 
 REPO = Path(__file__).resolve().parent.parent
 SPLIT_RATES = (0.0, 0.001, 0.005, 0.02)
@@ -123,44 +124,20 @@ def build_trajectory(
     history: list[int] = []
     call_starts: list[int] = []
     for turn in range(turns):
-        call_id = ledger.next_call_id()
-        ledger.append(
-            Admitted(
-                call_id=call_id,
-                parent_id=parent.call_id if parent else None,
-                prefix_len=parent.cum_len if parent else 0,
-                admitted_at=turn,
-                request_fingerprint=f"req-{index}-{turn}",
-                formation="extend" if parent else "root",
-            )
+        call_id = admit_call(
+            ledger, parent, admitted_at=turn, request_fingerprint=f"req-{index}-{turn}"
         )
         # token_in: the parent's exact cumulative ids + the rendered suffix of the new messages
         prompt = history + tokenizer.encode(suffix_text, add_special_tokens=False)
         answer = chunk(corpus, rng, int(chars_per_turn * 0.4))
         output = [*sampler.sample(answer, rng, split_rate), eos]
-        call = StagedCall.from_engine_output(
-            rollout_id=rollout_id,
-            call_id=call_id,
-            parent_id=parent.call_id if parent else None,
-            parent_cum_len=parent.cum_len if parent else 0,
-            parent_chain_hash=parent.chain_hash if parent else None,
+        call = stage_call(
+            ledger,
+            call_id,
+            parent,
             prompt_ids=prompt,
             output_ids=output,
             logprobs=[-rng.random() * 3 for _ in output],
-            finish_reason="stop",
-            weight_version=0,
-        )
-        ledger.append(
-            Staged(
-                call_id=call_id,
-                carry_len=call.carry_len,
-                gen_len=call.gen_len,
-                weight_version=0,
-                weight_version_last=0,
-                finish_reason="stop",
-                call_digest=call.digest,
-                chain_hash=call.chain_hash,
-            )
         )
         calls[call.key] = call
         call_starts.append(len(history))
@@ -231,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    from tokcap._tiny import build_tiny_tokenizer
+    from tokcap.tiny import build_tiny_tokenizer
 
     print(f"[1/4] tiny tokenizer in {args.cache}", flush=True)
     tok_dir = build_tiny_tokenizer(args.cache)

@@ -26,15 +26,20 @@ import gc
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 import anyio
+from _harness import parse_counts  # bench/ is on sys.path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # our tests/, not TQ's stray one
+from tests.tq.support import max_loop_lag
 from tokcap_core import StagedCall
 from tokcap_tq import TQSink, TQSinkConfig, encode_staged, local_tq
 
@@ -60,25 +65,6 @@ def _calls(prefix: str, n: int, tokens: int, rng: random.Random) -> list[StagedC
     return out
 
 
-async def _max_lag(work: Callable[[], Awaitable[None]]) -> float:
-    lag = 0.0
-    done = anyio.Event()
-
-    async def ticker() -> None:
-        nonlocal lag
-        while not done.is_set():
-            start = time.perf_counter()
-            await anyio.sleep(0.001)
-            lag = max(lag, time.perf_counter() - start - 0.001)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        await anyio.sleep(0.02)
-        await work()
-        done.set()
-    return lag
-
-
 async def _lag(sink: TQSink, n: int, repeats: int, rng: random.Random) -> tuple[float, float]:
     import transfer_queue as tq
 
@@ -91,13 +77,13 @@ async def _lag(sink: TQSink, n: int, repeats: int, rng: random.Random) -> tuple[
         async def sync_clear() -> None:
             tq.kv_clear(keys=keys, partition_id=sink.config.staging_partition)
 
-        sync_lags.append(await _max_lag(sync_clear))
+        sync_lags.append(await max_loop_lag(sync_clear, settle_s=0.02))
         await sink.put(calls)
 
         async def our_clear() -> None:
             await sink.clear(keys)
 
-        our_lags.append(await _max_lag(our_clear))
+        our_lags.append(await max_loop_lag(our_clear, settle_s=0.02))
     return statistics.median(sync_lags), statistics.median(our_lags)
 
 
@@ -206,13 +192,7 @@ def _load() -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batches", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_counts(__doc__, repeats=3, batches=12, batch=64, tokens=2048, rounds=5)
     print(f"start: {_load()}")
     with tempfile.TemporaryDirectory(prefix="tqb-") as tmp, local_tq(tmp):
         anyio.run(main, args, backend="asyncio")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tokcap._demo  # noqa: F401  (the CPU engine's environment defaults, before vLLM)
+import tokcap.demo._cli  # noqa: F401  (the CPU engine's environment defaults, before vLLM)
 
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
 
@@ -68,7 +68,7 @@ def retokenization_figures(
     model: Any, tokenizer: Any, episodes: list[Any], rows: list[Any]
 ) -> RetokFigures:
     """Score ``rows`` on their captured ids and on their re-tokenised transcript."""
-    from tokcap._train_task import SYSTEM
+    from tokcap.loop import SYSTEM
     from tokcap_core import logprob_parity
 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -120,8 +120,8 @@ def run_loop_bench(steps: int) -> tuple[Any, RetokFigures]:
     from transformers import AutoTokenizer
 
     from tokcap._stages import Stages
-    from tokcap._tiny import build_tiny_model
-    from tokcap._train_loop import LoopConfig, run_loop
+    from tokcap.loop import LoopConfig, run_loop
+    from tokcap.tiny import build_tiny_model
 
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     model_dir = build_tiny_model(cache / "dense", kind="dense")
@@ -194,7 +194,7 @@ def main() -> None:
 
     import bench_push  # type: ignore[import-not-found]  # bench/ is not a package
 
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
 
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     tiny = build_tiny_model(cache / "dense", kind="dense")

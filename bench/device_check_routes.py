@@ -24,7 +24,7 @@ def main() -> int:
     import anyio
     import openai
 
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
     from tokcap_core import assemble_receipt, reassemble, verify_manifest
     from tokcap_core.ledger import manifest_of
     from tokcap_vllm import InProcessServer

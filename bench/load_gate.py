@@ -39,14 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _k, _v in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}.items():
-    os.environ.setdefault(_k, _v)
+from _harness import set_engine_env  # bench/ is on sys.path
+
+set_engine_env()
 
 from _procmem import descendants, role_of, status_mib  # noqa: E402  (bench/ is on sys.path)
 
@@ -266,7 +261,7 @@ def main() -> None:
     import anyio
 
     from tests.vllm._helpers import VLLM_ARGS
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
     from tokcap_core import CaptureConfig, MemorySink
     from tokcap_vllm import Gate, GateConfig, InProcessServer
 

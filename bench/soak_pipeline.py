@@ -1,6 +1,6 @@
 """Soak: 10,000 rollouts streamed through gate -> TQSink -> Ray pool -> clears, memory traced.
 
-The demo's services on one machine (`tokcap._pipeline` is the model): vLLM's OpenAI server
+The demo's services on one machine (`tokcap.demo._pipeline` is the model): vLLM's OpenAI server
 with the gate (tiny model, the demo's vLLM options, ledger persisted to a file that
 compacts as rollouts are released) staging into a `TQSink` on a loopback Ray +
 TransferQueue, and a `ReassemblerPool` of ``--workers`` actors. A harness (the real
@@ -43,15 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-for _k, _v in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-}.items():
-    os.environ.setdefault(_k, _v)
+from _harness import parse_counts, set_engine_env  # bench/ is on sys.path
+
+set_engine_env(RAY_ENABLE_UV_RUN_RUNTIME_ENV="0")
 
 from _procmem import memory_by_role  # noqa: E402  (bench/ is on sys.path)
 
@@ -305,21 +299,22 @@ def _progress(totals: Totals, started: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", type=int, default=10_000)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--batch-groups", type=int, default=25)
-    parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--checkpoints", type=int, default=10)
-    args = parser.parse_args()
+    args = parse_counts(
+        __doc__,
+        rollouts=10_000,
+        group_size=4,
+        batch_groups=25,
+        turns=2,
+        max_tokens=4,
+        concurrency=64,
+        workers=2,
+        checkpoints=10,
+    )
     sys.path.insert(0, str(ROOT / "src"))
     import anyio
 
-    from tokcap._pipeline import VLLM_ARGS
-    from tokcap._tiny import build_tiny_model
+    from tokcap.demo._pipeline import VLLM_ARGS
+    from tokcap.tiny import build_tiny_model
     from tokcap_core import CaptureConfig
     from tokcap_tq import TQSink, TQSinkConfig, local_tq
     from tokcap_vllm import Gate, GateConfig, InProcessServer

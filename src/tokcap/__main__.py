@@ -107,7 +107,7 @@ def _positive(text: str) -> int:
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    from ._demo import DemoOptions, run_demo
+    from .demo._cli import DemoOptions, run_demo
 
     options = DemoOptions(
         groups=ns.groups,
@@ -125,7 +125,7 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from ._train_cli import TrainOptions, run_train
+    from .loop._cli import TrainOptions, run_train
 
     options = TrainOptions(
         steps=ns.steps,
@@ -142,8 +142,8 @@ def _train(ns: argparse.Namespace) -> int:
 
 
 def _show(run_dir: Path) -> int:
-    from ._summary import print_summary, summary_console
-    from ._train_summary import print_train_summary
+    from .demo._summary import print_summary, summary_console
+    from .loop._summary import print_train_summary
 
     path = run_dir / "summary.json" if run_dir.is_dir() else run_dir
     try:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from tokcap_core._advantages import (
+from tokcap_core.advantages import (
     AdvantageInputError,
     dr_grpo,
     grpo,

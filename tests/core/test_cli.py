@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib import resources
@@ -114,7 +115,8 @@ def test_a_usage_error_exits_2() -> None:
 def test_golden_exits_0() -> None:
     result = cli("golden")
     assert result.returncode == 0
-    assert result.stdout.startswith("golden vectors OK")
+    assert report(result)["golden"]["values"] > 0
+    assert result.stderr.startswith("tokcap-core golden: golden vectors OK")
 
 
 # ---- --format gym / gym-record -------------------------------------------------------
@@ -261,3 +263,185 @@ def test_gym_usage_errors_exit_2_and_missing_files_4(tmp_path: Path) -> None:
     assert missing.returncode == 4
     assert "gone.json" in missing.stderr
     assert cli("verify", "--format", "gym", some, "--staged", some).returncode == 3
+
+
+# ---- a verifier a CI job can trust ---------------------------------------------------
+
+
+def forest(tmp_path: Path, *, extra: Any = None) -> tuple[Path, Path, dict[str, Any]]:
+    """A two-root rollout: the second root is covered by ``--segments all`` only."""
+    from tokcap_core.simulate import simulate_rollout
+    from tokcap_core.staged import encode_staged_calls
+
+    rollout = simulate_rollout("forest", seed=3, turns=2, roots=2)
+    calls = list(rollout.calls)
+    if extra is not None:
+        calls.append(extra)
+    manifest, staged = tmp_path / "manifest.json", tmp_path / "staged.json"
+    manifest.write_bytes(encode_manifest(rollout.manifest))
+    staged.write_bytes(encode_staged_calls(calls))
+    return manifest, staged, json.loads(staged.read_bytes())
+
+
+def test_a_usage_error_exits_2_with_a_json_error_and_one_line() -> None:
+    result = cli("verify", example("manifest.json"), "--expected-head", "foo")
+    assert result.returncode == 2
+    assert report(result)["error"]["code"] == "usage"
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "--expected-head" in result.stderr
+
+
+def test_help_exits_0_and_lists_the_exit_codes() -> None:
+    for args in (("--help",), ("verify", "--help"), ("golden", "--help")):
+        result = cli(*args)
+        assert result.returncode == 0, args
+        assert "exit codes:" in result.stdout
+        assert "3  verification failed" in result.stdout
+
+
+def test_the_default_verifies_every_root_and_reports_what_stays_uncovered(
+    tmp_path: Path,
+) -> None:
+    manifest, staged, _ = forest(tmp_path)
+    default = report(cli("verify", manifest, "--staged", staged))
+    assert len(default["receipt"]["segments"]) == 2
+    assert default["uncovered"] == []
+    terminal = cli("verify", manifest, "--staged", staged, "--segments", "terminal")
+    assert terminal.returncode == 0
+    uncovered = report(terminal)["uncovered"]
+    assert {u["reason"] for u in uncovered} == {"other_root"}
+    assert {u["staged"] for u in uncovered} == {"matches_ledger"}
+    assert "uncovered" in terminal.stderr
+    strict = cli("verify", manifest, "--staged", staged, "--segments", "terminal", "--strict")
+    assert strict.returncode == 3
+    assert report(strict)["error"]["code"] == "uncovered"
+    assert all(u["call_id"] in report(strict)["error"]["message"] for u in uncovered)
+
+
+def test_a_flipped_byte_in_a_call_outside_the_segments_fails(tmp_path: Path) -> None:
+    manifest, staged, doc = forest(tmp_path)
+    first_root = doc["calls"][0]  # the first root: off the terminal's chain
+    first_root["tokens"][0] ^= 1
+    staged.write_text(json.dumps(doc))
+    result = cli("verify", manifest, "--staged", staged, "--segments", "terminal")
+    assert result.returncode == 3
+    assert report(result)["error"]["code"] == "digest_mismatch"
+    assert first_root["call_id"] in report(result)["error"]["message"]
+
+
+def test_an_unknown_staged_call_is_reported_and_fails_under_strict(tmp_path: Path) -> None:
+    from tokcap_core.simulate import simulate_rollout
+
+    stranger = simulate_rollout("stranger", seed=9, turns=1).calls[0]
+    manifest, staged, _ = forest(tmp_path, extra=stranger)
+    result = cli("verify", manifest, "--staged", staged)
+    assert result.returncode == 0
+    (uncovered,) = report(result)["uncovered"]
+    assert uncovered == {
+        "call_id": stranger.call_id,
+        "staging_key": stranger.key,
+        "reason": "not_recorded",
+        "why": "staged, but no ledger entry of this rollout names it",
+        "staged": "unrecorded",
+    }
+    strict = cli("verify", manifest, "--staged", staged, "--strict")
+    assert strict.returncode == 3
+    assert stranger.key.split("/")[1] in report(strict)["error"]["message"]
+
+
+def test_a_call_that_failed_before_it_was_served_is_reported_but_not_strict_failure() -> None:
+    result = cli("verify", example("manifest.json"), "--staged", example("staged.json"), "--strict")
+    assert result.returncode == 0, result.stdout
+    (failed,) = report(result)["uncovered"]
+    assert (failed["reason"], failed["staged"]) == ("failed_before_served", "absent")
+
+
+def test_an_unpinned_head_is_marked_unbound() -> None:
+    unpinned = report(cli("verify", example("manifest.json")))
+    assert "ledger_head" in unpinned["unbound"]
+    head = unpinned["receipt"]["ledger_head"]
+    pinned = cli(
+        "verify", example("manifest.json"), "--expected-head", f"{head['seq']}:{head['hash']}"
+    )
+    assert pinned.returncode == 0
+    assert report(pinned)["unbound"] == {}
+
+
+def test_gyms_reward_is_marked_unbound(tmp_path: Path) -> None:
+    from tests.core.interop.gymkit import capture_json, worked_example
+
+    receipt, snapshots = capture_json(worked_example())
+    receipt["reward"] = 5.0
+    receipt_path, staged_path = gym_files(tmp_path, receipt, snapshots)
+    result = cli("verify", "--format", "gym", receipt_path, "--staged", staged_path)
+    assert result.returncode == 0
+    assert report(result)["receipt"]["reward"] == 5.0
+    assert "binds no digest" in report(result)["unbound"]["reward"]
+
+
+def test_a_gym_receipt_without_format_gym_gets_a_hint(tmp_path: Path) -> None:
+    from tests.core.interop.gymkit import capture_json, worked_example
+
+    receipt_path, staged_path = gym_files(tmp_path, *capture_json(worked_example()))
+    result = cli("verify", receipt_path, "--staged", staged_path)
+    assert result.returncode == 3
+    assert "--format gym" in report(result)["error"]["hint"]
+    assert "--format gym" in result.stderr
+    manifest = cli("verify", "--format", "gym", example("manifest.json"), "--staged", staged_path)
+    assert "tokcap manifest" in report(manifest)["error"]["hint"]
+
+
+def test_stdin_is_read_with_a_dash() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokcap_core",
+            "verify",
+            "-",
+            "--staged",
+            str(example("staged.json")),
+        ],
+        input=example("manifest.json").read_bytes(),
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["staged"]["calls_verified"] == 8
+    assert cli("verify", "-", "--staged", "-").returncode == 2
+
+
+def _peak_rss_kib(*args: str | Path) -> tuple[int, dict[str, Any]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokcap_core", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    with proc.stdout:
+        out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 3, out
+    return usage.ru_maxrss, json.loads(out)
+
+
+def test_oversized_inputs_are_refused_before_they_are_read(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    with big.open("wb") as f:
+        f.truncate(1 << 30)  # 1 GiB, sparse: reading it would cost 1 GiB of memory
+    for args in (("verify", big), ("verify", example("manifest.json"), "--staged", big)):
+        rss_kib, doc = _peak_rss_kib(*args)
+        assert doc["error"]["code"] == "too_large"
+        assert rss_kib < 200 * 1024, rss_kib
+
+
+def test_an_unreadable_file_is_a_json_error_on_stdout_and_one_line_on_stderr(
+    tmp_path: Path,
+) -> None:
+    result = cli("verify", tmp_path / "nowhere.json")
+    assert result.returncode == 4
+    assert report(result)["error"]["code"] == "cannot_read"
+    (line,) = result.stderr.strip().splitlines()
+    assert "nowhere.json" in line

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcap_core import ConfigError
-from tokcap_core._config import CaptureConfig
+from tokcap_core.config import CaptureConfig
 from tokcap_core.receipts import SEGMENT_MODES
 
 SECRET = "s3cr3t-token-value-XYZ"

@@ -7,6 +7,7 @@ break one rule each); a kit that let them through would prove nothing.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from tokcap_core.testing import (
     check_idempotent_puts,
     check_strict_gets,
     check_training_rows,
+    cli_verifier,
     golden_samples,
 )
 
@@ -180,6 +182,39 @@ def test_tokcaps_golden_rollouts_and_simulated_gates_pass_the_format_kit() -> No
         "an identical staged call listed twice",
         "a poisoned receipt reads no staged row",
     }
+
+
+@pytest.mark.slow
+def test_the_cli_default_passes_the_format_kit() -> None:
+    """``tokcap-core verify`` with its default options, run in process on every sample."""
+    samples = [
+        *golden_samples(),
+        sample_of("gate-b", 2, turns=2, roots=2, offchain_failures=1, terminal="heuristic"),
+    ]
+    report = check_capture_format(samples, verify=cli_verifier())
+    assert report.detected > 1000
+    assert set(report.irrelevant) <= {
+        "staged call outside every receipt segment (result changed)",
+        "an identical staged call listed twice",
+        "a poisoned receipt reads no staged row",
+    }
+
+
+@pytest.mark.slow
+def test_the_console_script_passes_the_format_kit() -> None:
+    """The command line itself, one process per change, on the smallest golden rollout."""
+    smallest = min(golden_samples(), key=lambda s: len(s[0]) + len(s[1]))
+    report = check_capture_format(
+        [smallest], verify=cli_verifier([sys.executable, "-m", "tokcap_core", "verify"])
+    )
+    assert report.detected > 100
+
+
+def test_a_cli_that_exits_0_on_a_tamper_fails_the_format_kit() -> None:
+    """FAULT INJECTED: a command that prints a verified-looking report whatever it reads."""
+    liar = [sys.executable, "-c", "import json; print(json.dumps({'receipt': 'ok'}))"]
+    with pytest.raises(AssertionError, match="undetected change"):
+        check_capture_format(golden_samples()[-1:], verify=cli_verifier(liar))
 
 
 def test_a_verifier_that_skips_staged_rows_fails_the_format_kit() -> None:

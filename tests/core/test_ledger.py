@@ -287,75 +287,20 @@ def test_a_terminal_is_declared_at_most_once() -> None:
     )
 
 
+ROOT_ADMITTED, CHILD_ADMITTED = admit(C1), admit(C2, C1, prefix_len=3)
+
+
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: Admitted(
-            call_id=C1,
-            parent_id=None,
-            prefix_len=3,
-            admitted_at=0,
-            request_fingerprint="f",
-            formation="root",
-        ),
-        lambda: Admitted(
-            call_id=C2,
-            parent_id=C1,
-            prefix_len=0,
-            admitted_at=0,
-            request_fingerprint="f",
-            formation="extend",
-        ),
-        lambda: Admitted(
-            call_id=C2,
-            parent_id=C1,
-            prefix_len=3,
-            admitted_at=0,
-            request_fingerprint="f",
-            formation="extend",
-            break_cause="history_rewritten",
-        ),
-        lambda: Admitted(
-            call_id=C1,
-            parent_id=None,
-            prefix_len=0,
-            admitted_at=0,
-            request_fingerprint="f",
-            formation="root",
-            break_cause="whim",
-        ),
-        lambda: Admitted(
-            call_id=C1,
-            parent_id=None,
-            prefix_len=0,
-            admitted_at=-1,
-            request_fingerprint="f",
-            formation="root",
-        ),
-        lambda: Admitted(
-            call_id=C1,
-            parent_id=None,
-            prefix_len=0,
-            admitted_at=0,
-            request_fingerprint="",
-            formation="root",
-        ),
-        lambda: Admitted(
-            call_id=C1,
-            parent_id=None,
-            prefix_len=0,
-            admitted_at=0,
-            request_fingerprint="x" * 257,
-            formation="root",
-        ),
-        lambda: Admitted(
-            call_id=C1,
-            parent_id=None,
-            prefix_len=0,
-            admitted_at=0,
-            request_fingerprint="tab\t",
-            formation="root",
-        ),
+        lambda: dataclasses.replace(ROOT_ADMITTED, prefix_len=3),
+        lambda: dataclasses.replace(CHILD_ADMITTED, prefix_len=0),
+        lambda: dataclasses.replace(CHILD_ADMITTED, break_cause="history_rewritten"),
+        lambda: dataclasses.replace(ROOT_ADMITTED, break_cause="whim"),
+        lambda: dataclasses.replace(ROOT_ADMITTED, admitted_at=-1),
+        lambda: dataclasses.replace(ROOT_ADMITTED, request_fingerprint=""),
+        lambda: dataclasses.replace(ROOT_ADMITTED, request_fingerprint="x" * 257),
+        lambda: dataclasses.replace(ROOT_ADMITTED, request_fingerprint="tab\t"),
         lambda: dataclasses.replace(stage(C1), gen_len=0),
         lambda: dataclasses.replace(stage(C1), finish_reason="abort"),
         lambda: dataclasses.replace(stage(C1), call_digest="D1" * 32),
@@ -394,11 +339,8 @@ FORMATIONS_REFUSED = [
 ]
 
 
-@pytest.mark.parametrize(("parent", "formation", "broke", "spliced"), FORMATIONS_ALLOWED)
-def test_admitted_records_how_the_prompt_was_formed(
-    parent: str | None, formation: str, broke: str | None, spliced: str | None
-) -> None:
-    event = Admitted(
+def _formed(parent: str | None, formation: str, broke: str | None, spliced: str | None) -> Admitted:
+    return Admitted(
         call_id=C2,
         parent_id=parent,
         prefix_len=3 if parent else 0,
@@ -408,6 +350,13 @@ def test_admitted_records_how_the_prompt_was_formed(
         break_cause=broke,
         splice_cause=spliced,
     )
+
+
+@pytest.mark.parametrize(("parent", "formation", "broke", "spliced"), FORMATIONS_ALLOWED)
+def test_admitted_records_how_the_prompt_was_formed(
+    parent: str | None, formation: str, broke: str | None, spliced: str | None
+) -> None:
+    event = _formed(parent, formation, broke, spliced)
     assert (event.formation, event.splice_cause) == (formation, spliced)
     assert event.formation in FORMATIONS
 
@@ -417,16 +366,7 @@ def test_a_formation_that_contradicts_the_parent_or_causes_is_refused(
     parent: str | None, formation: str, broke: str | None, spliced: str | None
 ) -> None:
     with pytest.raises(LedgerProtocolError) as info:
-        Admitted(
-            call_id=C2,
-            parent_id=parent,
-            prefix_len=3 if parent else 0,
-            admitted_at=0,
-            request_fingerprint="f",
-            formation=formation,
-            break_cause=broke,
-            splice_cause=spliced,
-        )
+        _formed(parent, formation, broke, spliced)
     assert info.value.code == "bad_event_field"
 
 

@@ -9,14 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcap_core import Receipt, assemble_receipt, verify_manifest
-from tokcap_core._metrics import (
+from tokcap_core.ledger import BREAK_CAUSES, SPLICE_CAUSES
+from tokcap_core.metrics import (
     break_cause_counts,
     calls_per_rollout,
     failure_counts,
     splice_cause_counts,
     terminal_selection_breakdown,
 )
-from tokcap_core.ledger import BREAK_CAUSES, SPLICE_CAUSES
 from tokcap_core.reasons import FAILURE_BUCKETS, UNKNOWN_REASON
 from tokcap_core.receipts import TERMINAL_SELECTIONS
 from tokcap_core.simulate import simulate_rollout

@@ -7,8 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcap_core import ConfigError
-from tokcap_core._policy import Accept, Drop, Replace, decide_group
-from tokcap_core._rpc import FinalizedGroup
+from tokcap_core.rpc import Accept, Drop, FinalizedGroup, Replace, decide_group
 
 
 def group(

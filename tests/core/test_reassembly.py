@@ -30,9 +30,9 @@ from tokcap_core import (
     reassemble,
 )
 from tokcap_core.errors import InvalidStagedCall
-from tokcap_core.ledger import Admitted, Closed, Staged, TerminalDeclared
+from tokcap_core.ledger import Closed, TerminalDeclared
 from tokcap_core.routes import Routes, routes_from_rows, unknown_rows
-from tokcap_core.simulate import SimulatedRollout, simulate_rollout
+from tokcap_core.simulate import SimulatedRollout, admit_call, simulate_rollout, stage_call
 from tokcap_core.testing import simulated_rollouts
 
 BIG = 1 << 20
@@ -92,29 +92,17 @@ def _chain(
     parent: StagedCall | None = None
     history: list[int] = []
     for index, turn in enumerate(turns):
-        call_id = ledger.next_call_id()
-        ledger.append(
-            Admitted(
-                call_id=call_id,
-                parent_id=parent.call_id if parent else None,
-                prefix_len=parent.cum_len if parent else 0,
-                admitted_at=index,
-                request_fingerprint=f"req-{index}",
-                formation="extend" if parent else "root",
-            )
-        )
+        call_id = admit_call(ledger, parent, admitted_at=index, request_fingerprint=f"req-{index}")
         prompt = history + list(turn.carry)
         routes = turn.routes
         if routes == "engine":
             routes = _engine_routes(
                 len(prompt) + len(turn.output) - 1, index, dtype=turn.dtype, layers=turn.layers
             )
-        call = StagedCall.from_engine_output(
-            rollout_id=rollout_id,
-            call_id=call_id,
-            parent_id=parent.call_id if parent else None,
-            parent_cum_len=parent.cum_len if parent else 0,
-            parent_chain_hash=parent.chain_hash if parent else None,
+        call = stage_call(
+            ledger,
+            call_id,
+            parent,
             prompt_ids=prompt,
             output_ids=turn.output,
             logprobs=[-0.25 * (i + 1) for i in range(len(turn.output))],
@@ -122,18 +110,6 @@ def _chain(
             weight_version=turn.weight_version,
             weight_version_last=turn.weight_version_last,
             routes=routes,
-        )
-        ledger.append(
-            Staged(
-                call_id=call_id,
-                carry_len=call.carry_len,
-                gen_len=call.gen_len,
-                weight_version=call.weight_version,
-                weight_version_last=call.weight_version_last,
-                finish_reason=call.finish_reason,
-                call_digest=call.digest,
-                chain_hash=call.chain_hash,
-            )
         )
         staged[call.key] = call
         history = prompt + list(turn.output)

@@ -20,7 +20,6 @@ from tokcap_core.ledger import (
     Closed,
     Failed,
     Poisoned,
-    Staged,
     TerminalDeclared,
     Witnesses,
 )
@@ -33,7 +32,7 @@ from tokcap_core.reasons import (
     WITNESS_DISAGREEMENT,
     WITNESS_UNMATCHED,
 )
-from tokcap_core.simulate import simulate_rollout
+from tokcap_core.simulate import simulate_rollout, stage_call
 
 
 class Builder:
@@ -81,32 +80,16 @@ class Builder:
         """Admit and stage a call with two carried and two generated tokens; return its id."""
         call_id = self.admit(parent, break_cause=break_cause, splice_cause=splice_cause)
         up = self.calls[parent] if parent else None
-        call = StagedCall.from_engine_output(
-            rollout_id=self.ledger.rollout_id,
-            call_id=call_id,
-            parent_id=parent,
-            parent_cum_len=up.cum_len if up else 0,
-            parent_chain_hash=up.chain_hash if up else None,
+        call = stage_call(
+            self.ledger,
+            call_id,
+            up,
             prompt_ids=[0] * (up.cum_len if up else 0) + [self.clock, 7],
             output_ids=[self.clock, 9],
             logprobs=[-0.5, -1.5],
-            finish_reason="stop",
-            weight_version=0,
             weight_version_last=weight_version_last,
-        )
-        self.ledger.append(
-            Staged(
-                call_id=call_id,
-                carry_len=call.carry_len,
-                gen_len=call.gen_len,
-                weight_version=call.weight_version,
-                weight_version_last=call.weight_version_last,
-                finish_reason=call.finish_reason,
-                call_digest=call.digest,
-                chain_hash=call.chain_hash,
-                response_id=f"resp-{call_id}",
-                output_fingerprint=fingerprint or f"out-{call_id}",
-            )
+            response_id=f"resp-{call_id}",
+            output_fingerprint=fingerprint or f"out-{call_id}",
         )
         self.calls[call_id] = call
         return call_id

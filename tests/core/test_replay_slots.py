@@ -11,8 +11,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from tokcap_core._errors import ReplaySlotError
-from tokcap_core._replay import READY, RESERVED, ClearPlan, ReplaySlots, Slot
+from tokcap_core.errors import ReplaySlotError
+from tokcap_core.slots import READY, RESERVED, ClearPlan, ReplaySlots, Slot
 
 Op = Callable[[ReplaySlots], object]
 

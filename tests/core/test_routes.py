@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokcap_core import _routes
-from tokcap_core._errors import RoutesError
-from tokcap_core._routes import (
+from tokcap_core import routes as routes_module
+from tokcap_core.errors import RoutesError
+from tokcap_core.routes import (
     Routes,
     align_routes,
     backfill_missing_rows,
@@ -89,7 +89,7 @@ def test_big_endian_host_swaps_to_and_from_the_wire(monkeypatch: pytest.MonkeyPa
     # On a little-endian host, pretending to be big-endian must byteswap on both sides:
     # the bytes come out big-endian here (proving the swap runs) and still round-trip.
     routes = routes_from_rows([[[1, 258]], [[-1, 300]]], dtype="int16")
-    monkeypatch.setattr(_routes, "_SWAP_BYTES", not _routes._SWAP_BYTES)
+    monkeypatch.setattr(routes_module, "_SWAP_BYTES", not routes_module._SWAP_BYTES)
     envelope = encode_routes(routes)
     swapped: Literal["little", "big"] = "big" if sys.byteorder == "little" else "little"
     want = b"".join(v.to_bytes(2, swapped, signed=True) for v in (1, 258, -1, 300))

@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcap_core import InvalidId, Receipt, assemble_receipt, verify_manifest
-from tokcap_core._rpc import (
+from tokcap_core.errors import MetadataViolation
+from tokcap_core.rpc import (
     FORBIDDEN_KEYS,
     MAX_METADATA_DEPTH,
     FinalizedGroup,
@@ -21,7 +22,6 @@ from tokcap_core._rpc import (
     ReassemblyRequest,
     assert_metadata_only,
 )
-from tokcap_core.errors import MetadataViolation
 from tokcap_core.simulate import simulate_rollout
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokcap._tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
+from tokcap.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
 
 pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")

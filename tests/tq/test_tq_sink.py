@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from tests.tq.support import fresh_tq_sink
+from tests.tq.support import fresh_tq_sink, max_loop_lag
 from tokcap_core import MissingRows, SinkError, StagedCall
 from tokcap_core.simulate import simulate_rollout
 
@@ -110,26 +108,6 @@ async def test_cancelling_the_task_mid_clear_frees_every_key() -> None:
     assert await sink.staged_keys() == []
 
 
-async def _max_lag(work: Callable[[], Awaitable[None]]) -> float:
-    """The longest a 1 ms ticker on this loop waited beyond its period while ``work`` ran."""
-    lag = 0.0
-    done = anyio.Event()
-
-    async def ticker() -> None:
-        nonlocal lag
-        while not done.is_set():
-            start = time.perf_counter()
-            await anyio.sleep(0.001)
-            lag = max(lag, time.perf_counter() - start - 0.001)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        await anyio.sleep(0.01)
-        await work()
-        done.set()
-    return lag
-
-
 @pytest.mark.anyio
 async def test_clear_does_not_stall_the_loop_like_the_sync_veneer() -> None:
     import transfer_queue as tq
@@ -145,13 +123,13 @@ async def test_clear_does_not_stall_the_loop_like_the_sync_veneer() -> None:
     async def ours() -> None:
         await sink.clear(keys)
 
-    lag_ours = await _max_lag(ours)
+    lag_ours = await max_loop_lag(ours)
     await sink.put(calls)
 
     async def sync_on_loop() -> None:
         tq.kv_clear(keys=keys, partition_id=partition)  # the blocking veneer, on purpose
 
-    lag_sync = await _max_lag(sync_on_loop)
+    lag_sync = await max_loop_lag(sync_on_loop)
     assert await sink.staged_keys() == []
     assert lag_ours < 0.5 * lag_sync, (lag_ours, lag_sync)
 

@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
 
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     return build_tiny_model(cache / "dense", kind="dense")

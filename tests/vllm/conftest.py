@@ -1,6 +1,6 @@
 """One vLLM CPU engine + the gate for the whole tests/vllm session (fast-start mode).
 
-The tiny model comes from ``tokcap._tiny`` (ChatML template, built locally, cached).
+The tiny model comes from ``tokcap.tiny`` (ChatML template, built locally, cached).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class FailingSink(MemorySink):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
 
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     return build_tiny_model(cache / "dense", kind="dense")

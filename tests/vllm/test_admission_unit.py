@@ -28,7 +28,7 @@ from tests.vllm._templates import (
     MISTRAL_TEMPLATE,
     QWEN3_TEMPLATE,
 )
-from tokcap._tiny import CHATML_TEMPLATE
+from tokcap.tiny import CHATML_TEMPLATE
 from tokcap_core import ConfigError
 from tokcap_core.ledger import BREAK_CAUSES, SPLICE_CAUSES
 from tokcap_vllm import GateConfig

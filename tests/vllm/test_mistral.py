@@ -8,7 +8,7 @@ starts). The harness is the real ``openai`` client: it offers tools, echoes the 
 ``tool_calls`` (Mistral's 9-character ids) and answers with ``role: "tool"`` messages.
 
 The random model is made to call tools the way vLLM itself constrains output
-(`tokcap._tiny_mistral.force_tool_calls`): a regex through ``structured_outputs``
+(`tokcap.tiny.force_tool_calls`): a regex through ``structured_outputs``
 (xgrammar on CPU; vLLM declares no special tokens to it for Mistral tokenizers, so
 ``[TOOL_CALLS]`` may match as the control token) plus a ``logit_bias`` on the
 ``[TOOL_CALLS]`` control token, so the model emits Mistral's own format: ``[TOOL_CALLS]``
@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS, client, close_and_reassemble, events
-from tokcap._tiny_mistral import force_tool_calls, tiny_mistral, tool_calls_token_id
+from tokcap.tiny import force_tool_calls, tiny_mistral, tool_calls_token_id
 from tokcap_core import CaptureConfig
 from tokcap_core.ledger import Admitted
 from tokcap_vllm import Gate, GateConfig, InProcessServer

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokcap._tiny_mistral import MISTRAL_TOKENIZERS
+from tokcap.tiny import MISTRAL_TOKENIZERS
 from tokcap_vllm import GateConfig
 from tokcap_vllm._admission import ChatPlan, PriorCall, message_fingerprints, normalize_message
 from tokcap_vllm._admission_ids import plan_chat_ids, splice_cause

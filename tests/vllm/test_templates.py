@@ -21,7 +21,7 @@ import pytest
 
 from tests.vllm._helpers import client, close_and_reassemble
 from tests.vllm._templates import FAMILIES
-from tokcap._harness import TOOLS, forced_tool_calls, tool_result
+from tokcap.demo import TOOLS, forced_tool_calls, tool_result
 from tokcap_core.ledger import Staged, manifest_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -13,8 +13,6 @@ machine, manifests, digests), `.staged`, `.receipts`, `.rows`, `.reasons`, `.rou
 (hypothesis strategies) and `.interop` (peers' capture formats).
 """
 
-from ._advantages import dr_grpo, grpo, masked_mean, reinforce_pp, rloo
-from ._config import CaptureConfig
 from ._errors import (
     ConfigError,
     InvalidId,
@@ -27,20 +25,22 @@ from ._errors import (
 )
 from ._ledger import Entry, Ledger
 from ._manifest import Manifest, decode_manifest, verify_manifest
-from ._parity import (
-    LogprobParity,
-    logprob_parity,
-    sequence_ratio_mask,
-    truncated_importance_weights,
-)
 from ._policy import Accept, Drop, Replace, decide_group
 from ._reassembly import reassemble
 from ._receipt import Receipt, assemble_receipt
 from ._rows import TrainingRow, placeholder_row
 from ._rpc import FinalizedGroup, ReassemblyRequest
-from ._sink import MemorySink, TokenSink
 from ._staged import StagedCall
 from ._verify import verify_staged
+from .advantages import dr_grpo, grpo, masked_mean, reinforce_pp, rloo
+from .config import CaptureConfig
+from .parity import (
+    LogprobParity,
+    logprob_parity,
+    sequence_ratio_mask,
+    truncated_importance_weights,
+)
+from .sink import MemorySink, TokenSink
 
 __all__ = [
     "Accept",

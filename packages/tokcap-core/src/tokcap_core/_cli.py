@@ -1,13 +1,7 @@
-"""The ``tokcap-core`` command line: verify a manifest (and staged rows), re-check golden vectors.
+"""The ``tokcap-core`` command line: verify a capture, re-check the golden vectors.
 
-``verify`` reads tokcap's own manifest by default; ``--format gym`` reads a NeMo-Gym
-``RolloutReceipt`` and its staged records (``--staged``, a JSON array or JSON Lines in
-manifest order) and verifies them with Gym's rules; ``--format gym-record`` checks one
-Gym staged record alone (schema and recomputed digest).
-
-Exit codes: 0 verified; 1 the rollout is poisoned (the manifest itself is sound);
-2 usage error; 3 verification failed (tampered, malformed or inconsistent data);
-4 a file could not be read.
+Output convention, for every command and every outcome: one JSON document on stdout (the
+result, or ``{"error": {"code", "message", "hint"?}}``), one human line on stderr.
 """
 
 from __future__ import annotations
@@ -16,17 +10,21 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
+from ._cli_verify import (
+    EXIT_IO_ERROR,
+    EXIT_OK,
+    EXIT_POISONED,
+    EXIT_USAGE,
+    EXIT_VERIFICATION_FAILED,
+    FORMATS,
+    Outcome,
+    verify_command,
+)
 from ._errors import TokcapError
-from ._golden import assert_golden_vectors
-from ._manifest import decode_manifest, verify_manifest
-from ._receipt import SEGMENT_MODES, assemble_receipt
-from ._routes import encode_routes
-from ._rows import TrainingRow
-from ._staged_json import decode_staged_calls
-from ._verify import verify_staged
+from ._receipt import SEGMENT_MODES
+from .golden import assert_golden_vectors
 
 __all__ = [
     "EXIT_IO_ERROR",
@@ -37,131 +35,100 @@ __all__ = [
     "main",
 ]
 
-EXIT_OK: Final = 0
-EXIT_POISONED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_VERIFICATION_FAILED: Final = 3
-EXIT_IO_ERROR: Final = 4
-FORMATS: Final = ("tokcap", "gym", "gym-record")
+EXIT_CODES: Final = f"""\
+exit codes:
+  {EXIT_OK}  verified (with --strict: and nothing staged or recorded left uncovered)
+  {EXIT_POISONED}  the rollout is poisoned (the capture itself is sound; nothing to train)
+  {EXIT_USAGE}  usage error
+  {EXIT_VERIFICATION_FAILED}  verification failed: tampered, malformed, inconsistent or too large
+     (with --strict: also anything staged or recorded that no verified segment covers)
+  {EXIT_IO_ERROR}  a file could not be read
+
+stdout always carries one JSON document (the result, or {{"error": {{"code", ...}}}});
+stderr carries one human-readable line.
+"""
+
+VERIFY_DESCRIPTION: Final = """\
+Replay a manifest, assemble its receipt, and check the staged calls against it.
+
+FILE is tokcap's manifest by default; --format gym reads a NeMo-Gym RolloutReceipt and its
+staged records (--staged, a JSON array or JSON Lines in manifest order) with Gym's rules;
+--format gym-record checks one Gym staged record alone (schema and recomputed digest).
+Either FILE or --staged may be "-" (standard input). Calls the ledger recorded, or the
+staged file holds, that no verified segment covers are listed under "uncovered" (id and
+why); a staged call that contradicts the ledger's digest always fails, and --strict fails
+on any uncovered call that holds tokens (a call that failed before it was served holds
+none: it is reported only). Fields no digest binds are listed under "unbound".
+"""
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokcap-core", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors in the CLI's output convention (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        _emit({"error": {"code": "usage", "message": message}}, f"{self.prog}: error: {message}")
+        self.exit(EXIT_USAGE)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        description="Verify tokcap (and NeMo-Gym) captures; re-check the golden vectors.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     verify = sub.add_parser(
-        "verify", help="replay a manifest, print its receipt, check staged rows"
+        "verify",
+        help="replay a manifest, print its receipt, check staged rows",
+        description=VERIFY_DESCRIPTION,
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument(
         "manifest",
-        type=Path,
         metavar="FILE",
-        help="tokcap: the manifest JSON; gym: the RolloutReceipt JSON; gym-record: one record",
+        help="tokcap: the manifest JSON; gym: the RolloutReceipt JSON; gym-record: one "
+        'record; "-": stdin',
     )
     verify.add_argument(
         "--format", choices=FORMATS, default="tokcap", help="what FILE is (default: tokcap)"
     )
     verify.add_argument(
         "--staged",
-        type=Path,
-        help="tokcap: staged-calls JSON; gym: staged records (JSON array or JSONL, manifest order)",
+        metavar="STAGED",
+        help="tokcap: staged-calls JSON; gym: staged records (JSON array or JSONL, manifest "
+        'order); "-": stdin',
     )
-    verify.add_argument("--segments", choices=SEGMENT_MODES)
     verify.add_argument(
-        "--expected-head", metavar="SEQ:HASH", help="the head kept when the rollout closed"
+        "--segments",
+        choices=SEGMENT_MODES,
+        help="tokcap: verify the terminal's chain only, or also one chain per other root "
+        "(default: all, what the conformance kit checks)",
     )
-    sub.add_parser("golden", help="recompute the shipped golden vectors")
+    verify.add_argument(
+        "--expected-head",
+        metavar="SEQ:HASH",
+        help="tokcap: the ledger head kept when the rollout closed (pins the whole chain)",
+    )
+    verify.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail (exit 3) when anything staged or recorded is left uncovered",
+    )
+    sub.add_parser(
+        "golden",
+        help="recompute the shipped golden vectors",
+        description="Recompute every golden vector shipped with tokcap-core.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     return parser
 
 
-def _head(text: str) -> tuple[int, str]:
-    seq, _, digest = text.partition(":")
-    if not seq.isdigit() or len(digest) != 64:
-        raise SystemExit(f"tokcap-core: --expected-head must be SEQ:HASH, got {text!r}")
-    return int(seq), digest
-
-
-def _verify(args: argparse.Namespace) -> int:
-    if args.format != "tokcap":
-        return _verify_gym(args)
-    try:
-        manifest_bytes = args.manifest.read_bytes()
-        staged_bytes = args.staged.read_bytes() if args.staged else None
-    except OSError as e:
-        print(f"tokcap-core: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
-        return EXIT_IO_ERROR
-    expected = _head(args.expected_head) if args.expected_head else None
-    try:
-        state = verify_manifest(decode_manifest(manifest_bytes), expected_head=expected)
-        receipt = assemble_receipt(state, segments=args.segments or "terminal")
-        report = {"receipt": receipt.to_json()}
-        if staged_bytes is not None and receipt.ok:
-            segments = verify_staged(receipt, decode_staged_calls(staged_bytes))
-            report["staged"] = {
-                "segments": len(segments),
-                "calls_verified": sum(len(s) for s in segments),
-                "tokens": sum(len(c.tokens) for s in segments for c in s),
-            }
-    except TokcapError as e:
-        print(json.dumps({"error": {"code": e.code, "message": e.message}}, indent=2))
-        return EXIT_VERIFICATION_FAILED
+def _emit(report: dict[str, Any], human: str) -> None:
     print(json.dumps(report, indent=2))
-    return EXIT_OK if receipt.ok else EXIT_POISONED
-
-
-def _row_json(row: TrainingRow) -> dict[str, Any]:
-    return {
-        "token_ids": row.input_ids.tolist(),
-        "loss_mask": row.loss_mask.tolist(),
-        "logprobs": row.logprobs.tolist(),
-        "weight_versions": [span.weight_version for span in row.call_spans],
-        "call_ids": [span.call_id for span in row.call_spans],
-        "prompt_len": row.prompt_len,
-        "truncated": row.truncated,
-        "reward": row.reward,
-        "sample_mask": row.sample_mask,
-        "reason": row.reason,
-        "routes": None if row.routes is None else encode_routes(row.routes),
-    }
-
-
-def _verify_gym(args: argparse.Namespace) -> int:
-    # Imported here: the tokcap format never pays for the interop modules.
-    from .interop import gym
-
-    try:
-        main_bytes = args.manifest.read_bytes()
-        staged_bytes = args.staged.read_bytes() if args.staged else None
-    except OSError as e:
-        print(f"tokcap-core: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
-        return EXIT_IO_ERROR
-    try:
-        if args.format == "gym-record":
-            record = gym.decode_gym_staged_record(main_bytes)
-            report: dict[str, Any] = {
-                "record": {
-                    "rollout_id": record.rollout_id,
-                    "model_call_id": record.model_call_id,
-                    "staging_key": record.staging_key,
-                    "schema_version": record.schema_version,
-                    "digest": record.digest,
-                    "digest_verified": True,
-                    "extras_verified": record.extras_loaded,
-                }
-            }
-            print(json.dumps(report, indent=2))
-            return EXIT_OK
-        assert staged_bytes is not None
-        receipt = gym.decode_gym_receipt(main_bytes)
-        snapshots = [] if receipt.poisoned else gym.decode_gym_snapshots(staged_bytes)
-        result = gym.verify_gym_rollout(receipt, snapshots)
-    except TokcapError as e:
-        print(json.dumps({"error": {"code": e.code, "message": e.message}}, indent=2))
-        return EXIT_VERIFICATION_FAILED
-    receipt_json = result.receipt.to_json()
-    receipt_json["gym_reason"] = result.gym_reason
-    receipt_json["gym_terminal_selection"] = receipt.terminal_selection
-    print(json.dumps({"receipt": receipt_json, "row": _row_json(result.row)}, indent=2))
-    return EXIT_OK if result.ok else EXIT_POISONED
+    print(human, file=sys.stderr)
 
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -171,19 +138,36 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("--format gym-record checks one record alone: no --staged")
     if args.format != "tokcap" and (args.segments or args.expected_head):
         parser.error("--segments and --expected-head apply to the tokcap format only")
+    if args.manifest == "-" and args.staged == "-":
+        parser.error("only one of FILE and --staged can be read from stdin")
+    if args.expected_head is not None:
+        seq, _, digest = args.expected_head.partition(":")
+        hexdigits = all(c in "0123456789abcdef" for c in digest)
+        if not seq.isdigit() or len(digest) != 64 or not hexdigits:
+            parser.error(
+                f"--expected-head must be SEQ:HASH (64 hex digits), got {args.expected_head!r}"
+            )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (see module docstring)."""
-    parser = _parser()
+def main(argv: Sequence[str] | None = None, *, prog: str = "tokcap-core") -> int:
+    """Run the CLI; returns the exit code (listed in ``--help``)."""
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.command == "verify":
         _check_usage(parser, args)
-        return _verify(args)
+        outcome: Outcome = verify_command(args)
+        _emit(outcome.report, f"{prog} verify: {outcome.human}")
+        return outcome.code
     try:
         count = assert_golden_vectors()
     except TokcapError as e:
-        print(f"golden vectors FAILED: [{e.code}] {e.message}")
+        _emit(
+            {"error": {"code": e.code, "message": e.message}},
+            f"{prog} golden: golden vectors FAILED: [{e.code}] {e.message}",
+        )
         return EXIT_VERIFICATION_FAILED
-    print(f"golden vectors OK: {count} values recomputed")
+    _emit(
+        {"golden": {"ok": True, "values": count}},
+        f"{prog} golden: golden vectors OK: {count} values recomputed",
+    )
     return EXIT_OK

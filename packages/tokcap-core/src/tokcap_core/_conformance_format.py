@@ -23,11 +23,11 @@ from importlib import resources
 from typing import Any, TypeAlias
 
 from ._errors import TokcapError
-from ._golden import assert_golden_vectors
 from ._manifest import decode_manifest, verify_manifest
 from ._reassembly import reassemble
 from ._receipt import assemble_receipt
 from ._staged_json import STAGED_FORMAT, decode_staged_calls
+from .golden import assert_golden_vectors
 
 __all__ = [
     "FormatReport",

@@ -26,13 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ._errors import MissingRows, SinkError
-from ._ids import StagingKey, TrainingKey
 from ._reassembly import reassemble
 from ._receipt import assemble_receipt
 from ._rows import TrainingRow, placeholder_row
-from ._simulate import SimulatedRollout, simulate_rollout
-from ._sink import TokenSink
 from ._staged import StagedCall
+from .ids import StagingKey, TrainingKey
+from .simulate import SimulatedRollout, simulate_rollout
+from .sink import TokenSink
 
 __all__ = [
     "SINK_CHECKS",

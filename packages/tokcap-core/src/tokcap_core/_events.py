@@ -14,8 +14,8 @@ from typing import ClassVar, Final, Literal, TypeAlias
 
 from ._digest import Canon
 from ._errors import LedgerProtocolError
-from ._ids import validate_call_id
 from ._staged import FINISH_REASONS
+from .ids import validate_call_id
 
 __all__ = [
     "BREAK_CAUSES",

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._errors import ReassemblyError
-from ._ids import StagingKey, TrainingKey
-from ._metrics import failure_counts, terminal_selection_breakdown
-from ._reasons import MISSING_ROWS, REASSEMBLY_FAILED, make_reason
 from ._reassembly import reassemble
 from ._rows import TrainingRow, placeholder_row
 from ._rpc import FinalizedGroup, ReassemblyRequest
 from ._staged import StagedCall
+from .ids import StagingKey, TrainingKey
+from .metrics import failure_counts, terminal_selection_breakdown
+from .reasons import MISSING_ROWS, REASSEMBLY_FAILED, make_reason
 
 __all__ = ["GroupResult", "on_chain_keys", "reassemble_group"]
 

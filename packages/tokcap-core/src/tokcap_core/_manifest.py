@@ -18,8 +18,8 @@ from typing import Any, Final
 
 from ._errors import ManifestError, TokcapError, VerificationError
 from ._events import Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared, Witnesses
-from ._ids import validate_rollout_id
 from ._ledger import Entry, Ledger, RolloutState, replay
+from .ids import validate_rollout_id
 
 __all__ = [
     "MANIFEST_FORMAT",

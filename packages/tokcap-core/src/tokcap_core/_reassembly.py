@@ -17,12 +17,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from ._errors import ReassemblyError, RoutesError, VerificationError
-from ._ids import StagingKey
 from ._receipt import Receipt
-from ._routes import Routes, concat_routes, unknown_rows
 from ._rows import CallSpan, TrainingRow
 from ._staged import StagedCall
 from ._verify import verify_staged
+from .ids import StagingKey
+from .routes import Routes, concat_routes, unknown_rows
 
 __all__ = ["reassemble"]
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
 from ._errors import VerificationError
-from ._ids import StagingKey, staging_key
 from ._ledger import ADMITTED, CLOSED, FAILED, STAGED, CallRecord, RolloutState
-from ._reasons import (
+from .ids import StagingKey, staging_key
+from .reasons import (
     AMBIGUOUS_TERMINAL,
     DECLARED_TERMINAL_MISSING,
     NO_TERMINAL,

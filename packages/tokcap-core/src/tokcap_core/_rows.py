@@ -13,18 +13,11 @@ from array import array
 from dataclasses import dataclass
 
 from ._errors import InvalidStagedCall
-from ._ids import TrainingKey, validate_rollout_id
-from ._reasons import reason_bucket
-from ._routes import Routes, unknown_routes
+from .ids import TrainingKey, training_key
+from .reasons import reason_bucket
+from .routes import Routes, unknown_routes
 
-__all__ = ["CallSpan", "TrainingRow", "placeholder_row", "training_key"]
-
-
-def training_key(rollout_id: str, segment: int) -> TrainingKey:
-    """The training key of a rollout's ``segment``-th row: ``"{rollout_id}/s{segment:03d}"``."""
-    if isinstance(segment, bool) or not isinstance(segment, int) or not 0 <= segment < 1000:
-        raise InvalidStagedCall("bad_segment", f"segment index must be in [0, 1000): {segment!r}")
-    return TrainingKey(f"{validate_rollout_id(rollout_id)}/s{segment:03d}")
+__all__ = ["CallSpan", "TrainingRow", "placeholder_row"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

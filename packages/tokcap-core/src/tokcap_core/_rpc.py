@@ -16,10 +16,10 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Final, Literal, TypeAlias
 
 from ._errors import InvalidId, MetadataViolation, TokcapError
-from ._ids import StagingKey, TrainingKey, validate_rollout_id
 from ._receipt import Receipt
-from ._routes import Routes
 from ._staged import StagedCall
+from .ids import StagingKey, TrainingKey, validate_rollout_id
+from .routes import Routes
 
 __all__ = [
     "FORBIDDEN_KEYS",

@@ -22,8 +22,8 @@ from typing import Final
 
 from ._digest import CALL_DOMAIN, Canon, chain_hash
 from ._errors import InvalidStagedCall, RoutesError
-from ._ids import StagingKey, staging_key, validate_call_id, validate_rollout_id
-from ._routes import Routes, align_routes
+from .ids import StagingKey, staging_key, validate_call_id, validate_rollout_id
+from .routes import Routes, align_routes
 
 __all__ = ["FINISH_REASONS", "StagedCall", "compute_call_digest", "logprob_array", "token_array"]
 

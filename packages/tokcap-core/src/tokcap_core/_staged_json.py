@@ -14,10 +14,11 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ._errors import InvalidStagedCall, TokcapError
-from ._routes import decode_routes, encode_routes
 from ._staged import StagedCall
+from .routes import decode_routes, encode_routes
 
 __all__ = [
+    "MAX_STAGED_BYTES",
     "STAGED_FORMAT",
     "decode_staged_calls",
     "encode_staged_calls",
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 STAGED_FORMAT: Final = "tokcap/staged/v2"
+MAX_STAGED_BYTES: Final = 256 * 1024 * 1024
+"""The largest staged-calls document `decode_staged_calls` reads by default."""
 _FIELDS: Final = (
     "rollout_id", "call_id", "parent_id", "prefix_len", "carry_len", "gen_len", "weight_version",
     "weight_version_last", "finish_reason", "tokens", "logprobs", "routes", "digest", "chain_hash",
@@ -104,7 +107,7 @@ def encode_staged_calls(calls: Iterable[StagedCall]) -> bytes:
 
 
 def decode_staged_calls(
-    data: bytes | str, *, max_bytes: int = 256 * 1024 * 1024
+    data: bytes | str, *, max_bytes: int = MAX_STAGED_BYTES
 ) -> list[StagedCall]:
     """Strictly decode a staged-calls document (``too_large``, ``bad_json``, ``bad_format``...)."""
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)

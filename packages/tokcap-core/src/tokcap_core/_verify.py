@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 
 from ._digest import chain_hash
 from ._errors import VerificationError
-from ._ids import StagingKey
 from ._receipt import Receipt, ReceiptCall
 from ._staged import StagedCall
+from .ids import StagingKey
 
 __all__ = ["verify_staged"]
 

@@ -3,9 +3,6 @@
 One root (`TokcapError`), split by who is at fault, each with a stable ``code``.
 """
 
-from ._advantages import (
-    AdvantageInputError,
-)
 from ._errors import (
     ConfigError,
     InvalidId,
@@ -23,6 +20,9 @@ from ._errors import (
 )
 from ._rpc import (
     InvalidRequest,
+)
+from .advantages import (
+    AdvantageInputError,
 )
 
 __all__ = [

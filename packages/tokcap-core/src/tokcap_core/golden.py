@@ -1,13 +1,148 @@
-"""Golden vectors: every digest pinned, recomputable (``tokcap-core golden``)."""
+"""Golden vectors: fixed inputs and the digests, entry hashes and receipts they must give.
 
-from ._golden import (
-    GOLDEN_FORMAT,
-    assert_golden_vectors,
-    build_golden_vectors,
-)
+The vectors ship in ``golden/vectors.json``; `assert_golden_vectors` recomputes every
+value from the stored inputs, so any change to canonical bytes, domains or terminal
+selection shows up as ``golden_mismatch``. ``python -m tokcap_core.golden`` rewrites
+the file (and the shipped example) — only ever on purpose, with a format version bump.
+"""
 
-__all__ = [
-    "GOLDEN_FORMAT",
-    "assert_golden_vectors",
-    "build_golden_vectors",
-]
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Final
+
+from ._digest import chain_hash, genesis_hash
+from ._errors import VerificationError
+from ._events import Closed, TerminalDeclared
+from ._ledger import entry_hash
+from ._manifest import decode_manifest, encode_manifest, manifest_of, verify_manifest
+from ._receipt import SegmentMode, assemble_receipt
+from ._staged_json import STAGED_FORMAT, decode_staged_calls, encode_staged_calls
+from ._verify import verify_staged
+from .simulate import simulate_rollout
+
+__all__ = ["GOLDEN_FORMAT", "assert_golden_vectors", "build_golden_vectors"]
+
+GOLDEN_FORMAT: Final = "tokcap/golden/v2"
+
+
+def build_golden_vectors() -> dict[str, Any]:
+    """Compute the golden document from fixed synthetic inputs."""
+    cases: list[tuple[str, SegmentMode, Any]] = [
+        ("chain-declared-routes", "terminal",
+            simulate_rollout("golden-a", seed=1, turns=3, routes=True)),
+        ("forest-heuristic-all", "all", simulate_rollout(
+            "golden-b", seed=2, turns=2, roots=2, offchain_failures=1, terminal="heuristic")),
+        ("witness-content", "terminal",
+            simulate_rollout("golden-c", seed=3, turns=2, terminal="content")),
+    ]  # fmt: skip
+    missing = simulate_rollout("golden-d", seed=4, turns=1, terminal="heuristic", reward=None)
+    # rebuild golden-d with a declared terminal that names no call: the receipt must be poisoned
+    ledger = type(missing.ledger)("golden-d")
+    for entry in missing.ledger.entries[:-1]:
+        ledger.append(entry.event)
+    ledger.append(TerminalDeclared(by="call_id", value="c000099"))
+    ledger.append(Closed(reward=0.5))
+    cases.append(
+        (
+            "declared-missing",
+            "terminal",
+            type(missing)(ledger=ledger, manifest=manifest_of(ledger), staged=missing.staged),
+        )
+    )
+    rollouts = []
+    for name, mode, sim in cases:
+        receipt = assemble_receipt(verify_manifest(sim.manifest), segments=mode)
+        rollouts.append({
+            "name": name,
+            "segments": mode,
+            "manifest": json.loads(encode_manifest(sim.manifest)),
+            "staged": json.loads(encode_staged_calls(sim.calls))["calls"],
+            "receipt": receipt.to_json(),
+        })  # fmt: skip
+    return {
+        "format": GOLDEN_FORMAT,
+        "genesis": [
+            {"rollout_id": r, "hash": genesis_hash(r)} for r in ("a", "golden-a", "R.1_x-2")
+        ],
+        "chain": [
+            {
+                "parent_chain_hash": None,
+                "call_digest": "11" * 32,
+                "chain_hash": chain_hash(None, "11" * 32),
+            },
+            {
+                "parent_chain_hash": "22" * 32,
+                "call_digest": "33" * 32,
+                "chain_hash": chain_hash("22" * 32, "33" * 32),
+            },
+        ],
+        "rollouts": rollouts,
+    }
+
+
+def _mismatch(what: str) -> VerificationError:
+    return VerificationError("golden_mismatch", what)
+
+
+def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
+    """Recompute every shipped vector; return how many values were checked.
+
+    Raises `VerificationError` (``golden_mismatch``) naming the first value that differs.
+    """
+    if doc is None:
+        doc = json.loads(
+            resources.files("tokcap_core").joinpath("golden/vectors.json").read_text("utf-8")
+        )
+    if doc.get("format") != GOLDEN_FORMAT:
+        raise _mismatch("format")
+    checked = 0
+    for g in doc["genesis"]:
+        if genesis_hash(g["rollout_id"]) != g["hash"]:
+            raise _mismatch(f"genesis of {g['rollout_id']!r}")
+        checked += 1
+    for c in doc["chain"]:
+        if chain_hash(c["parent_chain_hash"], c["call_digest"]) != c["chain_hash"]:
+            raise _mismatch("chain hash")
+        checked += 1
+    for r in doc["rollouts"]:
+        name = r["name"]
+        manifest = decode_manifest(json.dumps(r["manifest"]))
+        for entry in manifest.entries:
+            if entry_hash(entry.prev_hash, entry.event) != entry.hash:
+                raise _mismatch(f"{name}: entry {entry.seq} hash")
+            checked += 1
+        staged = decode_staged_calls(json.dumps({"format": STAGED_FORMAT, "calls": r["staged"]}))
+        chains = {c.call_id: c.chain_hash for c in staged}
+        for call in staged:
+            if call.compute_digest() != call.digest:
+                raise _mismatch(f"{name}: digest of {call.call_id}")
+            parent_chain = chains[call.parent_id] if call.parent_id else None
+            if chain_hash(parent_chain, call.digest) != call.chain_hash:
+                raise _mismatch(f"{name}: chain hash of {call.call_id}")
+            checked += 2
+        receipt = assemble_receipt(verify_manifest(manifest), segments=r["segments"])
+        if receipt.to_json() != r["receipt"]:
+            raise _mismatch(f"{name}: receipt")
+        if receipt.ok:
+            verify_staged(receipt, staged)
+        checked += 1
+    return checked
+
+
+def _write() -> None:  # pragma: no cover - maintenance entry point
+    here = Path(__file__).parent
+    doc = build_golden_vectors()
+    (here / "golden" / "vectors.json").write_text(json.dumps(doc, indent=1) + "\n", "utf-8")
+    example = simulate_rollout(
+        "example-rollout", seed=7, turns=4, roots=2, offchain_failures=1, routes=True
+    )
+    (here / "examples" / "manifest.json").write_bytes(encode_manifest(example.manifest) + b"\n")
+    (here / "examples" / "staged.json").write_bytes(encode_staged_calls(example.calls) + b"\n")
+    print(f"wrote golden vectors ({assert_golden_vectors(doc)} values) and the example")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _write()

@@ -1,25 +1,9 @@
-"""Receipts: the verified chain of staged calls a rollout trains on, and staged-row checks."""
+"""Receipts: the verified chain of staged calls a rollout trains on, staged-row checks, and
+what a receipt leaves uncovered."""
 
-from ._receipt import (
-    SEGMENT_MODES,
-    TERMINAL_SELECTIONS,
-    Receipt,
-    ReceiptCall,
-    SegmentMode,
-    TerminalSelection,
-    assemble_receipt,
-)
-from ._verify import (
-    verify_staged,
-)
+from . import _coverage, _receipt, _verify
+from ._coverage import *  # noqa: F403
+from ._receipt import *  # noqa: F403
+from ._verify import *  # noqa: F403
 
-__all__ = [
-    "SEGMENT_MODES",
-    "TERMINAL_SELECTIONS",
-    "Receipt",
-    "ReceiptCall",
-    "SegmentMode",
-    "TerminalSelection",
-    "assemble_receipt",
-    "verify_staged",
-]
+__all__ = [*_coverage.__all__, *_receipt.__all__, *_verify.__all__]

@@ -1,27 +1,9 @@
 """Training rows: reassembly of verified staged calls, placeholders, groups of rollouts."""
 
-from ._group import (
-    GroupResult,
-    on_chain_keys,
-    reassemble_group,
-)
-from ._reassembly import (
-    reassemble,
-)
-from ._rows import (
-    CallSpan,
-    TrainingRow,
-    placeholder_row,
-    training_key,
-)
+from . import _group, _reassembly, _rows
+from ._group import *  # noqa: F403
+from ._reassembly import *  # noqa: F403
+from ._rows import *  # noqa: F403
+from .ids import training_key
 
-__all__ = [
-    "CallSpan",
-    "GroupResult",
-    "TrainingRow",
-    "on_chain_keys",
-    "placeholder_row",
-    "reassemble",
-    "reassemble_group",
-    "training_key",
-]
+__all__ = [*_group.__all__, *_reassembly.__all__, *_rows.__all__, "training_key"]

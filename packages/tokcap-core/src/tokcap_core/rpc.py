@@ -1,35 +1,7 @@
 """The reassembly RPC contract (metadata only) and the controller's group policy."""
 
-from ._policy import (
-    TOO_FEW_VALID,
-    UNKNOWN_OUTCOME,
-    Accept,
-    Drop,
-    GroupDecision,
-    Replace,
-    decide_group,
-)
-from ._rpc import (
-    FORBIDDEN_KEYS,
-    MAX_METADATA_DEPTH,
-    FinalizedGroup,
-    InvalidRequest,
-    ReassemblyRequest,
-    assert_metadata_only,
-)
+from . import _policy, _rpc
+from ._policy import *  # noqa: F403
+from ._rpc import *  # noqa: F403
 
-__all__ = [
-    "FORBIDDEN_KEYS",
-    "MAX_METADATA_DEPTH",
-    "TOO_FEW_VALID",
-    "UNKNOWN_OUTCOME",
-    "Accept",
-    "Drop",
-    "FinalizedGroup",
-    "GroupDecision",
-    "InvalidRequest",
-    "ReassemblyRequest",
-    "Replace",
-    "assert_metadata_only",
-    "decide_group",
-]
+__all__ = [*_policy.__all__, *_rpc.__all__]

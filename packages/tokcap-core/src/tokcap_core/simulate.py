@@ -1,14 +1,211 @@
-"""Synthetic closed rollouts for tests and benchmarks.
+"""Deterministic synthetic rollouts: ledgers and staged calls as a real gate would write them.
 
-Chains, forests, off-chain failures and every terminal rule, deterministic per seed.
+Pure given its arguments (a ``seed`` drives a private `random.Random`); used by the
+hypothesis strategies in `tokcap_core.testing`, the golden vectors, the shipped
+example, the benchmarks and the tamper sweeps.
 """
 
-from ._simulate import (
-    SimulatedRollout,
-    simulate_rollout,
-)
+from __future__ import annotations
 
-__all__ = [
-    "SimulatedRollout",
-    "simulate_rollout",
-]
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from ._events import SPLICE_CAUSES, Admitted, Closed, Failed, Staged, TerminalDeclared, Witnesses
+from ._ledger import Ledger
+from ._manifest import Manifest, manifest_of
+from ._staged import StagedCall
+from .routes import Routes, routes_from_rows
+
+__all__ = ["SimulatedRollout", "admit_call", "simulate_rollout", "stage_call"]
+
+TerminalMode = Literal["declared", "response_id", "content", "heuristic"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulatedRollout:
+    """A closed synthetic rollout: its ledger, manifest and staged calls by staging key."""
+
+    ledger: Ledger
+    manifest: Manifest
+    staged: dict[str, StagedCall]
+
+    @property
+    def calls(self) -> list[StagedCall]:
+        """The staged calls in admission order."""
+        return list(self.staged.values())
+
+
+def simulate_rollout(
+    rollout_id: str,
+    *,
+    seed: int,
+    turns: int = 4,
+    roots: int = 1,
+    offchain_failures: int = 0,
+    terminal: TerminalMode = "declared",
+    routes: bool = False,
+    reward: float | None = 1.0,
+    max_delta: int = 24,
+    vocab: int = 2048,
+    start_ns: int = 1_700_000_000_000_000_000,
+) -> SimulatedRollout:
+    """Simulate ``roots`` conversation chains of ``turns`` calls each (later roots are breaks).
+
+    ``offchain_failures`` adds calls that failed before serving (they must not poison);
+    ``terminal`` picks how the terminal is named at close; ``routes`` adds MoE routes
+    (2 layers, top-2, 8 experts) in the engine's ``[tokens-1]`` shape. About a third of
+    the children are splices (with a cause from `SPLICE_CAUSES`) and about one call in
+    five spans a weight push (``weight_version_last > weight_version``).
+    """
+    rng = random.Random(seed)
+    ledger = Ledger(rollout_id)
+    staged: dict[str, StagedCall] = {}
+    clock = start_ns
+    last: StagedCall | None = None
+    failures_left = offchain_failures
+    for root in range(roots):
+        parent: StagedCall | None = None
+        history: list[int] = []
+        for _ in range(turns):
+            if failures_left and rng.random() < 0.5:
+                failures_left -= 1
+                clock += 1000
+                call_id = ledger.next_call_id()
+                ledger.append(_admit(call_id, parent, clock, rng, root))
+                ledger.append(Failed(call_id=call_id, reason="engine_failed:aborted", served=False))
+            clock += 1000
+            call_id = ledger.next_call_id()
+            ledger.append(_admit(call_id, parent, clock, rng, root))
+            carry = [
+                rng.randrange(vocab) for _ in range(rng.randint(0 if parent else 1, max_delta))
+            ]
+            output = [rng.randrange(vocab) for _ in range(rng.randint(1, max_delta))]
+            prompt = history + carry
+            call = stage_call(
+                ledger,
+                call_id,
+                parent,
+                prompt_ids=prompt,
+                output_ids=output,
+                logprobs=[-rng.random() * 4 for _ in output],
+                finish_reason="length" if rng.random() < 0.1 else "stop",
+                weight_version=(version := rng.randint(0, 2)),
+                weight_version_last=version + (rng.random() < 0.2),
+                routes=_routes(rng, len(prompt) + len(output) - 1) if routes else None,
+                response_id=f"resp-{rollout_id}-{call_id}",
+                output_fingerprint=lambda digest: f"out-{digest[:16]}",
+            )
+            staged[call.key] = call
+            history = prompt + output
+            parent = last = call
+    while failures_left:
+        failures_left -= 1
+        call_id = ledger.next_call_id()
+        ledger.append(_admit(call_id, last, clock, rng, roots))
+        ledger.append(Failed(call_id=call_id, reason="engine_failed:aborted", served=False))
+    if last is not None and terminal == "declared":
+        ledger.append(TerminalDeclared(by="call_id", value=last.call_id))
+    witnesses = Witnesses()
+    if last is not None and terminal == "response_id":
+        witnesses = Witnesses(response_id=f"resp-{rollout_id}-{last.call_id}")
+    elif last is not None and terminal == "content":
+        witnesses = Witnesses(content_fingerprint=f"out-{last.digest[:16]}")
+    ledger.append(Closed(reward=reward, witnesses=witnesses))
+    return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
+
+
+def admit_call(
+    ledger: Ledger, parent: StagedCall | None, *, admitted_at: int, request_fingerprint: str
+) -> str:
+    """Append the ``Admitted`` of a new call that extends ``parent`` (a root when None)."""
+    call_id = ledger.next_call_id()
+    ledger.append(
+        Admitted(
+            call_id=call_id,
+            parent_id=parent.call_id if parent else None,
+            prefix_len=parent.cum_len if parent else 0,
+            admitted_at=admitted_at,
+            request_fingerprint=request_fingerprint,
+            formation="extend" if parent else "root",
+        )
+    )
+    return call_id
+
+
+def stage_call(
+    ledger: Ledger,
+    call_id: str,
+    parent: StagedCall | None,
+    *,
+    prompt_ids: Iterable[int],
+    output_ids: Iterable[int],
+    logprobs: Iterable[float],
+    finish_reason: str = "stop",
+    weight_version: int = 0,
+    weight_version_last: int | None = None,
+    routes: Routes | None = None,
+    response_id: str | None = None,
+    output_fingerprint: str | Callable[[str], str] | None = None,
+) -> StagedCall:
+    """Build the call a gate stages for admitted ``call_id`` and append its ``Staged``.
+
+    ``prompt_ids`` is the whole prompt (``parent``'s cumulative ids first);
+    ``output_fingerprint`` may be a function of the call's digest.
+    """
+    call = StagedCall.from_engine_output(
+        rollout_id=ledger.rollout_id,
+        call_id=call_id,
+        parent_id=parent.call_id if parent else None,
+        parent_cum_len=parent.cum_len if parent else 0,
+        parent_chain_hash=parent.chain_hash if parent else None,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        weight_version=weight_version,
+        weight_version_last=weight_version_last,
+        routes=routes,
+    )
+    if callable(output_fingerprint):
+        output_fingerprint = output_fingerprint(call.digest)
+    ledger.append(
+        Staged(
+            call_id=call_id,
+            carry_len=call.carry_len,
+            gen_len=call.gen_len,
+            weight_version=call.weight_version,
+            weight_version_last=call.weight_version_last,
+            finish_reason=call.finish_reason,
+            call_digest=call.digest,
+            chain_hash=call.chain_hash,
+            response_id=response_id,
+            output_fingerprint=output_fingerprint,
+        )
+    )
+    return call
+
+
+def _admit(
+    call_id: str, parent: StagedCall | None, clock: int, rng: random.Random, root: int
+) -> Admitted:
+    fingerprint = f"req-{rng.getrandbits(64):016x}"
+    splice_cause = rng.choice(SPLICE_CAUSES) if parent and rng.random() < 0.35 else None
+    return Admitted(
+        call_id=call_id,
+        parent_id=parent.call_id if parent else None,
+        prefix_len=parent.cum_len if parent else 0,
+        admitted_at=clock,
+        request_fingerprint=fingerprint,
+        formation="root" if parent is None else ("splice" if splice_cause else "extend"),
+        break_cause="history_rewritten" if parent is None and root > 0 else None,
+        splice_cause=splice_cause,
+    )
+
+
+def _routes(rng: random.Random, rows: int) -> Routes:
+    return routes_from_rows(
+        [[[rng.randrange(8) for _ in range(2)] for _ in range(2)] for _ in range(rows)],
+        dtype="int16",
+    )

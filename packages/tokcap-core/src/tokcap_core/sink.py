@@ -1,19 +1,180 @@
-"""Sinks: the `TokenSink` protocol, the in-process `MemorySink` and the sink errors."""
+"""Sinks: where staged calls and training rows live between the gate and the trainer.
 
-from ._errors import (
-    MissingRows,
-    SinkError,
-)
-from ._sink import (
-    ManifestSource,
-    MemorySink,
-    TokenSink,
-)
+`TokenSink` is the protocol every sink implements (``tokcap_tq.TQSink`` over
+TransferQueue; `MemorySink` here, in-process, for single-process use and as the
+reference the conformance tests hold every other sink to). The contract:
+- ``put``: idempotent for identical content under a key; different content under a
+  key already held raises `SinkError` (``conflicting_put``) and stores nothing of the batch;
+- ``get``: all keys or `MissingRows` naming the missing ones — never fewer rows;
+- ``clear``: frees the keys; keys already gone are ignored, so a retried clear is safe;
+- training rows: ``publish`` / ``fetch`` / ``clear_rows``, keyed by `training_key`, same rules;
+- ``staged_keys`` / ``row_keys``: every key held, for leak checks (async on every sink).
+
+`SinkPlugin` is how a served gate opens a sink it was named without importing its package:
+the sink's package registers one under the entry-point group `SINK_PLUGIN_GROUP`
+(``tokcap.sinks``), named as the gate's ``--tokcap-sink`` value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
+
+from ._errors import MissingRows, SinkError
+from ._manifest import Manifest
+from ._rows import TrainingRow
+from ._staged import StagedCall
+from .ids import StagingKey, TrainingKey
 
 __all__ = [
+    "SINK_PLUGIN_GROUP",
     "ManifestSource",
     "MemorySink",
     "MissingRows",
     "SinkError",
+    "SinkPlugin",
     "TokenSink",
 ]
+
+_T = TypeVar("_T")
+_K = TypeVar("_K", bound=str)
+
+
+@runtime_checkable
+class TokenSink(Protocol):
+    """Stores staged calls (staging partition) and training rows (training partition)."""
+
+    async def put(self, calls: Sequence[StagedCall]) -> None:
+        """Store staged calls under their staging keys."""
+        ...
+
+    async def get(self, keys: Sequence[StagingKey]) -> list[StagedCall]:
+        """The staged calls for ``keys``, in order; `MissingRows` if any is absent."""
+        ...
+
+    async def clear(self, keys: Sequence[StagingKey]) -> None:
+        """Free staged calls; absent keys are ignored."""
+        ...
+
+    async def publish(self, rows: Mapping[TrainingKey, TrainingRow]) -> None:
+        """Store training rows under their training keys."""
+        ...
+
+    async def fetch(self, keys: Sequence[TrainingKey]) -> list[TrainingRow]:
+        """The training rows for ``keys``, in order; `MissingRows` if any is absent."""
+        ...
+
+    async def clear_rows(self, keys: Sequence[TrainingKey]) -> None:
+        """Free training rows; absent keys are ignored."""
+        ...
+
+    async def staged_keys(self) -> list[StagingKey]:
+        """Every staging key held (for leak checks and sweeps)."""
+        ...
+
+    async def row_keys(self) -> list[TrainingKey]:
+        """Every training key held (for leak checks and sweeps)."""
+        ...
+
+
+@runtime_checkable
+class ManifestSource(Protocol):
+    """Serves a rollout's manifest (a gate's control plane, a file, a test double)."""
+
+    async def manifest(self, rollout_id: str) -> Manifest:
+        """The current manifest of ``rollout_id``."""
+        ...
+
+
+class MemorySink:
+    """An in-process `TokenSink` (dicts); the reference for sink conformance tests."""
+
+    def __init__(self) -> None:
+        self._staged: dict[StagingKey, StagedCall] = {}
+        self._rows: dict[TrainingKey, TrainingRow] = {}
+
+    async def put(self, calls: Sequence[StagedCall]) -> None:
+        """Store staged calls under their staging keys (all or nothing)."""
+        _store(self._staged, {c.key: c for c in calls}, what="staged call")
+
+    async def get(self, keys: Sequence[StagingKey]) -> list[StagedCall]:
+        """The staged calls for ``keys``, in order; `MissingRows` if any is absent."""
+        return _load(self._staged, keys)
+
+    async def clear(self, keys: Sequence[StagingKey]) -> None:
+        """Free staged calls; absent keys are ignored."""
+        for key in keys:
+            self._staged.pop(key, None)
+
+    async def publish(self, rows: Mapping[TrainingKey, TrainingRow]) -> None:
+        """Store training rows under their keys (all or nothing); a key must be its row's key."""
+        for key, row in rows.items():
+            if key != row.key:
+                raise SinkError("key_mismatch", f"row {row.key} offered under {key}")
+        _store(self._rows, dict(rows), what="training row")
+
+    async def fetch(self, keys: Sequence[TrainingKey]) -> list[TrainingRow]:
+        """The training rows for ``keys``, in order; `MissingRows` if any is absent."""
+        return _load(self._rows, keys)
+
+    async def clear_rows(self, keys: Sequence[TrainingKey]) -> None:
+        """Free training rows; absent keys are ignored."""
+        for key in keys:
+            self._rows.pop(key, None)
+
+    async def staged_keys(self) -> list[StagingKey]:
+        """Every staging key held (for leak checks)."""
+        return list(self._staged)
+
+    async def row_keys(self) -> list[TrainingKey]:
+        """Every training key held (for leak checks)."""
+        return list(self._rows)
+
+
+def _store(table: dict[_K, _T], batch: Mapping[_K, _T], *, what: str) -> None:
+    for key, value in batch.items():
+        held = table.get(key)
+        if held is not None and held != value:
+            raise SinkError("conflicting_put", f"a different {what} is already stored under {key}")
+    table.update(batch)
+
+
+def _load(table: Mapping[_K, _T], keys: Sequence[_K]) -> list[_T]:
+    missing = tuple(k for k in keys if k not in table)
+    if missing:
+        raise MissingRows(
+            "missing_rows", f"{len(missing)} of {len(keys)} keys are not in the sink", missing
+        )
+    return [table[k] for k in keys]
+
+
+SINK_PLUGIN_GROUP: Final = "tokcap.sinks"
+"""The entry-point group sink plugins are registered under (name = the sink's name)."""
+
+
+class SinkPlugin(Protocol):
+    """A sink a served gate can open by name.
+
+    ``config_types`` are config classes (attrs or dataclasses, validating in their
+    constructor with `ConfigError` ``bad_<field>``) whose fields become the gate's
+    options (``--tokcap-<field>``, ``TOKCAP_<FIELD>``); `sink` and `attach` get one
+    instance of each, in that order.
+    """
+
+    @property
+    def config_types(self) -> tuple[type[Any], ...]:
+        """The config classes whose fields are this sink's options."""
+        ...
+
+    def sink(self, configs: Sequence[Any]) -> TokenSink:
+        """The sink (cheap: no connection is made until `attach`)."""
+        ...
+
+    def attach(self, configs: Sequence[Any]) -> AbstractAsyncContextManager[None]:
+        """Connect to the running sink for the gate's lifetime (never start or own it).
+
+        Entered once before the gate serves; waiting for the sink is bounded and logged;
+        failing to attach raises (the server does not start).
+        """
+        ...

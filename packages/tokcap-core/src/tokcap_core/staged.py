@@ -1,29 +1,7 @@
 """Staged calls (the token payload a sink holds), their digests and their JSON form."""
 
-from ._staged import (
-    FINISH_REASONS,
-    StagedCall,
-    compute_call_digest,
-    logprob_array,
-    token_array,
-)
-from ._staged_json import (
-    STAGED_FORMAT,
-    decode_staged_calls,
-    encode_staged_calls,
-    staged_from_json,
-    staged_to_json,
-)
+from . import _staged, _staged_json
+from ._staged import *  # noqa: F403
+from ._staged_json import *  # noqa: F403
 
-__all__ = [
-    "FINISH_REASONS",
-    "STAGED_FORMAT",
-    "StagedCall",
-    "compute_call_digest",
-    "decode_staged_calls",
-    "encode_staged_calls",
-    "logprob_array",
-    "staged_from_json",
-    "staged_to_json",
-    "token_array",
-]
+__all__ = [*_staged.__all__, *_staged_json.__all__]

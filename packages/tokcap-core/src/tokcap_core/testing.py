@@ -4,7 +4,8 @@
 - the sink kit: `SinkConformance` (subclass it as a pytest ``Test...`` class with an async
   ``make_sink``) or the ``check_*`` functions / `SINK_CHECKS` on any async sink factory;
 - the format kit: `check_capture_format` on an implementation's ``(manifest, staged)``
-  samples (or, with ``verify=``, another verifier on `golden_samples`).
+  samples (or, with ``verify=``, another verifier on `golden_samples`; `cli_verifier`
+  makes one of a verifier's command line, ``tokcap-core verify`` by default).
 
 Importing this module imports hypothesis (``pip install "tokcap-core[testing]"``);
 ``import tokcap_core`` alone never does.
@@ -21,6 +22,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         'tokcap_core.testing needs hypothesis: pip install "tokcap-core[testing]"'
     ) from e
 
+from ._conformance_cli import cli_verifier
 from ._conformance_format import (
     FormatReport,
     Sample,
@@ -44,8 +46,8 @@ from ._conformance_sink import (
 )
 from ._ledger import Entry
 from ._manifest import Manifest
-from ._simulate import SimulatedRollout, simulate_rollout
 from ._staged import StagedCall
+from .simulate import SimulatedRollout, simulate_rollout
 
 __all__ = [
     "SINK_CHECKS",
@@ -61,6 +63,7 @@ __all__ = [
     "check_put_get_round_trip",
     "check_strict_gets",
     "check_training_rows",
+    "cli_verifier",
     "entries",
     "golden_samples",
     "manifests",

@@ -11,7 +11,8 @@ dependency: importing vLLM-facing parts without it raises an `ImportError` that 
 the install command.
 
 The trainer talks to the gate's authenticated control plane (``/tokcap/v1/...``)
-through `ControlPlaneClient`: close rollouts (keeping the ledger head), declare
+through `ControlPlaneClient` (or `GateFleet` over many gates: each rollout opened on
+one gate, every control call routed to it): close rollouts (keeping the ledger head), declare
 terminals, fetch and verify manifests into receipts, release. With
 ``GateConfig.ledger_path`` the ledgers are persisted, so a restarted gate serves closed
 manifests byte-identical and poisons rollouts that were open at the crash. Trainers
@@ -35,6 +36,7 @@ from ._errors import (
     ControlUnreachable,
     GateError,
 )
+from ._fleet import FleetGateReport, GateFleet
 from ._gate import Gate
 from ._inproc import InProcessServer
 from ._middleware import GateMiddleware, install_gate
@@ -53,9 +55,11 @@ __all__ = [
     "ControlPlaneError",
     "ControlRequestError",
     "ControlUnreachable",
+    "FleetGateReport",
     "Gate",
     "GateConfig",
     "GateError",
+    "GateFleet",
     "GateMiddleware",
     "InProcessServer",
     "LedgerFileError",

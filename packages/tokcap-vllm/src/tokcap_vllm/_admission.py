@@ -102,7 +102,15 @@ def _arguments(value: object) -> object:
             return json.loads(value)
         except ValueError:
             return value
+        except RecursionError:
+            raise _too_deep("tool-call arguments") from None
     return value
+
+
+def _too_deep(what: str) -> BadRequest:
+    # Python's JSON codecs recurse: nesting near the interpreter's recursion limit (~1,000)
+    # raises RecursionError, which must answer as the caller's mistake, never a 500.
+    return BadRequest("bad_json", f"{what} nested too deeply")
 
 
 def normalize_message(message: object) -> dict[str, Any]:
@@ -136,7 +144,10 @@ def normalize_message(message: object) -> dict[str, Any]:
 
 
 def _canonical(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    except RecursionError:
+        raise _too_deep("a message") from None
 
 
 def message_fingerprints(messages: Iterable[Mapping[str, Any]]) -> list[str]:

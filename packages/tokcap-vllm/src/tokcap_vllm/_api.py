@@ -100,6 +100,10 @@ class Health(msgspec.Struct):
     rollouts_closed: int
     ledger_file: bool
     ledger_error: str | None
+    sink: str = ""
+    """``memory`` (no trainer can read it), or the sink's class name."""
+    warnings: list[str] = []
+    """Problems that do not stop serving (``memory_sink: ...``)."""
 
 
 class _ErrorDetail(msgspec.Struct):

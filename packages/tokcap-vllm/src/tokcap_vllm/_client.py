@@ -163,6 +163,12 @@ class ControlPlaneClient:
         data = await self.manifest_bytes(rollout_id)
         return decode_manifest(data, max_bytes=self.max_manifest_bytes)
 
+    async def open(self, rollout_id: str) -> None:
+        """Open ``rollout_id`` on this gate before its first call (a gate run with
+        ``--tokcap-require-open`` refuses calls of rollouts nobody opened); opening an open
+        rollout again is a no-op, so it is retried like a GET."""
+        await self._send("POST", _path(rollout_id, "open"), body=b"{}", idempotent=True)
+
     async def declare_terminal(
         self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
     ) -> tuple[int, str]:
@@ -342,7 +348,12 @@ def _path(rollout_id: str, action: str | None = None) -> str:
 
 
 def _manifest_failure(rollout_id: str, code: str, manifest: Manifest | None) -> Receipt:
-    """A poisoned receipt for a rollout whose manifest is missing or does not verify.
+    """A poisoned receipt for a rollout whose manifest is missing or does not verify."""
+    return poisoned_receipt(rollout_id, make_reason(MANIFEST_FAILURE_BUCKET, code), manifest)
+
+
+def poisoned_receipt(rollout_id: str, reason: str, manifest: Manifest | None = None) -> Receipt:
+    """A poisoned receipt with ``reason`` for a rollout whose manifest cannot be trusted.
 
     Its ``sink_keys`` are the staging keys the (unverified) manifest admitted, if any, so
     cleanup can still free them (clearing an absent key is harmless).
@@ -359,7 +370,7 @@ def _manifest_failure(rollout_id: str, code: str, manifest: Manifest | None) -> 
     return Receipt(
         rollout_id=rollout_id,
         status="poisoned",
-        failure_reason=make_reason(MANIFEST_FAILURE_BUCKET, code),
+        failure_reason=reason,
         terminal_call_id=None,
         terminal_selection=None,
         segments=(),

@@ -16,9 +16,10 @@ from tokcap_core import CaptureConfig, ConfigError
 from tokcap_core.config import at_least, non_empty_text, one_of, positive_number
 from tokcap_core.ledger import MAX_MANIFEST_BYTES
 
+from ._options import Option, build, from_environ, options_of
 from ._splice import ON_RENDER_MISMATCH, REASONING_MODES
 
-__all__ = ["CONTROL_TOKEN_ENV", "LEDGER_PATH_ENV", "GateConfig"]
+__all__ = ["CONTROL_TOKEN_ENV", "LEDGER_PATH_ENV", "GateConfig", "gate_options"]
 
 CONTROL_TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
 """The environment variable the gate reads its control-plane token from by default."""
@@ -96,19 +97,70 @@ class GateConfig:
     """A manifest larger than this is refused (``manifest_too_large``), never truncated."""
     max_page_size: int = attrs.field(default=1000, validator=at_least(1))
     """The largest page ``GET /tokcap/v1/rollouts`` returns."""
+    require_open: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """Refuse calls (404 ``unknown_rollout``) for rollouts nobody opened on this gate with
+    ``POST /tokcap/v1/rollouts/{id}/open``: a fleet's gates never split one rollout's
+    custody, and unauthenticated clients cannot create rollouts."""
+    control_token_file: str | None = attrs.field(default=None, validator=_optional_text)
+    """A file holding the control token, read when neither ``capture.control_token`` nor
+    its environment variable is set (a token is never an option: it would show in ``ps``)."""
 
     def resolve_token(self, environ: Mapping[str, str]) -> str | None:
         """The control token: ``capture.control_token``, else the variable
-        ``capture.control_token_env`` names (default ``TOKCAP_CONTROL_TOKEN``), else None."""
+        ``capture.control_token_env`` names (default ``TOKCAP_CONTROL_TOKEN``), else the
+        contents of ``control_token_file`` (stripped), else None.
+
+        `ConfigError` ``bad_control_token_file`` if the file cannot be read or is empty.
+        """
         if self.capture.control_token:
             return self.capture.control_token
-        return environ.get(self.capture.control_token_env or CONTROL_TOKEN_ENV) or None
+        token = environ.get(self.capture.control_token_env or CONTROL_TOKEN_ENV)
+        if token or self.control_token_file is None:
+            return token or None
+        try:
+            with open(self.control_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                "bad_control_token_file", f"control_token_file cannot be read: {e}"
+            ) from None
+        if not token:
+            raise ConfigError("bad_control_token_file", "control_token_file is empty")
+        return token
+
+    @classmethod
+    def from_texts(cls, texts: Mapping[str, str]) -> GateConfig:
+        """The config for ``{field: text}`` (fields of `gate_options`, parsed by type).
+
+        Raises `ConfigError` ``bad_<field>`` naming the option at fault.
+        """
+        options = gate_options()
+        capture = build(CaptureConfig, options, texts)
+        config: GateConfig = build(cls, options, texts, capture=capture)
+        return config
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> GateConfig:
-        """The defaults, with ``ledger_path`` from ``TOKCAP_LEDGER_PATH`` when set.
+        """The config the ``TOKCAP_<FIELD>`` variables set (`gate_options`), defaults elsewhere.
 
-        This is how a gate that vLLM builds by import path (``--middleware``) is configured;
-        the token itself is read from ``TOKCAP_CONTROL_TOKEN`` when the control plane starts.
+        This is how a gate that vLLM builds by import path (``--middleware``, the plugin)
+        is configured (``TOKCAP_LEDGER_PATH``, ``TOKCAP_REQUIRE_OPEN``, ...); the token
+        itself is read from ``TOKCAP_CONTROL_TOKEN`` (or ``TOKCAP_CONTROL_TOKEN_FILE``'s
+        file) when the control plane starts.
         """
-        return cls(ledger_path=environ.get(LEDGER_PATH_ENV) or None)
+        return cls.from_texts(from_environ(environ, gate_options()))
+
+
+TRAINER_ONLY_FIELDS = frozenset({"segments", "min_valid_fraction", "max_seq_len"})
+"""`CaptureConfig` fields only the trainer reads: not options of a gate."""
+SECRET_FIELDS = frozenset({"control_token"})
+"""Never an option (flags show in ``ps``): the token comes from a variable or a file."""
+
+
+def gate_options() -> list[Option]:
+    """Every option of a served gate: `GateConfig`'s fields, then `CaptureConfig`'s
+    (but `TRAINER_ONLY_FIELDS` and `SECRET_FIELDS`)."""
+    return [
+        *options_of(GateConfig, exclude={"capture"}),
+        *options_of(CaptureConfig, exclude=TRAINER_ONLY_FIELDS | SECRET_FIELDS),
+    ]

@@ -63,6 +63,7 @@ from ._gate import Gate
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ._persist import LedgerFileError
 from ._routing import parse_rollout_id
+from ._served import describe_sink
 
 __all__ = ["ControlPlane"]
 
@@ -103,6 +104,8 @@ class ControlPlane:
         except GateError as e:
             status = type(e).status
             reply = _Reply(error_json(e.code, e.message, status), status=status)
+        except RecursionError:  # a witness nested past Python's recursion limit
+            reply = _Reply(error_json("bad_json", "the body is nested too deeply", 400), status=400)
         headers = [(b"www-authenticate", b"Bearer")] if reply.status == 401 else []
         await send_body(
             send, reply.status, reply.body, content_type=reply.content_type, headers=headers
@@ -168,7 +171,10 @@ class ControlPlane:
 
     def _health(self) -> _Reply:
         health = self.gate.health()
+        sink, warnings = describe_sink(self.gate.sink)
         body = Health(
+            sink=sink,
+            warnings=warnings,
             status=health.status,  # type: ignore[arg-type]
             serving=health.serving,
             rollouts_open=health.rollouts_open,

@@ -15,9 +15,12 @@ and is logged: it never reaches vLLM's server or the gate's task group.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -25,7 +28,6 @@ import anyio
 from ._admission import message_fingerprints, normalize_message, output_fingerprint
 from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
-from ._config import GateConfig
 from ._control import ControlPlane
 from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
@@ -35,30 +37,34 @@ from ._lifecycle import PLANNING, GateCall
 from ._render import RequestRenderer
 from ._renderers import request_renderer
 from ._routing import route_request
-from ._wire import ResponseObserver, decode_body
+from ._served import served_gate
+from ._wire import ResponseObserver, check_request_id, decode_body
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
 _log = logging.getLogger("tokcap_vllm.gate")
 _installed: Gate | None = None
+_installed_attach: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 
-def install_gate(gate: Gate) -> Gate:
-    """Make ``gate`` the one `GateMiddleware` uses when vLLM builds it by import path."""
-    global _installed
-    _installed = gate
+def install_gate(
+    gate: Gate, *, attach: Callable[[], AbstractAsyncContextManager[None]] | None = None
+) -> Gate:
+    """Make ``gate`` the one `GateMiddleware` uses when vLLM builds it by import path;
+    ``attach()`` is entered on the server's start-up, before the gate serves."""
+    global _installed, _installed_attach
+    _installed, _installed_attach = gate, attach
     return gate
 
 
 def default_gate() -> Gate:
-    """The installed gate, or a new one with a `MemorySink` (installed on first use).
-
-    A new gate is configured from the environment (`GateConfig.from_environ`: the ledger
-    file from ``TOKCAP_LEDGER_PATH``).
-    """
+    """The installed gate, or the one the ``TOKCAP_*`` variables describe (installed on
+    first use; see `tokcap_vllm._served`: ``TOKCAP_SINK`` is required)."""
     if _installed is not None:
         return _installed
-    return install_gate(Gate(GateConfig.from_environ(os.environ)))
+    served = served_gate(environ=os.environ)
+    assert served is not None
+    return install_gate(served.gate, attach=served.attach)
 
 
 class GateMiddleware:
@@ -67,6 +73,7 @@ class GateMiddleware:
     def __init__(self, app: App, gate: Gate | None = None) -> None:
         self.app = app
         self.gate = gate if gate is not None else default_gate()
+        self._attach = _installed_attach if gate is None else None
         self._host: CaptureHost | None = None
         self._renderer: RequestRenderer | None = None
         self._control = ControlPlane(self.gate)
@@ -110,7 +117,8 @@ class GateMiddleware:
         if self.gate.running:
             await self.app(scope, receive, send)
             return
-        async with anyio.create_task_group() as tg:
+        attached = self._attach() if self._attach is not None else contextlib.nullcontext()
+        async with attached, anyio.create_task_group() as tg:
             await tg.start(self.gate.serve)
             try:
                 await self.app(scope, receive, send)
@@ -169,7 +177,7 @@ class GateMiddleware:
                 kind=kind,
                 idempotency_key=_one_header(scope, self.gate.config.idempotency_header),
                 body_fingerprint=hashlib.sha256(body).hexdigest(),
-                request_id=_one_header(scope, "x-request-id") or parsed.request_id,
+                request_id=_request_id(scope, parsed.request_id, kind),
             )
             replay_receive = _replaying(body, receive)
             if call is None:  # the rollout already failed: served, not captured
@@ -183,11 +191,11 @@ class GateMiddleware:
             messages, plan = renderer.planner(parsed)
             await self.gate.admit(call, plan)
             await self._generate(scope, replay_receive, watched_send, call, host, messages)
-        except GateError as e:
+        except (GateError, RecursionError) as e:
             if call is not None and call.phase is PLANNING:
                 self.gate.drop(call)
             if not started:
-                await self._refuse(send, e)
+                await self._refuse(send, _typed(e))
         except Exception as e:  # containment: one request's failure answers for itself alone
             _log.exception("tokcap gate: a captured request of %s failed", rollout_id)
             if call is not None and call.phase is PLANNING:
@@ -277,6 +285,21 @@ class GateMiddleware:
             cum_text=cum_text,
             conversation_fp=conversation_fp,
         )
+
+
+def _typed(error: GateError | RecursionError) -> GateError:
+    """A refusal's typed error: a recursion limit hit anywhere in the request's JSON (a
+    template, a tool schema, ...) is the caller's nesting, a 400 like any bad JSON."""
+    if isinstance(error, RecursionError):
+        return BadRequest("bad_json", "the request is nested too deeply")
+    return error
+
+
+def _request_id(scope: Scope, in_body: str | None, kind: str) -> str | None:
+    """The request id vLLM will use (the header wins, even empty), checked for the ledger."""
+    header = _one_header(scope, "x-request-id")
+    chosen = header if header is not None else in_body
+    return None if chosen is None else check_request_id(chosen, kind)
 
 
 def _one_header(scope: Scope, name: str) -> str | None:

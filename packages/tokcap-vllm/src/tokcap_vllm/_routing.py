@@ -7,9 +7,10 @@ by the rollout-id grammar instead of being normalised into another path.
 
 Nothing a rollout sends may escape capture unnoticed: a trailing slash on a captured
 endpoint is captured like the endpoint (vLLM would redirect it to the plain path, and
-HTTP clients follow redirects); any other POST on a rollout path is refused
-(``uncaptured_endpoint``) rather than served uncaptured. Two rollout headers, or a path
-and a header naming different rollouts, are refused rather than one picked.
+HTTP clients follow redirects); any other POST naming a rollout, by path or by header
+(``/v1/responses``, ``/v1/messages``, ...), is refused (``uncaptured_endpoint``) rather than
+served uncaptured; requests naming no rollout pass through untouched. Two rollout headers,
+or a path and a header naming different rollouts, are refused rather than one picked.
 """
 
 from __future__ import annotations
@@ -66,19 +67,21 @@ def route_request(
             raise BadRequest(
                 "conflicting_rollout_ids", "the path and the rollout header name different rollouts"
             )
-        vllm_path = unquote("/" + tail)
-        endpoint = _endpoint(vllm_path)
-        if endpoint is None and method == "POST":
-            raise RolloutNotFound(
-                "uncaptured_endpoint",
-                f"{vllm_path} cannot be captured; rollouts call /v1/chat/completions "
-                "or /v1/completions",
-            )
-        return Route(rollout_id, _canonical(vllm_path, endpoint), endpoint)
+        return _captured_route(rollout_id, unquote("/" + tail), method)
     if named is not None:
-        endpoint = _endpoint(path)
-        return Route(named, _canonical(path, endpoint), endpoint)
+        return _captured_route(named, path, method)
     return Route(None, path, None)
+
+
+def _captured_route(rollout_id: RolloutId, path: str, method: str) -> Route:
+    """The route of a request naming a rollout (by path or header): the same rules for both."""
+    endpoint = _endpoint(path)
+    if endpoint is None and method == "POST":
+        raise RolloutNotFound(
+            "uncaptured_endpoint",
+            f"{path} cannot be captured; rollouts call /v1/chat/completions or /v1/completions",
+        )
+    return Route(rollout_id, _canonical(path, endpoint), endpoint)
 
 
 def _endpoint(path: str) -> Endpoint | None:

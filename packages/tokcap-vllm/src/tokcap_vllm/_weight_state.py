@@ -56,6 +56,10 @@ class WeightPhase(enum.Enum):
     FAILED = "FAILED"
 
 
+MAX_WEIGHT_VERSION: Final = 2**63
+"""Versions are below this: the ledger stores each call's weight version as a u64 count
+below 2**63, so a larger one would be refused at every commit, after the push loaded."""
+
 READY: Final = WeightPhase.READY
 PUSHING: Final = WeightPhase.PUSHING
 FAILED: Final = WeightPhase.FAILED
@@ -99,8 +103,10 @@ def _step(state: WeightState, op: str) -> WeightPhase:
 
 def begin(state: WeightState, target: int) -> WeightState:
     """Start loading ``target`` (must be an int above ``state.version``)."""
-    if type(target) is not int or target < 0:
-        raise WeightPushError("bad_version", f"a weight version is an int >= 0: {target!r}")
+    if type(target) is not int or not 0 <= target < MAX_WEIGHT_VERSION:
+        raise WeightPushError(
+            "bad_version", f"a weight version is an int in [0, 2**63): {target!r}"
+        )
     phase = _step(state, "begin")
     if target <= state.version:
         raise WeightPushError(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
 from ._errors import BadRequest, Unsupported
 
-__all__ = ["ChatBody", "CompletionBody", "ResponseObserver", "decode_body"]
+__all__ = ["ChatBody", "CompletionBody", "ResponseObserver", "check_request_id", "decode_body"]
+
+RESPONSE_ID_PREFIXES: Final = {"chat": "chatcmpl-", "completion": "cmpl-"}
+"""What vLLM puts before a request id to make the response id the ledger records."""
+_MAX_LABEL: Final = 256  # tokcap_core's bound on a response id (1..256 printable ASCII)
 
 
 class ChatBody(msgspec.Struct):
@@ -28,6 +32,7 @@ class ChatBody(msgspec.Struct):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     seed: int | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -43,6 +48,7 @@ class CompletionBody(msgspec.Struct):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     seed: int | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody | CompletionBody:
@@ -65,6 +71,12 @@ def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody 
     if parsed.n not in (None, 1) or parsed.best_of not in (None, 1):
         raise Unsupported(
             "n_unsupported", "captured rollouts take n=1 (one completion per call); send n calls"
+        )
+    if parsed.truncate_prompt_tokens is not None:
+        raise Unsupported(
+            "truncate_prompt_tokens_unsupported",
+            "a captured call runs on the exact ids the gate admitted; truncating the prompt "
+            "would cut the rollout's history (send a shorter conversation instead)",
         )
     if parsed.use_beam_search:
         raise Unsupported("beam_search_unsupported", "beam search cannot be captured")
@@ -92,6 +104,25 @@ def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody 
         if parsed.echo:
             raise Unsupported("echo_unsupported", "echo cannot be captured")
     return parsed
+
+
+def check_request_id(request_id: str, kind: str) -> str:
+    """The request id vLLM will use, if the ledger can store the response id it makes.
+
+    vLLM answers with ``{prefix}{request_id}`` as the response id (an ``X-Request-Id``
+    header wins over the body's ``request_id``, even an empty one); the ledger stores
+    response ids of 1..256 printable ASCII characters. Anything else is refused here, before
+    admission (`BadRequest` ``bad_request_id``), rather than answered and then refused at
+    the commit, which would poison the rollout.
+    """
+    room = _MAX_LABEL - len(RESPONSE_ID_PREFIXES[kind])
+    if not 1 <= len(request_id) <= room or not (request_id.isascii() and request_id.isprintable()):
+        raise BadRequest(
+            "bad_request_id",
+            f"a request id of a captured call is 1..{room} printable ASCII characters "
+            f"(got {len(request_id)} characters)",
+        )
+    return request_id
 
 
 class _ToolDelta(msgspec.Struct):

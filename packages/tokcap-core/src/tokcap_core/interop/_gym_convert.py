@@ -35,9 +35,10 @@ from typing import Any, Final
 from .._digest import ZERO_HASH
 from .._errors import RoutesError
 from .._events import SPLICE_CAUSES
-from .._ids import StagingKey
 from .._receipt import Receipt, ReceiptCall, TerminalSelection
-from .._routes import (
+from .._rows import CallSpan, TrainingRow, placeholder_row
+from ..ids import StagingKey
+from ..routes import (
     Routes,
     concat_routes,
     decode_routes,
@@ -46,7 +47,6 @@ from .._routes import (
     unknown_rows,
     widen,
 )
-from .._rows import CallSpan, TrainingRow, placeholder_row
 from ._gym_digest import EMPTY_EXTRAS_DIGEST
 from ._gym_errors import GymConversionError, gym_failure_reason
 from ._gym_records import GymReceipt, GymStagedRecord

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Final
 
 from .._errors import ManifestError, ReassemblyError, VerificationError
-from .._reasons import (
+from ..reasons import (
     AMBIGUOUS_TERMINAL,
     DECLARED_TERMINAL_MISSING,
     MANIFEST_INVALID,

@@ -25,12 +25,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._ids import StagingKey
 from .._ledger import RolloutState
 from .._receipt import Receipt
-from .._routes import Routes, encode_routes
 from .._staged import StagedCall
 from .._verify import verify_staged
+from ..ids import StagingKey
+from ..routes import Routes, encode_routes
 from ._gym_convert import (
     ROUTED_EXPERTS_KEY,
     TOKCAP_FINISH_REASON_KEY,

@@ -6,7 +6,7 @@
   its logprobs are the ones the server returned. The call is matched through the
   manifest's ``Staged.response_id``.
 - **Re-tokenisation drift** (what tokcap avoids): render the harness's final transcript
-  through the chat template (or the family's tokenizer, `tokcap._families`), as a trainer
+  through the chat template (or the family's tokenizer, `tokcap.demo._families`), as a trainer
   that re-tokenises text would, and compare with the row. Template text after the row's
   last token (ChatML's ``\\n`` after ``<|im_end|>``) is not counted as drift.
 """

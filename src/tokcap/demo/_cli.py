@@ -107,7 +107,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> int:
 def _run(
     options: DemoOptions, pick: dict[str, int], out: Path, console: Console, err: Console
 ) -> int:
-    from ._stages import Stages
+    from .._stages import Stages
 
     with Stages(err) as stages:
         with stages.stage(f"build tiny {options.model_family} model (cached)"):

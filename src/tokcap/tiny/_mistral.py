@@ -9,7 +9,7 @@ copied into the model folder under the name vLLM's ``--tokenizer-mode mistral`` 
 Served the way Mistral's model cards ask (`mistral_vllm_args`), these exercise the gate's
 id-level planner (`tokcap_vllm._render_ids`) and Mistral's tool-call format.
 
-Builds are deterministic and cached like `tokcap._tiny.build_tiny_model`: a finished folder
+Builds are deterministic and cached like `tokcap.tiny.build_tiny_model`: a finished folder
 holds a stamp with the hash of its recipe (tokenizer file digest included), and a later call
 with the same recipe returns at once.
 """
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from ._tiny import _hash, _library_versions, _staging_dir, _stamp_matches, _write_stamp
+from ._qwen import _hash, _library_versions, _staging_dir, _stamp_matches, _write_stamp
 
 __all__ = [
     "MISTRAL_TOKENIZERS",

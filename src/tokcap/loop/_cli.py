@@ -1,7 +1,7 @@
 """``tokcap train``: build the tiny model, run the closed loop, save and print the figures.
 
 Environment defaults for the CPU engine (vLLM's fast start, Ray without ``uv run`` in its
-workers) come from `tokcap._demo`, imported before vLLM is.
+workers) come from `tokcap.demo._cli`, imported before vLLM is.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from rich.console import Console
 
 from tokcap_core import ConfigError
 
-from ._demo import _interrupt_once  # also sets the engine's environment defaults
-from ._train_summary import (
+from ..demo._cli import _interrupt_once  # also sets the engine's environment defaults
+from ._summary import (
     build_train_summary,
     print_train_summary,
     summary_console,
@@ -62,14 +62,14 @@ def run_train(options: TrainOptions, console: Console | None = None) -> int:
 
 
 def _run(options: TrainOptions, out: Path, console: Console) -> int:
-    from ._stages import Stages
+    from .._stages import Stages
 
     with Stages(Console(stderr=True)) as stages:
         with stages.stage("build tiny model (cached)"):
-            from ._tiny import build_tiny_model
+            from ..tiny._qwen import build_tiny_model
 
             model = build_tiny_model(options.cache / "tiny" / "dense", kind="dense")
-            from ._train_loop import LoopConfig, StepRecord, run_loop
+            from ._loop import LoopConfig, StepRecord, run_loop
 
         config = LoopConfig(
             model=model,
@@ -92,7 +92,7 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
 
         run = run_loop(config, stages, progress)
         with stages.stage("summary, report"):
-            from ._train_report import render_train_report
+            from ._report import render_train_report
 
             summary = build_train_summary(run, stages.timings_s)
             out.mkdir(parents=True, exist_ok=True)

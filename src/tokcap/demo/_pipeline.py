@@ -32,11 +32,11 @@ from tokcap_ray import ReassemblerPool
 from tokcap_tq import TQSink, TQSinkConfig, connect_tq, local_tq
 from tokcap_vllm import ControlPlaneClient, Gate, GateConfig, InProcessServer
 
-from ._examples import load_example
+from .._examples import load_example
+from .._stages import Stages
+from ..tiny._qwen import CHATML_TOOLS_TEMPLATE
 from ._families import ENGINE_ARGS, chatml_tool_args
 from ._harness import BEHAVIOURS, Episode, Task, run_episode
-from ._stages import Stages
-from ._tiny import CHATML_TOOLS_TEMPLATE
 
 __all__ = ["VLLM_ARGS", "DemoConfig", "DemoRun", "run_pipeline", "services"]
 
@@ -65,7 +65,7 @@ class DemoConfig:
     ray_address: str | None = None
     """An existing Ray cluster to run TransferQueue and the pool on (None: start one here)."""
     family: str = "qwen"
-    """The model family served (`tokcap._families`; recorded in the summary)."""
+    """The model family served (`tokcap.demo._families`; recorded in the summary)."""
 
 
 @dataclass(slots=True)
@@ -107,7 +107,7 @@ def run_pipeline(
     """Start everything, run the rollouts, reassemble, and shut everything down again.
 
     ``vllm_args`` serve ``config.model``; ``force_tools`` and ``tools_every_turn`` go to
-    `tokcap._harness.run_episode` (default: the Hermes structural tag, every other turn).
+    `tokcap.demo._harness.run_episode` (default: the Hermes structural tag, every other turn).
     """
     harness = functools.partial(
         run_episode, force_tools=force_tools, tools_every_turn=tools_every_turn

@@ -2,7 +2,7 @@
 
 Each step:
 
-1. **generate**: the harness (`tokcap._train_task`, the real ``openai`` client) plays G
+1. **generate**: the harness (`tokcap.loop._task`, the real ``openai`` client) plays G
    groups x N rollouts of a short chat through the gate; the gate stages every call's
    exact ids and logprobs into TransferQueue;
 2. **capture + verify**: declared terminals, then `examples/custom_trainer.collect`
@@ -15,11 +15,11 @@ Each step:
 5. **push**: the full state dict into the running engine (`tokcap_vllm.WeightSync`)
    under the next version; the gate watches the push and would refuse captured calls if
    it failed. `finish` (free the rows, release the rollouts) runs while the next step
-   generates, outside the step's time. The step itself is `tokcap._train_step.run_step`.
+   generates, outside the step's time. The step itself is `tokcap.loop._step.run_step`.
 
 The engine samples at temperature 1 and reports raw logprobs, so an fp32 trainer that
 holds the engine's weights agrees to ~1e-14 (K3): a step whose K3 exceeds
-`tokcap._train_summary.PARITY_K3` means the previous push did not land.
+`tokcap.loop._summary.PARITY_K3` means the previous push did not land.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from tokcap_ray import ReassemblerPool
 from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import ControlPlaneClient, Gate, GateConfig, InProcessServer, WeightSync
 
-from ._examples import load_example
-from ._pipeline import VLLM_ARGS, services
-from ._stages import Stages
-from ._train_step import LoopConfig, Observer, StepContext, StepRecord, TrainRun, run_step
+from .._examples import load_example
+from .._stages import Stages
+from ..demo._pipeline import VLLM_ARGS, services
+from ._step import LoopConfig, Observer, StepContext, StepRecord, TrainRun, run_step
 
 __all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "run_loop"]
 
@@ -107,7 +107,7 @@ async def _drive(
 ) -> None:
     import torch
 
-    from .train import TrainConfig, Trainer
+    from ..train import TrainConfig, Trainer
 
     config = run.config
     factory = functools.partial(TQSink.connect, sink.config)

@@ -1,4 +1,4 @@
-"""One step of ``tokcap train``'s loop, and the records it keeps (see `tokcap._train_loop`).
+"""One step of ``tokcap train``'s loop, and the records it keeps (see `tokcap.loop`).
 
 `run_step` plays the step's chats, runs `examples/custom_trainer.collect` (its control
 client wrapped so that closing and fetching receipts are timed apart from reassembly),
@@ -24,7 +24,7 @@ from tokcap_ray import ReassemblerPool
 from tokcap_tq import TQSink
 from tokcap_vllm import ControlPlaneClient, InProcessServer, WeightSync
 
-from ._train_task import WITNESSES, DigitsEpisode, group_prompt, play_digits
+from ._task import WITNESSES, DigitsEpisode, group_prompt, play_digits
 
 __all__ = ["LoopConfig", "Observer", "StepContext", "StepRecord", "TrainRun", "run_step"]
 

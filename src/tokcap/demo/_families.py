@@ -1,12 +1,12 @@
 """The model families ``tokcap demo --model-family`` serves, each the way its users serve it.
 
-- ``qwen`` (default): the tiny Qwen3 model of `tokcap._tiny` with a ChatML template that
+- ``qwen`` (default): the tiny Qwen3 model of `tokcap.tiny` with a ChatML template that
   renders tools, vLLM's ``hermes`` tool parser; tool calls forced with an xgrammar
-  structural tag (`tokcap._harness.forced_tool_calls`). The gate plans prompts in text.
+  structural tag (`tokcap.demo._harness.forced_tool_calls`). The gate plans prompts in text.
 - ``mistral``: a tiny ``MistralForCausalLM`` next to the real Tekken tokenizer that
-  ``mistral_common`` ships (`tokcap._tiny_mistral`), served with ``--tokenizer-mode
+  ``mistral_common`` ships (`tokcap.tiny`), served with ``--tokenizer-mode
   mistral`` and the ``mistral`` tool parser, as Mistral's model cards ask; tool calls forced
-  with a regex and a bias on ``[TOOL_CALLS]`` (`tokcap._tiny_mistral.force_tool_calls`). The
+  with a regex and a bias on ``[TOOL_CALLS]`` (`tokcap.tiny.force_tool_calls`). The
   gate plans prompts in token ids (``mistral_common`` renders requests straight to ids).
 
 A family also says how the demo's independent checks load its tokenizer and re-tokenise a
@@ -84,7 +84,7 @@ def model_family(name: str, cache: Path) -> ModelFamily:
 
 
 def _qwen(cache: Path) -> ModelFamily:
-    from ._tiny import CHATML_TOOLS_TEMPLATE, build_tiny_model
+    from ..tiny._qwen import CHATML_TOOLS_TEMPLATE, build_tiny_model
 
     model = build_tiny_model(cache / "tiny" / "dense", kind="dense")
 
@@ -114,7 +114,7 @@ def _qwen(cache: Path) -> ModelFamily:
 
 
 def _mistral(cache: Path) -> ModelFamily:
-    from ._tiny_mistral import force_tool_calls, tiny_mistral
+    from ..tiny._mistral import force_tool_calls, tiny_mistral
 
     model, args = tiny_mistral(cache / "tiny")
     calc = {"calc": _CALC_ARGUMENTS}

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
-    from ._train_loop import TrainRun
+    from ._loop import TrainRun
 
 __all__ = ["build_train_summary", "print_train_summary", "train_problems"]
 

@@ -1,7 +1,7 @@
 """A ~100M-parameter random Qwen3 with the tiny tokenizer: the tiny model's family at a size
 where the model's own work per token is like a small real model's (for benchmarks, no hub).
 
-Same family, tokenizer and chat template as `tokcap._tiny.build_tiny_model` (dense Qwen3,
+Same family, tokenizer and chat template as `tokcap.tiny.build_tiny_model` (dense Qwen3,
 fp32, tied embeddings, seeded weights); only the shape differs (`SMALL_SHAPE`: hidden 768,
 16 layers, 12 heads of 64 with 4 KV heads, MLP 2048, the shape of ``bench/bench_push.py``'s
 ~100M model). About 400 MB on disk. Builds are deterministic and cached like the tiny ones:
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Final
 
-from ._tiny import (
+from ._qwen import (
     DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
     PAD_TOKEN,

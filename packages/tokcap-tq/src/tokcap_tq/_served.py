@@ -1,0 +1,119 @@
+"""The ``tq`` sink of a served gate (``tokcap-vllm serve --tokcap-sink tq``).
+
+Registered under the entry-point group ``tokcap.sinks`` (`tokcap_core.sink.SinkPlugin`),
+so tokcap-vllm never imports this package. The gate's server process joins the Ray
+cluster at ``ray_address`` as a driver and attaches to the TransferQueue the trainer side
+runs there (`connect_tq`, `local_tq`). A gate never starts or owns TransferQueue: a dead
+gate must not take the fleet's sink down, so it only waits, retrying within
+``attach_timeout_s`` and logging each wait, until the controller is up; on exit it leaves
+Ray without closing TransferQueue (``tq.close`` would kill the controller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import attrs
+
+from tokcap_core import SinkError
+from tokcap_core.config import non_empty_text, positive_number
+
+from ._cluster import _on_loopback, _tq_running
+from ._deps import ray, tq
+from ._local import loopback_env
+from ._sink import TQSink, TQSinkConfig
+
+__all__ = ["TQAttachConfig", "TQSinkPlugin", "plugin"]
+
+_log = logging.getLogger("tokcap_tq.served")
+_RETRY_S = 2.0
+_LOG_EVERY_S = 10.0
+
+
+@attrs.frozen(kw_only=True)
+class TQAttachConfig:
+    """Where a served gate finds TransferQueue: the Ray cluster it joins as a driver."""
+
+    ray_address: str = attrs.field(validator=non_empty_text)
+    """The cluster's GCS address, ``HOST:PORT`` (what ``ray start --head`` prints)."""
+    attach_timeout_s: float = attrs.field(default=300.0, validator=positive_number)
+    """How long the gate waits for Ray and TransferQueue before it gives up starting."""
+
+
+class TQSinkPlugin:
+    """`tokcap_core.sink.SinkPlugin` for TransferQueue (see the module docstring)."""
+
+    config_types: tuple[type[Any], ...] = (TQSinkConfig, TQAttachConfig)
+
+    def sink(self, configs: Sequence[Any]) -> TQSink:
+        """A `TQSink` over the configured partitions (nothing is connected yet)."""
+        sink_config, _ = configs
+        return TQSink(sink_config)
+
+    @contextlib.asynccontextmanager
+    async def attach(self, configs: Sequence[Any]) -> AsyncIterator[None]:
+        """Join the cluster and attach to its TransferQueue for the gate's lifetime."""
+        _, attach = configs
+        with contextlib.ExitStack() as env:
+            if _on_loopback(attach.ray_address):
+                env.enter_context(loopback_env())
+            await anyio.to_thread.run_sync(_join, attach)
+            try:
+                yield
+            finally:
+                ray.shutdown()  # leaves the cluster; TransferQueue keeps running
+
+
+def _join(attach: TQAttachConfig) -> None:
+    """Connect to Ray, wait for the TransferQueue controller, attach a client (blocking)."""
+    started = time.monotonic()
+    deadline = started + attach.attach_timeout_s
+    logged = -_LOG_EVERY_S
+    last: str = ""
+    while True:
+        try:
+            if not ray.is_initialized():
+                ray.init(address=attach.ray_address, log_to_driver=False, configure_logging=False)
+            if _tq_running() and _configured():
+                tq.init()  # the controller exists: this attaches a client, starts nothing
+                _log.warning(
+                    "tokcap: attached to TransferQueue on the Ray cluster at %s",
+                    attach.ray_address,
+                )
+                return
+            last = "no TransferQueue controller on the cluster yet"
+        except Exception as e:  # Ray raises many kinds while a cluster comes up; retried, bounded
+            last = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        if now >= deadline:
+            raise SinkError(
+                "tq_attach_timeout",
+                f"no TransferQueue on the Ray cluster at {attach.ray_address} after "
+                f"{attach.attach_timeout_s:.0f} s ({last}); start it on the trainer side "
+                "(tokcap_tq.connect_tq) before the gates",
+            )
+        if now - logged >= _LOG_EVERY_S:
+            logged = now
+            _log.warning(
+                "tokcap: waiting for TransferQueue on the Ray cluster at %s (%s; %.0f of %.0f s)",
+                attach.ray_address,
+                last,
+                now - started,
+                attach.attach_timeout_s,
+            )
+        time.sleep(min(_RETRY_S, max(0.0, deadline - now)))
+
+
+def _configured() -> bool:
+    """Whether the controller has stored its config (``tq.init`` would block until then)."""
+    controller = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+    return ray.get(controller.get_config.remote(), timeout=_RETRY_S * 5) is not None
+
+
+plugin = TQSinkPlugin()
+"""The entry point's object (``tokcap.sinks``: ``tq``)."""

@@ -1,0 +1,310 @@
+"""`GateFleet`: the trainer's client over N gates (each its own ``tokcap-vllm serve``).
+
+Each rollout belongs to one gate for its whole life: `GateFleet.open` picks the live gate
+with the fewest open rollouts (ties: the first given), opens the rollout there (``POST
+/tokcap/v1/rollouts/{id}/open``) and returns that rollout's OpenAI base URL for the
+harness; close, terminal, receipts and release go to the owning gate. Run the gates with
+``--tokcap-require-open`` and a call sent to the wrong gate is refused (404
+``unknown_rollout``) instead of splitting a rollout's custody over two gates.
+
+A gate that stops answering (a transport failure, after the client's retries) is marked
+lost: each rollout open on it (or closed there, receipt not yet fetched) is poisoned
+(``gate_unreachable``), its close returns the rollout's genesis head and its receipt is
+poisoned without asking the gate. Every other gate's rollouts go on as before.
+`GateFleet.report` counts both per gate; `GateFleet.orphaned_keys` names the staged rows
+the lost rollouts left in the sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import anyio
+import attrs
+
+from tokcap_core import Receipt
+from tokcap_core.ids import StagingKey, validate_rollout_id
+from tokcap_core.ledger import genesis_hash
+from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
+
+from ._client import ControlPlaneClient, poisoned_receipt
+from ._errors import ControlNotFound, ControlPlaneError, ControlUnreachable
+
+__all__ = ["FleetGateReport", "GateFleet"]
+
+_UNREACHABLE = "unreachable"  # the code ControlPlaneClient gives transport failures
+
+
+@attrs.frozen(kw_only=True)
+class FleetGateReport:
+    """One gate of a fleet: where it is, whether it answers, what it holds and lost."""
+
+    url: str
+    alive: bool
+    open: int
+    """Rollouts opened there and not yet closed (or lost)."""
+    opened: int
+    closed: int
+    released: int
+    unreachable: int
+    """Rollouts poisoned ``gate_unreachable`` because this gate stopped answering."""
+
+
+@attrs.define
+class _Gate:
+    url: str
+    client: ControlPlaneClient
+    alive: bool = True
+    open: set[str] = attrs.field(factory=set)
+    opened: int = 0
+    closed: int = 0
+    released: int = 0
+    unreachable: int = 0
+
+
+class GateFleet:
+    """Typed async client over gates at ``urls``; use as ``async with GateFleet(...)``.
+
+    ``token`` is the fleet's control token (every gate's); ``path_prefix`` is the gates'
+    ``--tokcap-path-prefix``. Other keyword arguments go to each `ControlPlaneClient`.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        token: str,
+        *,
+        path_prefix: str = "/tokcap/rollouts/",
+        **client_options: Any,
+    ) -> None:
+        if not urls:
+            raise ValueError("a fleet needs at least one gate url")
+        self.path_prefix = path_prefix
+        self._gates = [
+            _Gate(url.rstrip("/"), ControlPlaneClient(url, token, **client_options)) for url in urls
+        ]
+        self._owner: dict[str, _Gate] = {}
+        self._lost: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"GateFleet({[g.url for g in self._gates]!r})"
+
+    async def __aenter__(self) -> GateFleet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every gate's connection pool."""
+        for gate in self._gates:
+            await gate.client.aclose()
+
+    # ---- assignment ----------------------------------------------------------------------
+
+    async def open(self, rollout_id: str) -> str:
+        """Assign ``rollout_id`` to a gate, open it there; returns its OpenAI base URL.
+
+        Opening an assigned rollout again returns the same URL. A gate that does not
+        answer is marked lost and the next one tried; `ControlUnreachable` when none does.
+        """
+        validate_rollout_id(rollout_id)
+        owner = self._owner.get(rollout_id)
+        if owner is not None and rollout_id not in self._lost:
+            return self._base_url(owner, rollout_id)
+        while True:
+            live = [g for g in self._gates if g.alive]
+            if not live:
+                raise ControlUnreachable(_UNREACHABLE, "no gate of the fleet answers", 0)
+            gate = min(live, key=lambda g: len(g.open))
+            gate.open.add(rollout_id)  # counted before the await: concurrent opens spread
+            try:
+                await gate.client.open(rollout_id)
+            except ControlUnreachable as e:
+                gate.open.discard(rollout_id)
+                if e.code != _UNREACHABLE:
+                    raise
+                self._gate_lost(gate, e)
+                continue
+            except BaseException:
+                gate.open.discard(rollout_id)
+                raise
+            gate.opened += 1
+            self._owner[rollout_id] = gate
+            self._lost.pop(rollout_id, None)
+            return self._base_url(gate, rollout_id)
+
+    def base_url(self, rollout_id: str) -> str:
+        """The OpenAI base URL of an opened rollout (on its gate)."""
+        return self._base_url(self._gate_of(rollout_id), rollout_id)
+
+    def gate_url(self, rollout_id: str) -> str:
+        """The URL of the gate that owns ``rollout_id``."""
+        return self._gate_of(rollout_id).url
+
+    def lost(self) -> dict[str, str]:
+        """``{rollout_id: reason}`` of rollouts poisoned because their gate stopped answering."""
+        return dict(self._lost)
+
+    def orphaned_keys(self, staged_keys: Iterable[str]) -> list[StagingKey]:
+        """The keys among a sink's ``staged_keys()`` that lost rollouts left behind: no
+        receipt names them, so the trainer clears them itself."""
+        return [StagingKey(k) for k in staged_keys if k.split("/", 1)[0] in self._lost]
+
+    # ---- routed control operations -------------------------------------------------------
+
+    async def declare_terminal(
+        self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
+    ) -> tuple[int, str]:
+        """`ControlPlaneClient.declare_terminal` on the owning gate (a lost rollout: its
+        genesis head)."""
+        gate = self._gate_of(rollout_id)
+        if rollout_id in self._lost:
+            return (0, genesis_hash(rollout_id))
+        try:
+            return await gate.client.declare_terminal(
+                rollout_id, call_id=call_id, response_id=response_id
+            )
+        except ControlUnreachable as e:
+            return self._lost_head(gate, rollout_id, e)
+
+    async def close(self, rollout_id: str, **witnesses: Any) -> tuple[int, str]:
+        """`ControlPlaneClient.close` on the owning gate; keep the head for `fetch_receipts`.
+
+        If the gate does not answer, its rollouts are lost and this returns the genesis
+        head (the receipt will be poisoned ``gate_unreachable``).
+        """
+        gate = self._gate_of(rollout_id)
+        if rollout_id in self._lost:
+            return (0, genesis_hash(rollout_id))
+        try:
+            head = await gate.client.close(rollout_id, **witnesses)
+        except ControlUnreachable as e:
+            return self._lost_head(gate, rollout_id, e)
+        gate.open.discard(rollout_id)
+        gate.closed += 1
+        return head
+
+    async def fetch_receipts(
+        self,
+        rollout_ids: Iterable[str],
+        *,
+        expected_heads: Mapping[str, tuple[int, str]] | None = None,
+        segments: Literal["terminal", "all"] = "terminal",
+    ) -> list[Receipt]:
+        """One receipt per id, in order, fetched from every gate concurrently.
+
+        Lost rollouts get a poisoned receipt (``gate_unreachable``) without a request; a
+        gate that stops answering now loses its rollouts the same way. Other control-plane
+        failures (auth) raise.
+        """
+        ids = [validate_rollout_id(r) for r in rollout_ids]
+        heads = dict(expected_heads or {})
+        found: dict[str, Receipt] = {}
+        by_gate: dict[int, list[str]] = {}
+        for rid in ids:
+            gate = self._gate_of(rid)
+            by_gate.setdefault(id(gate), []).append(rid)
+        errors: list[ControlPlaneError] = []
+
+        async def one_gate(gate: _Gate, rids: list[str]) -> None:
+            asked = [r for r in rids if r not in self._lost]
+            try:
+                receipts = await gate.client.fetch_receipts(
+                    asked,
+                    expected_heads={r: heads[r] for r in asked if r in heads},
+                    segments=segments,
+                )
+            except ControlUnreachable as e:
+                if e.code != _UNREACHABLE:
+                    errors.append(e)
+                    return
+                self._gate_lost(gate, e, also=asked)
+                receipts = []
+            except ControlPlaneError as e:
+                errors.append(e)
+                return
+            found.update((r.rollout_id, r) for r in receipts)
+
+        async with anyio.create_task_group() as tg:
+            for rids in by_gate.values():
+                tg.start_soon(one_gate, self._gate_of(rids[0]), rids)
+        if errors:
+            raise errors[0]
+        return [found.get(rid) or poisoned_receipt(rid, self._lost[rid]) for rid in ids]
+
+    async def release(self, rollout_id: str) -> None:
+        """Release on the owning gate and forget the assignment (a lost rollout: forgotten)."""
+        gate = self._gate_of(rollout_id)
+        if rollout_id not in self._lost:
+            try:
+                await gate.client.release(rollout_id)
+            except ControlUnreachable as e:
+                if e.code != _UNREACHABLE:
+                    raise
+                self._gate_lost(gate, e)
+            else:
+                gate.released += 1
+        gate.open.discard(rollout_id)
+        del self._owner[rollout_id]
+        self._lost.pop(rollout_id, None)
+
+    # ---- reports -------------------------------------------------------------------------
+
+    def report(self) -> list[FleetGateReport]:
+        """One report per gate, in the order given."""
+        return [
+            FleetGateReport(
+                url=g.url,
+                alive=g.alive,
+                open=len(g.open),
+                opened=g.opened,
+                closed=g.closed,
+                released=g.released,
+                unreachable=g.unreachable,
+            )
+            for g in self._gates
+        ]
+
+    def metrics(self) -> dict[str, float]:
+        """`report` as ``fleet/gate<i>/<field>`` floats, plus ``fleet/gates_alive``."""
+        out = {"fleet/gates_alive": float(sum(g.alive for g in self._gates))}
+        for i, r in enumerate(self.report()):
+            for name in ("alive", "open", "opened", "closed", "released", "unreachable"):
+                out[f"fleet/gate{i}/{name}"] = float(getattr(r, name))
+        return out
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _gate_of(self, rollout_id: str) -> _Gate:
+        gate = self._owner.get(rollout_id)
+        if gate is None:
+            raise ControlNotFound(
+                "unknown_rollout", f"{rollout_id} was not opened through this fleet", 404
+            )
+        return gate
+
+    def _base_url(self, gate: _Gate, rollout_id: str) -> str:
+        return f"{gate.url}{self.path_prefix}{rollout_id}/v1"
+
+    def _lost_head(
+        self, gate: _Gate, rollout_id: str, error: ControlUnreachable
+    ) -> tuple[int, str]:
+        if error.code != _UNREACHABLE:
+            raise error
+        self._gate_lost(gate, error)
+        return (0, genesis_hash(rollout_id))
+
+    def _gate_lost(
+        self, gate: _Gate, error: ControlUnreachable, *, also: Iterable[str] = ()
+    ) -> None:
+        """Mark ``gate`` lost: its open rollouts (and ``also``: closed ones whose receipts
+        it can no longer serve) are poisoned; rollouts already receipted are not."""
+        gate.alive = False
+        reason = make_reason(GATE_UNREACHABLE, type(error.__cause__ or error).__name__)
+        for rid in sorted({*gate.open, *also}):
+            if rid not in self._lost:
+                self._lost[rid] = reason
+                gate.unreachable += 1
+        gate.open.clear()

@@ -1,0 +1,46 @@
+"""Tiny models built locally for tests, the demo and benchmarks (no hub download).
+
+- `build_tiny_tokenizer` / `build_tiny_model`: a byte-level BPE with ChatML specials and a
+  random-weight Qwen3 (dense or MoE), hidden 64, 2 layers;
+- `build_small_model`: a ~100M Qwen3 of the same family (for benchmarks);
+- `tiny_mistral` / `build_tiny_mistral`: a tiny ``MistralForCausalLM`` next to a real
+  ``mistral_common`` tokenizer, with the vLLM options and tool forcing Mistral's cards ask for.
+
+Every build is deterministic and cached under the folder it is given.
+"""
+
+from ._mistral import (
+    MISTRAL_TOKENIZERS,
+    MistralTokenizerKind,
+    build_tiny_mistral,
+    force_tool_calls,
+    mistral_vllm_args,
+    tiny_mistral,
+    tool_calls_token_id,
+)
+from ._qwen import (
+    CHATML_TEMPLATE,
+    CHATML_TOOLS_TEMPLATE,
+    SPECIAL_TOKENS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+)
+from ._small import SMALL_SHAPE, build_small_model, parameter_count
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "CHATML_TOOLS_TEMPLATE",
+    "MISTRAL_TOKENIZERS",
+    "SMALL_SHAPE",
+    "SPECIAL_TOKENS",
+    "MistralTokenizerKind",
+    "build_small_model",
+    "build_tiny_mistral",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "force_tool_calls",
+    "mistral_vllm_args",
+    "parameter_count",
+    "tiny_mistral",
+    "tool_calls_token_id",
+]
