@@ -296,6 +296,8 @@ SERVE_ARGS = [
     "2048",
     "--weight-transfer-config",
     '{"backend": "tokcap_shm"}',
+    "--tokcap-sink",
+    "memory",
 ]
 
 

@@ -55,6 +55,8 @@ SERVE_ARGS = [
     "4096",
     "--weight-transfer-config",
     '{"backend": "tokcap_shm"}',
+    "--tokcap-sink",
+    "memory",
 ]
 
 
