@@ -20,7 +20,7 @@ call. tokcap's own weight routes, under ``/tokcap/v1/weights``:
 - ``POST weights/release`` — lift the hold (409 ``weights_not_ready`` unless READY)
 - ``PUT  weights/upload`` — a push file's bytes, streamed; written into shared memory on
   this host (`UploadResponse`: its path for ``/update_weights``). Files uploaded are removed
-  once the next ``/finish_weight_update`` has answered.
+  once the next ``/finish_weight_update`` that follows an update has answered.
 """
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ class GuardedRoutes:
         self.weights = ServedWeights(version=gate.config.weight_version)
         self.upload_dir = upload_dir
         self._uploads: list[str] = []
+        self._updated = False
         self._watching = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, app: App) -> None:
@@ -205,9 +206,12 @@ class GuardedRoutes:
     async def _observe(self, path: str, ok: bool, scope: Scope) -> None:
         weights = self.weights
         if path == "/update_weights":
+            self._updated = self._updated or ok
             weights.updated() if ok else weights.failed("update_failed")
         elif path in ("/start_weight_update", "/finish_weight_update", "/update_weight_version"):
-            if path == "/finish_weight_update":
+            if path == "/start_weight_update":
+                self._updated = False
+            elif path == "/finish_weight_update" and self._updated:  # not an empty finish
                 self._remove_uploads()
             if not ok:
                 if path != "/update_weight_version":
