@@ -328,6 +328,43 @@ def test_a_push_the_worker_refuses_leaves_the_gate_failed_until_a_full_push(
     assert engine_parity(url, model, new) <= SAME
 
 
+@pytest.mark.usefixtures("restore")
+def test_vllms_own_trainer_engine_factory_pushes_through_the_registered_backend(
+    gates: list[str], model: Any, original: Weights
+) -> None:
+    """Trainer code written against vLLM's API (`WeightTransferTrainerFactory`) runs on CPU:
+    the backend resolves to tokcap's, the bearer client gets through the guard."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from tokcap_vllm._plugin import register_weight_transfer
+    from tokcap_vllm.transfer import (
+        BearerWeightSyncClient,
+        StateDictSource,
+        TokcapShmTrainerInitInfo,
+    )
+
+    register_weight_transfer()  # in a trainer process no vLLM plugin loader runs
+    url = gates[0]
+    new = perturbed(original, seed=5)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TokcapShmTrainerInitInfo(rank=0),
+        client=BearerWeightSyncClient(url, TOKEN),
+        source=StateDictSource(new),
+    )
+
+    async def driven() -> Any:
+        async with GateWeightClient(url, TOKEN) as gate:
+            version = (await gate.info()).version + 1
+            async with gate.external_update(version):
+                await anyio.to_thread.run_sync(engine.send_weights)
+            return await gate.info()
+
+    info = run(driven)
+    assert (info.phase, info.engine_version) == ("READY", str(info.version))
+    assert engine_parity(url, model, new) <= SAME
+    assert captured(url) == (200, info.version)
+
+
 # ---- the fleet --------------------------------------------------------------------------
 
 

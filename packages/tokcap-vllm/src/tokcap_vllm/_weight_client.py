@@ -34,6 +34,7 @@ import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -219,6 +220,42 @@ class GateWeightClient:
             if isinstance(e, Exception):
                 raise WeightSyncError(f"{step}_failed", str(e)) from e
             raise
+
+    @asynccontextmanager
+    async def external_update(self, version: int, *, release: bool = True) -> AsyncIterator[None]:
+        """Steps 3's pause before, and label, prefix-cache reset, resume (and release)
+        after, a push that another engine drives through vLLM's routes: vLLM's ``nccl`` or
+        ``ipc`` trainer engines on GPU, or any `WeightTransferTrainerFactory` engine, with
+        `tokcap_vllm.transfer.BearerWeightSyncClient` (run its blocking ``send_weights`` in
+        a thread). A failure inside, or after, holds the gate until a push releases it.
+        """
+        await self.check_version(version)
+        pause = {"mode": self.mode, "clear_cache": "false"}
+        await self._call("pause", "POST", "/pause", params=pause)
+        try:
+            yield
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._after_failure("prefix_cache", version)
+            raise
+        step = "label"
+        try:
+            label = {"new_version": str(version)}
+            await self._call(step, "POST", "/update_weight_version", json=label)
+            step = "prefix_cache"
+            reset = await self._call(
+                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+            )
+            if not reset.json().get("success"):
+                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            step = "resume"
+            await self._call(step, "POST", "/resume")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._after_failure("prefix_cache", version)
+            raise
+        if release:
+            await self.release()
 
     async def _start(self) -> None:
         try:
