@@ -16,7 +16,7 @@ engine core in its own process, ``WeightSyncWorker`` loaded). Per model:
   ``reload_weights(weights_path=...)`` with the same pause/version/reset/resume).
 
 Served gates (``--served``; the deployment shape): for the tiny model and
-``tokcap._tiny_small``'s ~100M one, two ``tokcap-vllm serve`` processes (backend
+``tokcap.tiny.build_small_model``'s ~100M one, two ``tokcap-vllm serve`` processes (backend
 ``tokcap_shm``, ``VLLM_SERVER_DEV_MODE=1``); this process is the trainer. A push is
 `GateWeightClient.push` (1 gate) or `FleetWeightSync.push` (2 gates; one shared-memory
 file read by both), timed from the trainer's call until it returns: vLLM's reload, the
@@ -51,30 +51,23 @@ for _name, _value in {
 
 import torch  # noqa: E402
 
+from tokcap.tiny import SMALL_SHAPE  # noqa: E402
 from tokcap.train import Trainer  # noqa: E402
 from tokcap_core import LogprobParity, TrainingRow  # noqa: E402
 from tokcap_vllm import WeightSync  # noqa: E402
 from tokcap_vllm.weights import WeightPhase, WeightState  # noqa: E402
 
-LARGE = {  # ~100M parameters with the tiny tokenizer's 2k vocabulary
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-}
 PROMPTS, NEW_TOKENS = 8, 16
 Transport = Literal["rpc", "shm"]
 SKIP = ("config.json", "tokcap-tiny.json", "model.safetensors.index.json")
 
 
 def build_large(tiny_dir: Path, out_dir: Path) -> Path:
-    """A random Qwen3 with the ``LARGE`` shape and the tiny model's tokenizer, fp32, tied."""
+    """A random Qwen3 of `SMALL_SHAPE` (~100M) with the tiny model's tokenizer, fp32, tied."""
     import transformers
 
     tiny = transformers.AutoConfig.from_pretrained(tiny_dir).to_dict()
-    config = transformers.Qwen3Config(**{**tiny, **LARGE, "layer_types": None})
+    config = transformers.Qwen3Config(**{**tiny, **SMALL_SHAPE, "layer_types": None})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
@@ -428,7 +421,7 @@ def main() -> None:
 
     tiny = build_tiny_model(Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny")) / "dense")
     if args.served:
-        from tokcap._tiny_small import build_small_model
+        from tokcap.tiny import build_small_model
 
         served = [bench_served("tiny", tiny, args.pushes)]
         if not args.skip_large:

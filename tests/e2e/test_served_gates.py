@@ -31,7 +31,7 @@ SINK = TQSinkConfig(staging_partition="served_staging", training_partition="serv
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
-    from tokcap._tiny import build_tiny_model
+    from tokcap.tiny import build_tiny_model
 
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     return build_tiny_model(cache / "dense", kind="dense")

@@ -15,6 +15,8 @@ import functools
 import os
 from typing import Any
 
+from ._vllm import require_vllm
+
 __all__ = ["ENABLE_ENV", "register", "register_weight_transfer"]
 
 ENABLE_ENV = "TOKCAP_GATE"
@@ -26,10 +28,10 @@ def register() -> None:
     if os.environ.get(ENABLE_ENV, "") not in ("1", "true", "yes"):
         return
     try:
-        from vllm.entrypoints.launchers.api_server import entry
+        entry = require_vllm("vllm.entrypoints.launchers.api_server.entry")
     except ImportError:  # an engine-only process or another vLLM layout: nothing to wrap
         return
-    original = entry.build_app  # type: ignore[attr-defined]
+    original = entry.build_app
     if getattr(original, "__tokcap__", False):
         return
 
