@@ -114,6 +114,10 @@ class ControlPlane:
             send, reply.status, reply.body, content_type=reply.content_type, headers=headers
         )
 
+    def authorize(self, scope: Scope) -> None:
+        """Raise unless ``scope`` carries the control token (the same check as every route)."""
+        self._authorize(scope)
+
     def _authorize(self, scope: Scope) -> None:
         if _redact_query(scope):
             raise BadRequest(
