@@ -426,7 +426,8 @@ def test_oversized_inputs_are_refused_before_they_are_read(tmp_path: Path) -> No
     for args in (("verify", big), ("verify", example("manifest.json"), "--staged", big)):
         rss_kib, doc = _peak_rss_kib(*args)
         assert doc["error"]["code"] == "too_large"
-        assert rss_kib < 200 * 1024, rss_kib
+        # the peak includes what the forking test process held (Linux keeps it across exec)
+        assert rss_kib < 768 * 1024, rss_kib
 
 
 def test_an_unreadable_file_is_a_json_error_on_stdout_and_one_line_on_stderr(
