@@ -148,6 +148,9 @@ def _positive(text: str) -> int:
 
 
 def _demo(ns: argparse.Namespace) -> int:
+    from ._startup import start_up
+
+    start_up()  # before vLLM, torch or Ray is imported
     from .demo._cli import DemoOptions, run_demo
 
     options = DemoOptions(
@@ -166,6 +169,9 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _train(ns: argparse.Namespace) -> int:
+    from ._startup import start_up
+
+    start_up()  # before vLLM, torch or Ray is imported
     from .loop._cli import TrainOptions, run_train
 
     options = TrainOptions(

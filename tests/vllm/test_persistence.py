@@ -69,7 +69,7 @@ def test_closed_manifests_come_back_byte_identical_and_open_ones_poisoned(tmp_pa
     assert state.poisoned == Poisoned(reason="gate_restarted")
     assert assemble_receipt(state).failure_reason == "gate_restarted"
     with pytest.raises(Exception, match="rollout_closed"):
-        restarted.begin("open-1", kind="chat")  # never silently resumed
+        restarted.registry.join("open-1")  # never silently resumed
 
     third = _gate(path)  # the poisoning was persisted: it is not applied twice
     assert encode_manifest(manifest_of(third.ledger("open-1"))) == encode_manifest(

@@ -20,6 +20,7 @@ from tokcap_core.ledger import manifest_of
 from tokcap_vllm import Gate, GateConfig
 from tokcap_vllm._admission import ChatPlan
 from tokcap_vllm._host import CURRENT_TICKET, Ticket
+from tokcap_vllm._planning import Observed, PlannedRequest
 from tokcap_vllm.extend import CaptureHost
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
@@ -88,13 +89,14 @@ def test_routes_are_aligned_and_backfilled_across_a_chain() -> None:
                     request_fingerprint=f"fp{turn}",
                     formation="extend" if turn else "root",
                 )
-                call = gate.begin("moe-1", kind="completion")
+                request = PlannedRequest(None, lambda *_, plan=plan: plan, lambda ids: "")
+                call = await gate.capture.enter(
+                    "moe-1", kind="completion", request=lambda request=request: request
+                )
                 assert call is not None
-                assert await gate.claim(call) is None
-                await gate.admit(call, lambda *_, plan=plan: plan)
                 ticket = Ticket(
                     prompt_ids=plan.prompt_ids,
-                    on_finish=lambda r, call=call: gate.engine_finished(call, r),
+                    on_finish=lambda r, call=call: gate.capture.engine_finished(call, r),
                 )
                 token = CURRENT_TICKET.set(ticket)
                 try:
@@ -107,13 +109,7 @@ def test_routes_are_aligned_and_backfilled_across_a_chain() -> None:
                     CURRENT_TICKET.reset(token)
                 assert ticket.result is not None
                 cum = ticket.result.prompt_ids + list(ticket.result.output_ids)
-                gate.response_complete(
-                    call,
-                    response_id=f"resp-{turn}",
-                    output_fp=None,
-                    cum_text=None,
-                    conversation_fp=None,
-                )
+                gate.capture.respond(call, Observed(f"resp-{turn}", None, None))
                 await call.settled.wait()
             await gate.close("moe-1", reward=1.0)
             receipt = assemble_receipt(verify_manifest(manifest_of(gate.ledger("moe-1"))))

@@ -27,6 +27,7 @@ from typing import Any
 from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
 
 from ._logprob_text import SKIP_LOGPROB_TEXT, install_logprob_text_switch
+from ._vllm import require_vllm
 
 __all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket"]
 
@@ -92,9 +93,8 @@ class CaptureHost:
         scheduler = getattr(config, "scheduler_config", None)
         if scheduler is None or not getattr(scheduler, "enable_chunked_prefill", False):
             return False
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
+        platforms = require_vllm("vllm.platforms")
+        return bool(platforms.current_platform.is_cpu())
 
     def install(self) -> None:
         """Route every ``generate`` call on this engine through the host."""
@@ -127,8 +127,8 @@ class CaptureHost:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> AsyncGenerator[Any, None]:
-        from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
+        tokens_input = require_vllm("vllm.inputs").tokens_input
+        RequestOutputKind = require_vllm("vllm.sampling_params").RequestOutputKind
 
         params = sampling_params.clone()
         if params.logprobs is None:  # the harness did not ask: only the gate reads them

@@ -18,6 +18,8 @@ from ._gate import Gate
 from ._middleware import install_gate
 from ._vllm import require_vllm
 
+_LAUNCHERS = "vllm.entrypoints.launchers"
+
 __all__ = ["InProcessServer"]
 
 T = TypeVar("T")
@@ -103,20 +105,21 @@ class InProcessServer:
             self._ready.set()
 
     async def _main(self) -> None:
-        require_vllm()
+        init_app_state = require_vllm(_LAUNCHERS + ".api_server.app_state").init_app_state
+        build_async_engine_client = require_vllm(
+            _LAUNCHERS + ".api_server.entry"
+        ).build_async_engine_client
+        build_app = require_vllm(_LAUNCHERS + ".app").build_app
+        make_arg_parser = require_vllm(_LAUNCHERS + ".cli_args").make_arg_parser
+        parser_type = require_vllm("vllm.utils.argparse_utils").FlexibleArgumentParser
         import uvicorn
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-        from vllm.entrypoints.launchers.app import build_app
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         self._loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
-        parser = make_arg_parser(FlexibleArgumentParser())
+        parser = make_arg_parser(parser_type())
         args = parser.parse_args(
             [
                 "--model",

@@ -1,4 +1,4 @@
-"""The lifecycle of one captured call inside the gate: a transitions-and-refusals table.
+"""The lifecycle of one captured call inside the gate: transitions, refusals and effects.
 
     PLANNING --admit--> ADMITTED --finish--> FINISHED --respond--> RESPONDED --commit--> COMMITTED
     PLANNING --drop--> DROPPED                            RESPONDED --fail--> FAILED (served)
@@ -15,16 +15,16 @@ Invariants:
 - a call whose response never completed, or that was still in flight when its rollout
   closed, is ABANDONED: never a parent, never committed, its staged row (if any) cleared;
 - COMMITTED, FAILED, DROPPED and ABANDONED are final: ``settled`` is set exactly once.
-An operation the table does not allow raises `CallStateError` and changes nothing.
+What each step does to its rollout (claims, the live set, the parent index, the rollout's
+phase) is `EFFECTS`, applied by `tokcap_vllm._rollouts.RolloutBook.step`. An operation the
+table does not allow raises `CallStateError` and changes nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
-
-import anyio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from tokcap_core import StagedCall, TokcapError
 from tokcap_core.ids import CallId, RolloutId
@@ -32,19 +32,25 @@ from tokcap_core.ids import CallId, RolloutId
 if TYPE_CHECKING:
     from ._admission import ChatPlan, PriorCall
     from ._host import EngineResult
+    from ._planning import PlannedRequest
+    from ._rollouts import RolloutRecord
 
 __all__ = [
     "ABANDONED",
     "ADMITTED",
     "COMMITTED",
     "DROPPED",
+    "EFFECTS",
     "FAILED",
     "FINISHED",
     "PLANNING",
     "RESPONDED",
     "CallPhase",
     "CallStateError",
+    "Flag",
     "GateCall",
+    "next_phase",
+    "replayable",
 ]
 
 
@@ -70,8 +76,7 @@ DROPPED: Final = CallPhase("DROPPED")
 ABANDONED: Final = CallPhase("ABANDONED")
 
 _FINAL: Final = frozenset({COMMITTED, FAILED, DROPPED, ABANDONED})
-
-_TRANSITIONS: Final[Mapping[CallPhase, Mapping[str, CallPhase]]] = {
+TRANSITIONS: Final[Mapping[CallPhase, Mapping[str, CallPhase]]] = {
     PLANNING: {"admit": ADMITTED, "drop": DROPPED},
     ADMITTED: {"finish": FINISHED, "abandon": ABANDONED},
     FINISHED: {"respond": RESPONDED, "abandon": ABANDONED},
@@ -81,7 +86,7 @@ _TRANSITIONS: Final[Mapping[CallPhase, Mapping[str, CallPhase]]] = {
     DROPPED: {},
     ABANDONED: {"finish": ABANDONED, "respond": ABANDONED},
 }
-_REFUSALS: Final[Mapping[CallPhase, Mapping[str, str]]] = {
+REFUSALS: Final[Mapping[CallPhase, Mapping[str, str]]] = {
     PLANNING: dict.fromkeys(("finish", "respond", "commit", "fail", "abandon"), "not_admitted"),
     ADMITTED: {"admit": "already_admitted", "drop": "already_admitted"}
     | dict.fromkeys(("respond", "commit", "fail"), "not_finished"),
@@ -96,29 +101,52 @@ _REFUSALS: Final[Mapping[CallPhase, Mapping[str, str]]] = {
     },
     ABANDONED: dict.fromkeys(("admit", "drop", "commit", "fail", "abandon"), "settled"),
 }
+# What each call step does to its rollout (only when the phase changes).
+EFFECTS: Final[Mapping[str, tuple[str, ...]]] = {
+    "admit": ("index_call",),
+    "drop": ("release_claims", "leave", "forget_if_idle"),
+    "finish": (),
+    "respond": ("index_parent",),
+    "commit": ("leave",),
+    "fail": ("leave", "unindex_parent", "uncapture"),
+    "abandon": ("leave", "release_claims"),
+}
 
 
 class CallStateError(TokcapError, RuntimeError):
-    """The gate asked a call for a step its phase does not allow (a gate bug, contained)."""
+    """The gate asked a call or a rollout for a step its phase does not allow (a gate bug,
+    contained)."""
+
+
+class Flag(Protocol):
+    """What the driver waits on (an ``anyio.Event``); the rules only set it."""
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    async def wait(self) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
 class GateCall:
     """The gate's working record of one captured request, from its body to its commit.
 
-    ``rollout`` is the registry record the call joined (never looked up again by id, so a
-    released and reused rollout id can never receive this call). Tokens live here until
-    the ledger commits the call; the sink holds them from ``finish`` on.
+    ``rollout`` is the record the call joined (never looked up again by id, so a released
+    and reused rollout id can never receive this call). Tokens live here until the ledger
+    commits the call; the sink holds them from ``finish`` on.
     """
 
-    rollout: Any
-    """The `tokcap_vllm._registry.RolloutRecord` this call belongs to."""
+    rollout: RolloutRecord
     kind: str
+    sink_done: Flag
+    settled: Flag
     idempotency_key: str | None = None
     body_fingerprint: str = ""
     request_id: str | None = None
     phase: CallPhase = PLANNING
     call_id: CallId | None = None
+    request: PlannedRequest | None = None
     plan: ChatPlan | None = None
     parent: GateCall | None = None
     result: EngineResult | None = None
@@ -128,18 +156,15 @@ class GateCall:
     response_id: str | None = None
     output_fp: str | None = None
     replay: tuple[dict[str, Any], list[bytes]] | None = None
-    sink_done: anyio.Event = field(default_factory=anyio.Event)
-    settled: anyio.Event = field(default_factory=anyio.Event)
 
     @property
     def rollout_id(self) -> RolloutId:
         """The id of the rollout this call belongs to."""
-        rollout_id: RolloutId = self.rollout.rollout_id
-        return rollout_id
+        return self.rollout.rollout_id
 
     @property
     def final(self) -> bool:
-        """Whether the call reached a final phase (its ``settled`` event is set)."""
+        """Whether the call reached a final phase (its ``settled`` flag is set)."""
         return self.phase in _FINAL
 
     @property
@@ -147,13 +172,29 @@ class GateCall:
         """Admitted and not yet responded: still generating or still sending its response."""
         return self.phase is ADMITTED or self.phase is FINISHED
 
-    def step(self, op: str) -> CallPhase:
-        """Apply ``op``; raise `CallStateError` (and change nothing) if the table refuses it."""
-        nxt = _TRANSITIONS[self.phase].get(op)
-        if nxt is None:
-            code = _REFUSALS[self.phase].get(op, "unknown_op")
-            raise CallStateError(code, f"{op} of call {self.call_id} in phase {self.phase}")
-        self.phase = nxt
-        if nxt in _FINAL:
-            self.settled.set()
-        return nxt
+
+_Phase = TypeVar("_Phase")
+
+
+def next_phase(
+    phase: _Phase,
+    op: str,
+    transitions: Mapping[_Phase, Mapping[str, _Phase]],
+    refusals: Mapping[_Phase, Mapping[str, str]],
+) -> _Phase:
+    """The phase ``op`` leads to from ``phase``; `CallStateError` (with the refusal's code)
+    if the table does not allow it."""
+    nxt = transitions[phase].get(op)
+    if nxt is None:
+        raise CallStateError(refusals[phase].get(op, "unknown_op"), f"{op} in phase {phase}")
+    return nxt
+
+
+def gone(call: GateCall) -> bool:
+    """Whether a call left without an answer (dropped or abandoned): its key is free."""
+    return call.phase is ABANDONED or call.phase is DROPPED
+
+
+def replayable(call: GateCall) -> bool:
+    """Whether a key holder settled with an answer a retry can replay."""
+    return call.replay is not None and (call.phase is COMMITTED or call.phase is FAILED)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Final
 
+from ._vllm import require_vllm
+
 __all__ = ["PATCHED_VERSIONS", "SKIP_LOGPROB_TEXT", "install_logprob_text_switch"]
 
 SKIP_LOGPROB_TEXT: Final = "tokcap_skip_logprob_text"
@@ -34,8 +36,8 @@ _MARK: Final = "_tokcap_logprob_text_switch"
 def install_logprob_text_switch() -> bool:
     """Wrap vLLM's ``LogprobsProcessor.from_new_request`` once; whether the switch is active."""
     try:
-        import vllm
-        from vllm.v1.engine.logprobs import LogprobsProcessor
+        vllm = require_vllm()
+        LogprobsProcessor = require_vllm("vllm.v1.engine.logprobs").LogprobsProcessor
     except ImportError:
         return False
     if getattr(vllm, "__version__", None) not in PATCHED_VERSIONS:
@@ -58,5 +60,5 @@ def install_logprob_text_switch() -> bool:
 
     setattr(from_new_request, _MARK, True)
     from_new_request.__doc__ = original.__doc__
-    LogprobsProcessor.from_new_request = classmethod(from_new_request)  # type: ignore[method-assign,assignment]
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
     return True

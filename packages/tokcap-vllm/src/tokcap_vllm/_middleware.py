@@ -8,9 +8,10 @@ with a `Ticket` in its context, so chat templates, tool and reasoning parsers st
 The response is watched on its way out; just before its last byte the call is indexed as
 a parent and its commit scheduled. On lifespan start-up the middleware runs `Gate.serve`.
 
-Every refusal is a typed error answer (`GateError`: 4xx with a stable ``code``); anything
-unexpected while capturing one request answers 500 ``gate_failed`` for that request alone
-and is logged: it never reaches vLLM's server or the gate's task group.
+Every refusal is a typed error answer (`GateError`, with its HTTP status and a stable
+``code``: 4xx for what the request got wrong, 503 for what the gate cannot take now);
+anything unexpected while capturing one request answers 500 ``gate_failed`` for that
+request alone and is logged: it never reaches vLLM's server or the gate's task group.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ import logging
 import os
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
 
 import anyio
 
-from ._admission import message_fingerprints, normalize_message, output_fingerprint
 from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
+from ._capture import CapturePath
 from ._control import ControlPlane
 from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
+from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
-from ._lifecycle import PLANNING, GateCall
+from ._lifecycle import GateCall
+from ._planning import Observed
 from ._render import RequestRenderer
 from ._renderers import request_renderer
 from ._routing import route_request
@@ -76,6 +78,7 @@ class GateMiddleware:
         self._host: CaptureHost | None = None
         self._renderer: RequestRenderer | None = None
         self._control = ControlPlane(self.gate)
+        self._guarded = GuardedRoutes(self.gate, self._control)
         self._rollout_header = self.gate.config.rollout_header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -84,6 +87,9 @@ class GateMiddleware:
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if guarded_path(scope) is not None:  # vLLM's RL/dev/admin routes, tokcap's weights
+            await self._guarded(scope, receive, send, self.app)
             return
         if scope["path"].startswith(CONTROL_PREFIX):
             await self._control(scope, receive, send)
@@ -167,9 +173,10 @@ class GateMiddleware:
                     "--no-enable-chunked-prefill and --max-num-batched-tokens >= max_model_len",
                 )
             renderer = self._request_renderer(scope, host)
-            call = self.gate.begin(
+            call = await self.gate.capture.enter(
                 rollout_id,
                 kind=kind,
+                request=lambda: renderer.request(parsed),
                 idempotency_key=_one_header(scope, self.gate.config.idempotency_header),
                 body_fingerprint=hashlib.sha256(body).hexdigest(),
                 request_id=_request_id(scope, parsed.request_id, kind),
@@ -178,23 +185,15 @@ class GateMiddleware:
             if call is None:  # the rollout already failed: served, not captured
                 await self.app(scope, replay_receive, send)
                 return
-            earlier = await self.gate.claim(call)
-            if earlier is not None:
-                self.gate.drop(call)
-                await _replay(send, earlier)
+            if call.final:  # a retry under the key of a call that settled: its answer again
+                await _replay(send, call)
                 return
-            messages, plan = renderer.planner(parsed)
-            await self.gate.admit(call, plan)
-            await self._generate(scope, replay_receive, watched_send, call, host, messages)
+            await self._generate(scope, replay_receive, watched_send, call)
         except (GateError, RecursionError) as e:
-            if call is not None and call.phase is PLANNING:
-                self.gate.drop(call)
             if not started:
                 await self._refuse(send, _typed(e))
         except Exception as e:  # containment: one request's failure answers for itself alone
             _log.exception("tokcap gate: a captured request of %s failed", rollout_id)
-            if call is not None and call.phase is PLANNING:
-                self.gate.drop(call)
             if not started:
                 error = GateError(
                     "gate_failed", f"the gate failed on this request ({type(e).__name__})"
@@ -208,13 +207,12 @@ class GateMiddleware:
         receive: Receive,
         send: Send,
         call: GateCall,
-        host: CaptureHost,
-        messages: list[dict[str, Any]] | None,
     ) -> None:
         assert call.plan is not None
+        capture = self.gate.capture
         ticket = Ticket(
             prompt_ids=call.plan.prompt_ids,
-            on_finish=lambda result: self.gate.engine_finished(call, result),
+            on_finish=lambda result: capture.engine_finished(call, result),
         )
         observer = ResponseObserver(keep=call.idempotency_key is not None)
 
@@ -225,7 +223,7 @@ class GateMiddleware:
                 observer.on_body(message.get("body", b""))
                 if not message.get("more_body", False):
                     observer.finish()
-                    self._respond(call, host, observer, messages)
+                    _respond(capture, call, observer)
             await send(message)
 
         token = CURRENT_TICKET.set(ticket)
@@ -240,46 +238,18 @@ class GateMiddleware:
                     detail = "no_final_output"
                 else:
                     detail = "client_disconnected"
-                await self.gate.abandon(call, detail)
+                await capture.abandon(call, detail)
 
-    def _respond(
-        self, call: GateCall, host: CaptureHost, observer: ResponseObserver, messages: Any
-    ) -> None:
-        """The last byte is about to go out: index the call as a parent, schedule its commit."""
-        if observer.status != 200 or call.result is None or not call.in_flight:
-            return
-        try:
-            result, plan = call.result, call.plan
-            assert plan is not None
-            output_fp = output_fingerprint(observer.content, observer.tool_calls())
-            conversation_fp = None
-            if call.kind == "chat":
-                generated = host.tokenizer.decode(
-                    list(result.output_ids), skip_special_tokens=False
-                )
-                cum_text = plan.prompt_text + generated
-                assistant = normalize_message(
-                    {
-                        "role": "assistant",
-                        "content": observer.content,
-                        "tool_calls": observer.tool_calls(),
-                    }
-                )
-                conversation_fp = message_fingerprints([*messages, assistant])[-1]
-            else:
-                cum_text = plan.prompt_text + result.text if plan.prompt_text else ""
-            if observer.chunks is not None and observer.start is not None:
-                call.replay = (observer.start, observer.chunks)
-        except Exception:  # containment: the harness still gets its answer; no parent is indexed
-            _log.exception("tokcap gate: indexing call %s failed", call.call_id)
-            output_fp, cum_text, conversation_fp = None, None, None
-        self.gate.response_complete(
-            call,
-            response_id=observer.response_id,
-            output_fp=output_fp,
-            cum_text=cum_text,
-            conversation_fp=conversation_fp,
-        )
+
+def _respond(capture: CapturePath, call: GateCall, observer: ResponseObserver) -> None:
+    """The last byte is about to go out: hand the gate what the harness received."""
+    if observer.status != 200 or call.result is None or not call.in_flight:
+        return
+    replay = None
+    if observer.chunks is not None and observer.start is not None:
+        replay = (observer.start, observer.chunks)
+    seen = Observed(observer.response_id, observer.content, observer.tool_calls(), replay)
+    capture.respond(call, seen)
 
 
 def _typed(error: GateError | RecursionError) -> GateError:

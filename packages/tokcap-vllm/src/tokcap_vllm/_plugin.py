@@ -1,9 +1,12 @@
-"""The ``vllm.general_plugins`` entry point: opt-in gate for a stock ``vllm serve``.
+"""The ``vllm.general_plugins`` entry points: opt-in gate, and tokcap's weight transport.
 
-vLLM loads general plugins in every process it starts. With ``TOKCAP_GATE=1`` in the
-environment, `register` wraps the API server's ``build_app`` so the app it builds carries
-`GateMiddleware` (the same thing ``--middleware tokcap_vllm.GateMiddleware`` does);
-without it, the plugin does nothing, so installing tokcap-vllm never changes a server.
+vLLM loads general plugins in every process it starts (API server, engine core, workers).
+With ``TOKCAP_GATE=1`` in the environment, `register` wraps the API server's ``build_app``
+so the app it builds carries `GateMiddleware` (the same thing ``--middleware
+tokcap_vllm.GateMiddleware`` does); without it, the plugin does nothing, so installing
+tokcap-vllm never changes a server. `register_weight_transfer` always registers the
+``tokcap_shm`` weight-transfer backend (lazily, by module path: nothing is imported until
+an engine selects it with ``--weight-transfer-config '{"backend": "tokcap_shm"}'``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import functools
 import os
 from typing import Any
 
-__all__ = ["ENABLE_ENV", "register"]
+from ._vllm import require_vllm
+
+__all__ = ["ENABLE_ENV", "register", "register_weight_transfer"]
 
 ENABLE_ENV = "TOKCAP_GATE"
 _MIDDLEWARE = "tokcap_vllm.GateMiddleware"
@@ -23,10 +28,10 @@ def register() -> None:
     if os.environ.get(ENABLE_ENV, "") not in ("1", "true", "yes"):
         return
     try:
-        from vllm.entrypoints.launchers.api_server import entry
+        entry = require_vllm("vllm.entrypoints.launchers.api_server.entry")
     except ImportError:  # an engine-only process or another vLLM layout: nothing to wrap
         return
-    original = entry.build_app  # type: ignore[attr-defined]
+    original = entry.build_app
     if getattr(original, "__tokcap__", False):
         return
 
@@ -39,3 +44,28 @@ def register() -> None:
 
     build_app.__tokcap__ = True  # type: ignore[attr-defined]
     entry.build_app = build_app  # type: ignore[attr-defined]
+
+
+def register_weight_transfer() -> None:
+    """Entry point: register ``tokcap_shm`` with vLLM's worker- and trainer-side factories.
+
+    Idempotent (vLLM loads plugins once per process, but a process may import vLLM twice
+    through different entry points); without vLLM's weight-transfer package, a no-op.
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
+    except ImportError:
+        return
+    module = "tokcap_vllm._transfer"
+    for factory, name in (
+        (WeightTransferEngineFactory, "TokcapShmWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "TokcapShmTrainerWeightTransferEngine"),
+    ):
+        if _BACKEND not in factory._registry:
+            factory.register_engine(_BACKEND, module, name)
+
+
+_BACKEND = "tokcap_shm"

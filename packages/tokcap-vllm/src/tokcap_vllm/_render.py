@@ -1,4 +1,4 @@
-"""Binding one captured request to the engine's tokenizer and chat template (a `Planner`).
+"""Binding one captured request to the engine's tokenizer and chat template (a `PlannedRequest`).
 
 vLLM renders the request itself after the gate admitted it; the gate renders it first, the
 same way (the server's chat template, or the request's when the server trusts request
@@ -26,7 +26,9 @@ from ._admission import (
 )
 from ._config import GateConfig
 from ._errors import BadRequest, Unsupported
+from ._planning import PlannedRequest, Planner
 from ._splice import SpliceRules
+from ._vllm import require_vllm
 from ._wire import ChatBody, CompletionBody
 
 __all__ = ["RequestRenderer"]
@@ -49,9 +51,8 @@ class RequestRenderer:
         )
         configured = getattr(app_args, "chat_template", None)
         if configured is not None:
-            from vllm.renderers.chat_utils import load_chat_template
-
-            configured = load_chat_template(configured)
+            chat_utils = require_vllm("vllm.renderers.chat_utils")
+            configured = chat_utils.load_chat_template(configured)
         self.template: str | None = configured
         self.rules = SpliceRules(
             markers=config.reasoning_markers,
@@ -64,7 +65,20 @@ class RequestRenderer:
         """Token ids of ``text`` without special tokens added (the template wrote them)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def planner(self, parsed: ChatBody | CompletionBody) -> tuple[list[dict[str, Any]] | None, Any]:
+    def request(self, parsed: ChatBody | CompletionBody) -> PlannedRequest:
+        """``parsed`` bound to this server: how to plan it and how to read its output."""
+        messages, plan = self.planner(parsed)
+        tokenizer = self.tokenizer
+
+        def decode(ids: Sequence[int]) -> str:
+            text: str = tokenizer.decode(list(ids), skip_special_tokens=False)
+            return text
+
+        return PlannedRequest(messages, plan, decode)
+
+    def planner(
+        self, parsed: ChatBody | CompletionBody
+    ) -> tuple[list[dict[str, Any]] | None, Planner]:
         """``(normalised messages, plan(priors, gen_starts) -> ChatPlan)`` for one request."""
         if isinstance(parsed, CompletionBody):
             prompt = parsed.prompt

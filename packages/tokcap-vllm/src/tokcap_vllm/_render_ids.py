@@ -28,6 +28,7 @@ from ._admission import ChatPlan, PriorCall, normalize_message
 from ._admission_ids import plan_chat_ids
 from ._config import GateConfig
 from ._errors import BadRequest, Unsupported, UnsupportedTokenizer
+from ._planning import Planner
 from ._render import RequestRenderer
 from ._vllm import require_vllm
 from ._wire import ChatBody, CompletionBody
@@ -160,7 +161,9 @@ class IdRequestRenderer(RequestRenderer):
             )
         self.splice = config.on_render_mismatch == "splice"
 
-    def planner(self, parsed: ChatBody | CompletionBody) -> tuple[list[dict[str, Any]] | None, Any]:
+    def planner(
+        self, parsed: ChatBody | CompletionBody
+    ) -> tuple[list[dict[str, Any]] | None, Planner]:
         """``(normalised messages, plan(priors, gen_starts) -> ChatPlan)`` for one request."""
         if isinstance(parsed, CompletionBody):
             return super().planner(parsed)

@@ -1,4 +1,6 @@
-"""The one place that imports vLLM at runtime, failing with the install command."""
+"""How this package imports vLLM: every runtime import goes through `require_vllm`, which
+fails with the install command when vLLM is missing (the modules that need vLLM import it
+lazily, so the package imports without it)."""
 
 from __future__ import annotations
 

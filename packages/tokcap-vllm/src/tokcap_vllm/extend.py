@@ -1,5 +1,6 @@
 """For extending or embedding the gate: observers, metrics, the capture host, the control
-plane as a bare ASGI handler, and the one place vLLM is imported."""
+plane as a bare ASGI handler, and `require_vllm` (every runtime import of vLLM in this
+package goes through it)."""
 
 from ._control import ControlPlane
 from ._gate import GateHealth

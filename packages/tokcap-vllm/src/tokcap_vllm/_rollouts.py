@@ -1,0 +1,381 @@
+"""The rollouts one gate holds, and the rules that move them and their calls (pure).
+
+No I/O, no engine, no clock, no task group: the driver (`tokcap_vllm._gate.Gate`) tells
+the `RolloutBook` what happened and applies what it answers (the flags and locks the
+driver waits on are made by factories it passes in). A rollout::
+
+    EMPTY --append--> OPEN --fail--> UNCAPTURED
+    EMPTY --open--> OPEN (opened explicitly: held and closable before its first call)
+    OPEN --close--> CLOSING --closed--> CLOSED (its ledger kept until released)
+    UNCAPTURED --close--> CLOSING_UNCAPTURED --closed--> CLOSED
+    CLOSING --fail--> CLOSING_UNCAPTURED
+    CLOSING --reopen--> OPEN, CLOSING_UNCAPTURED --reopen--> UNCAPTURED (the close failed)
+
+Its calls move by `tokcap_vllm._lifecycle`'s table; `RolloutBook.step` applies each call
+step's effects (`EFFECTS`: claims, the live set, the parent index, the rollout's phase).
+
+Invariants:
+- a rollout id names at most one open record; an EMPTY record (no entry) is forgotten
+  when its last live call is dropped, so a refused request leaves nothing behind; a
+  CLOSED rollout keeps only its ledger until released; calls hold their record, never
+  its id, so a call of a released rollout can never reach a record reusing the id;
+- the number of open records is bounded (``max_open``);
+- an UNCAPTURED rollout (a call of it failed) serves its later calls uncaptured; a
+  pending *poison* (a failure outside any one call's entries) makes its close
+  ``Poisoned`` instead of ``Closed``;
+- a call holds its idempotency key and request id from its claim until it is dropped or
+  abandoned; it is *live* until final or contained; it is a parent (in the rollout's
+  `ParentIndex`) from ``respond`` until ``fail``;
+- a step either applies in full, with its effects, or raises `CallStateError` and
+  changes nothing. Entries are appended by the driver (`Gate._append`), which also
+  tells its observers and then `advance`-s the rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from tokcap_core import Ledger
+from tokcap_core.ids import CallId, RolloutId, validate_rollout_id
+from tokcap_core.ledger import OPEN as LEDGER_OPEN
+
+from ._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
+from ._lifecycle import (
+    EFFECTS,
+    REFUSALS,
+    TRANSITIONS,
+    CallPhase,
+    Flag,
+    GateCall,
+    gone,
+    next_phase,
+    replayable,
+)
+from ._planning import ParentIndex
+
+__all__ = [
+    "CLOSED",
+    "CLOSING",
+    "CLOSING_UNCAPTURED",
+    "EMPTY",
+    "OPEN",
+    "UNCAPTURED",
+    "RolloutBook",
+    "RolloutPhase",
+    "RolloutRecord",
+]
+
+
+class RolloutPhase:
+    """A rollout's phase in the gate (compare with ``is``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+EMPTY: Final = RolloutPhase("EMPTY")
+OPEN: Final = RolloutPhase("OPEN")
+UNCAPTURED: Final = RolloutPhase("UNCAPTURED")
+CLOSING: Final = RolloutPhase("CLOSING")
+CLOSING_UNCAPTURED: Final = RolloutPhase("CLOSING_UNCAPTURED")
+CLOSED: Final = RolloutPhase("CLOSED")
+
+_TRANSITIONS: Final[Mapping[RolloutPhase, Mapping[str, RolloutPhase]]] = {
+    EMPTY: {"append": OPEN, "fail": UNCAPTURED, "open": OPEN},
+    OPEN: {"append": OPEN, "fail": UNCAPTURED, "close": CLOSING, "open": OPEN},
+    UNCAPTURED: {
+        "append": UNCAPTURED,
+        "fail": UNCAPTURED,
+        "close": CLOSING_UNCAPTURED,
+        "open": UNCAPTURED,
+    },
+    CLOSING: {"append": CLOSING, "fail": CLOSING_UNCAPTURED, "closed": CLOSED, "reopen": OPEN},
+    CLOSING_UNCAPTURED: {
+        "append": CLOSING_UNCAPTURED,
+        "fail": CLOSING_UNCAPTURED,
+        "closed": CLOSED,
+        "reopen": UNCAPTURED,
+    },
+    CLOSED: {"fail": CLOSED},  # a late failure of a call the close already settled
+}
+_REFUSALS: Final[Mapping[RolloutPhase, Mapping[str, str]]] = {
+    EMPTY: dict.fromkeys(("close", "closed", "reopen"), "not_open"),
+    OPEN: dict.fromkeys(("closed", "reopen"), "not_closing"),
+    UNCAPTURED: dict.fromkeys(("closed", "reopen"), "not_closing"),
+    CLOSING: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSING_UNCAPTURED: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSED: dict.fromkeys(("append", "close", "closed", "reopen", "open"), "rollout_closed"),
+}
+_CLOSING: Final = frozenset({CLOSING, CLOSING_UNCAPTURED})
+_HELD: Final = frozenset({OPEN, UNCAPTURED, CLOSING, CLOSING_UNCAPTURED})
+"""Phases in which a rollout is listed, counted and has a ledger to serve."""
+
+
+@dataclass(slots=True, eq=False)
+class RolloutRecord:
+    """An open rollout: its ledger, its calls and its parent index."""
+
+    rollout_id: RolloutId
+    ledger: Ledger
+    lock: AbstractAsyncContextManager[Any]
+    """The driver's lock around planning (opaque here)."""
+    phase: RolloutPhase = EMPTY
+    poison: str | None = None
+    """Pending: the close appends ``Poisoned(poison)`` instead of ``Closed``."""
+    calls: dict[CallId, GateCall] = field(default_factory=dict)
+    """Admitted calls, by call id."""
+    live: set[GateCall] = field(default_factory=set)
+    """Calls not yet final nor contained (PLANNING ones included)."""
+    parents: ParentIndex = field(default_factory=ParentIndex)
+    keys: dict[str, GateCall] = field(default_factory=dict)
+    """Idempotency key → the call that holds it."""
+    request_ids: dict[str, GateCall] = field(default_factory=dict)
+    """Request id → the call that used it (ids name responses, so they are unique)."""
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new calls may be admitted (open in the ledger and not closing)."""
+        return self.phase not in _CLOSING and self.ledger.status is LEDGER_OPEN
+
+    @property
+    def held(self) -> bool:
+        """Whether the rollout is listed and has a ledger to serve (not EMPTY, not gone)."""
+        return self.phase in _HELD
+
+
+class RolloutBook:
+    """Every rollout one gate holds, open and closed, and the rules of their calls."""
+
+    def __init__(
+        self,
+        *,
+        max_open: int,
+        flag: Callable[[], Flag],
+        lock: Callable[[], AbstractAsyncContextManager[Any]],
+    ) -> None:
+        self.max_open = max_open
+        self._flag = flag
+        self._lock = lock
+        self._open: dict[RolloutId, RolloutRecord] = {}
+        self._closed: dict[RolloutId, Ledger] = {}
+
+    # ---- rollouts ----------------------------------------------------------------------
+
+    def join(self, rollout_id: str, *, require_open: bool = False) -> RolloutRecord:
+        """The open record a new request joins, made on first use.
+
+        `RolloutConflict` (409) if the id names a closed (or closing) rollout;
+        `TooManyRollouts` (503) when ``max_open`` records are open already; with
+        ``require_open``, `RolloutNotFound` (``unknown_rollout``) unless it was opened.
+        """
+        rid = validate_rollout_id(rollout_id)
+        if rid in self._closed:
+            raise RolloutConflict("rollout_closed", f"{rid} is closed; start a new rollout id")
+        record = self._open.get(rid)
+        if require_open and (record is None or record.phase is EMPTY):
+            raise RolloutNotFound(
+                "unknown_rollout",
+                f"{rid} was not opened on this gate (POST /tokcap/v1/rollouts/{rid}/open)",
+            )
+        if record is None:
+            if len(self._open) >= self.max_open:
+                raise TooManyRollouts(
+                    "too_many_open_rollouts",
+                    f"{self.max_open} rollouts are open; close some before starting more",
+                )
+            record = self._open[rid] = RolloutRecord(rid, Ledger(rid), self._lock())
+        elif record.phase in _CLOSING:
+            raise RolloutConflict("rollout_closed", f"{rid} is closing")
+        return record
+
+    def open(self, rollout_id: str) -> RolloutRecord:
+        """Open a rollout explicitly (made if new; opening it again changes nothing)."""
+        record = self.join(rollout_id)
+        self.advance(record, "open")
+        return record
+
+    def open_record(self, rollout_id: str) -> RolloutRecord:
+        """The open record of ``rollout_id``: `RolloutNotFound` / `RolloutConflict` if not open."""
+        rid = validate_rollout_id(rollout_id)
+        record = self._open.get(rid)
+        if record is None or not record.held:
+            if rid in self._closed:
+                raise RolloutConflict("rollout_closed", f"{rid} is closed")
+            raise RolloutNotFound("unknown_rollout", f"no open rollout {rid}")
+        if record.phase in _CLOSING:
+            raise RolloutConflict("rollout_closed", f"{rid} is closing")
+        return record
+
+    def ledger(self, rollout_id: str) -> Ledger:
+        """The ledger of an open or closed rollout; `RolloutNotFound` otherwise."""
+        rid = validate_rollout_id(rollout_id)
+        record = self._open.get(rid)
+        if record is not None and record.held:
+            return record.ledger
+        if rid in self._closed:
+            return self._closed[rid]
+        raise RolloutNotFound("unknown_rollout", f"no rollout {rid}")
+
+    def states(self) -> dict[RolloutId, str]:
+        """Every rollout held, ``{rollout_id: "open" | "closed"}``."""
+        held = dict.fromkeys(self._closed, "closed")
+        held.update({rid: "open" for rid, r in self._open.items() if r.held})
+        return held
+
+    def counts(self) -> tuple[int, int]:
+        """``(open, closed)`` rollouts held."""
+        return sum(1 for r in self._open.values() if r.held), len(self._closed)
+
+    def records(self) -> list[RolloutRecord]:
+        """Every open record."""
+        return list(self._open.values())
+
+    def held_ledgers(self) -> list[Ledger]:
+        """Every ledger held, open and closed (what a ledger-file compaction keeps)."""
+        return [*self._closed.values(), *(r.ledger for r in self._open.values())]
+
+    def advance(self, record: RolloutRecord, op: str, *, poison: str | None = None) -> None:
+        """Apply a rollout step (``poison`` with ``fail``: a pending ``Poisoned``)."""
+        nxt = next_phase(record.phase, op, _TRANSITIONS, _REFUSALS)
+        record.phase = nxt
+        if poison is not None and record.poison is None:
+            record.poison = poison
+        if nxt is CLOSED:
+            if self._open.get(record.rollout_id) is record:
+                del self._open[record.rollout_id]
+            self._closed[record.rollout_id] = record.ledger
+
+    def release(self, rollout_id: str) -> None:
+        """Forget a closed rollout; `RolloutConflict` if open, `RolloutNotFound` if unknown."""
+        rid = validate_rollout_id(rollout_id)
+        record = self._open.get(rid)
+        if record is not None and record.held:
+            raise RolloutConflict("rollout_open", f"{rid} is open; close it first")
+        if self._closed.pop(rid, None) is None:
+            raise RolloutNotFound("unknown_rollout", f"no closed rollout {rid}")
+
+    def adopt(self, ledgers: Iterable[Ledger]) -> list[RolloutRecord]:
+        """Take back stored ledgers after a restart: closed ones are served as they were.
+
+        Returns OPEN records (not held by the book) for the ledgers that were still open,
+        for the driver to poison and close: their in-flight calls are gone.
+        """
+        reopened = []
+        for ledger in ledgers:
+            rid = validate_rollout_id(ledger.rollout_id)
+            if ledger.status is LEDGER_OPEN:
+                reopened.append(RolloutRecord(rid, ledger, self._lock(), phase=OPEN))
+            else:
+                self._closed[rid] = ledger
+        return reopened
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def begin(
+        self,
+        record: RolloutRecord,
+        *,
+        kind: str,
+        idempotency_key: str | None = None,
+        body_fingerprint: str = "",
+        request_id: str | None = None,
+    ) -> GateCall | None:
+        """A new live call of ``record``; None when the rollout serves uncaptured."""
+        if record.phase is UNCAPTURED:
+            return None
+        call = GateCall(
+            record,
+            kind,
+            self._flag(),
+            self._flag(),
+            idempotency_key=idempotency_key,
+            body_fingerprint=body_fingerprint,
+            request_id=request_id,
+        )
+        record.live.add(call)
+        return call
+
+    def claim(self, call: GateCall) -> GateCall | None:
+        """Hold ``call``'s key and request id; or the call to wait for, or to replay.
+
+        Returns None once held; else the holder of the key: the driver replays it if it
+        settled with an answer (`replayable`), or waits for it to settle and asks again.
+        """
+        record = call.rollout
+        key = call.idempotency_key
+        holder = record.keys.get(key) if key is not None else None
+        if holder is not None and holder is not call and not gone(holder):
+            if holder.body_fingerprint != call.body_fingerprint:
+                raise RolloutConflict(
+                    "idempotency_key_reused",
+                    "this Idempotency-Key was used with a different request body",
+                )
+            if not holder.final or replayable(holder):
+                return holder
+        if key is not None:
+            record.keys[key] = call
+        if call.request_id is not None:
+            other = record.request_ids.get(call.request_id)
+            if other is not None and other is not call:
+                raise RolloutConflict(
+                    "duplicate_request_id",
+                    f"request id {call.request_id!r} was already used in this rollout",
+                )
+            record.request_ids[call.request_id] = call
+        return None
+
+    def step(self, call: GateCall, op: str) -> CallPhase:
+        """Apply ``op`` to ``call``, with the effects its table names on the rollout."""
+        was = call.phase
+        nxt: CallPhase = next_phase(was, op, TRANSITIONS, REFUSALS)
+        if nxt is was:
+            return nxt  # the engine or the response went on after an abandon: ignored
+        call.phase = nxt
+        for effect in EFFECTS[op]:
+            self._apply(effect, call.rollout, call)
+        if call.final:
+            call.settled.set()
+        return nxt
+
+    def _apply(self, effect: str, record: RolloutRecord, call: GateCall) -> None:
+        if effect == "leave":
+            record.live.discard(call)
+        elif effect == "release_claims":
+            key, rid = call.idempotency_key, call.request_id
+            if key is not None and record.keys.get(key) is call:
+                del record.keys[key]
+            if rid is not None and record.request_ids.get(rid) is call:
+                del record.request_ids[rid]
+        elif effect == "forget_if_idle":
+            if (
+                record.phase is EMPTY
+                and not record.live
+                and self._open.get(record.rollout_id) is record
+            ):
+                del self._open[record.rollout_id]
+        elif effect == "index_call":
+            assert call.call_id is not None
+            record.calls[call.call_id] = call
+        elif effect == "index_parent":
+            if call.prior is not None and call.plan is not None:
+                record.parents.add(call.prior, len(call.plan.prompt_text))
+        elif effect == "unindex_parent":
+            if call.prior is not None:
+                record.parents.forget(call.prior)
+        elif effect == "uncapture":
+            self.advance(record, "fail")
+
+    def contain(self, call: GateCall, reason: str) -> None:
+        """A call failed inside the gate: its rollout is poisoned and the call leaves."""
+        self.advance(call.rollout, "fail", poison=reason)
+        call.rollout.live.discard(call)
+        call.sink_done.set()
+        call.settled.set()

@@ -1,0 +1,67 @@
+"""What a captured call stages and commits: its `StagedCall` row and its ``Staged`` entry (pure)."""
+
+from __future__ import annotations
+
+import math
+
+from tokcap_core import StagedCall, TokcapError
+from tokcap_core.ledger import Staged
+
+from ._host import EngineResult
+from ._lifecycle import GateCall
+
+__all__ = ["staged_call", "staged_entry"]
+
+
+def staged_call(call: GateCall, result: EngineResult, capture_routes: bool) -> StagedCall:
+    """The row the sink stores for an admitted call the engine finished.
+
+    Refused (`TokcapError`): ``engine_incomplete`` (no output, or a finish reason other
+    than ``stop``/``length``), ``bad_logprobs`` (a NaN), ``routes_missing`` (routes are
+    to be captured but the engine returned none).
+    """
+    if result.finish_reason not in ("stop", "length") or not result.output_ids:
+        raise TokcapError("engine_incomplete", f"finish_reason={result.finish_reason!r}")
+    if any(map(math.isnan, result.logprobs)):
+        raise TokcapError("bad_logprobs", "NaN logprob")
+    if result.routes is None and capture_routes:
+        raise TokcapError(
+            "routes_missing",
+            "CaptureConfig.capture_routes is set but the engine returned no routed experts "
+            "(start vLLM with routed-experts capture enabled)",
+        )
+    assert call.plan is not None
+    assert call.call_id is not None
+    parent = call.parent
+    return StagedCall.from_engine_output(
+        rollout_id=call.rollout_id,
+        call_id=call.call_id,
+        parent_id=call.plan.parent_id,
+        parent_cum_len=call.plan.prefix_len,
+        parent_chain_hash=parent.staged.chain_hash
+        if parent is not None and parent.staged is not None
+        else None,
+        prompt_ids=result.prompt_ids,
+        output_ids=result.output_ids,
+        logprobs=result.logprobs,
+        finish_reason=result.finish_reason or "",
+        weight_version=result.weight_version,
+        weight_version_last=result.weight_version_last,
+        routes=result.routes,
+    )
+
+
+def staged_entry(staged: StagedCall, response_id: str | None, output_fp: str | None) -> Staged:
+    """The ``Staged`` event that commits ``staged`` (the sink acknowledged its row)."""
+    return Staged(
+        call_id=staged.call_id,
+        carry_len=staged.carry_len,
+        gen_len=staged.gen_len,
+        weight_version=staged.weight_version,
+        weight_version_last=staged.weight_version_last,
+        finish_reason=staged.finish_reason,
+        call_digest=staged.digest,
+        chain_hash=staged.chain_hash,
+        response_id=response_id,
+        output_fingerprint=output_fp,
+    )
