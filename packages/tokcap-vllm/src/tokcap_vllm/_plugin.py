@@ -4,6 +4,8 @@ vLLM loads general plugins in every process it starts. With ``TOKCAP_GATE=1`` in
 environment, `register` wraps the API server's ``build_app`` so the app it builds carries
 `GateMiddleware` (the same thing ``--middleware tokcap_vllm.GateMiddleware`` does);
 without it, the plugin does nothing, so installing tokcap-vllm never changes a server.
+The gate is configured by the same ``TOKCAP_<FIELD>`` variables ``tokcap-vllm serve``
+sets from its options (``TOKCAP_SINK`` is required; see `tokcap_vllm._served`).
 """
 
 from __future__ import annotations
