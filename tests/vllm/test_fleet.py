@@ -54,9 +54,10 @@ def test_rollouts_go_to_the_least_loaded_gate_and_stay_there() -> None:
             await fleet.close("r0", reward=1.0)
             await fleet.open("r4")  # gate-a has one open rollout now, gate-b two
             assert fleet.gate_url("r4") == URLS[0]
-            assert gates[URLS[1]].begin("r1", kind="chat") is not None  # opened there
-            with pytest.raises(RolloutNotFound):  # and nowhere else
-                gates[URLS[0]].begin("r1", kind="chat")
+            # opened there (where a captured call joins its rollout), and nowhere else
+            assert gates[URLS[1]].registry.join("r1", require_open=True) is not None
+            with pytest.raises(RolloutNotFound):
+                gates[URLS[0]].registry.join("r1", require_open=True)
             with pytest.raises(ControlNotFound):
                 fleet.base_url("never-opened")
 
