@@ -15,7 +15,16 @@ engine core in its own process, ``WeightSyncWorker`` loaded). Per model:
   (``clone``), and the file route (safetensors written to ``/dev/shm``, then vLLM's own
   ``reload_weights(weights_path=...)`` with the same pause/version/reset/resume).
 
-Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large]``.
+Served gates (``--served``; the deployment shape): for the tiny model and
+``tokcap.tiny.build_small_model``'s ~100M one, two ``tokcap-vllm serve`` processes (backend
+``tokcap_shm``, ``VLLM_SERVER_DEV_MODE=1``); this process is the trainer. A push is
+`GateWeightClient.push` (1 gate) or `FleetWeightSync.push` (2 gates; one shared-memory
+file read by both), timed from the trainer's call until it returns: vLLM's reload, the
+version label, the prefix-cache reset and the resume included, so the engine serves the new
+version (checked: ``/weight_info`` reports it). Split into check, stage (write the file) and
+swap (pause ... resume). Against an in-memory ``clone`` of the same state dict, same run.
+
+Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large] [--served]``.
 """
 
 from __future__ import annotations
@@ -41,31 +50,25 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 import torch  # noqa: E402
+from _harness import CPU_ENGINE_ARGS, stop_all  # noqa: E402  (bench/ is on sys.path)
 
+from tokcap.tiny import SMALL_SHAPE  # noqa: E402
 from tokcap.train import Trainer  # noqa: E402
 from tokcap_core import LogprobParity, TrainingRow  # noqa: E402
 from tokcap_vllm import WeightSync  # noqa: E402
 from tokcap_vllm.weights import WeightPhase, WeightState  # noqa: E402
 
-LARGE = {  # ~100M parameters with the tiny tokenizer's 2k vocabulary
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-}
 PROMPTS, NEW_TOKENS = 8, 16
 Transport = Literal["rpc", "shm"]
 SKIP = ("config.json", "tokcap-tiny.json", "model.safetensors.index.json")
 
 
 def build_large(tiny_dir: Path, out_dir: Path) -> Path:
-    """A random Qwen3 with the ``LARGE`` shape and the tiny model's tokenizer, fp32, tied."""
+    """A random Qwen3 of `SMALL_SHAPE` (~100M) with the tiny model's tokenizer, fp32, tied."""
     import transformers
 
     tiny = transformers.AutoConfig.from_pretrained(tiny_dir).to_dict()
-    config = transformers.Qwen3Config(**{**tiny, **LARGE, "layer_types": None})
+    config = transformers.Qwen3Config(**{**tiny, **SMALL_SHAPE, "layer_types": None})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
@@ -274,14 +277,159 @@ async def _bench(name: str, engine: Any, model: Any, params: int, pushes: int) -
     }
 
 
+SERVE_ARGS = [
+    *CPU_ENGINE_ARGS,
+    "--max-model-len",
+    "1024",
+    "--no-enable-chunked-prefill",
+    "--max-num-batched-tokens",
+    "2048",
+    "--weight-transfer-config",
+    '{"backend": "tokcap_shm"}',
+    "--tokcap-sink",
+    "memory",
+]
+
+
+def start_gates(model_dir: Path, count: int, token: str) -> tuple[list[Any], list[str]]:
+    """``count`` ``tokcap-vllm serve`` processes on loopback, ready; (processes, base URLs)."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TOKCAP_CONTROL_TOKEN=token)
+    cli = str(Path(sys.executable).with_name("tokcap-vllm"))
+    procs, urls = [], []
+    for _ in range(count):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        command = [cli, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+        procs.append(
+            subprocess.Popen(
+                [*command, *SERVE_ARGS],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        urls.append(f"http://127.0.0.1:{port}")
+    for proc, url in zip(procs, urls, strict=True):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gate {url} exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+    return procs, urls
+
+
+async def served_push(urls: list[str], token: str, weights: Any, version: int) -> list[float]:
+    """One push to every gate in ``urls``: [total, check, stage, swap] seconds (the fleet's
+    steps run concurrently per gate; check and stage are shared)."""
+    import httpx
+
+    from tokcap_vllm.weights import FleetWeightSync, GateWeightClient
+
+    start = time.perf_counter()
+    if len(urls) == 1:
+        async with GateWeightClient(urls[0], token) as client:
+            await client.check_version(version)
+            tensors = await client.check(weights)
+            checked = time.perf_counter()
+            staged = await client.stage(tensors)
+            staging = time.perf_counter()
+            try:
+                await client.swap(staged, version)
+            finally:
+                os.unlink(staged.path)
+            await client.release()
+            end = time.perf_counter()
+        split = [checked - start, staging - checked, end - staging]
+    else:
+        async with FleetWeightSync([(url, token) for url in urls]) as fleet:
+            await fleet.push(weights, version)
+        end = time.perf_counter()
+        split = [float("nan")] * 3
+    for url in urls:  # the engine serves the new version
+        label = httpx.get(url + "/weight_info", headers={"authorization": f"Bearer {token}"})
+        assert label.json()["weight_version"] == str(version), label.text
+    return [end - start, *split]
+
+
+def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
+    """Push figures for 1 and 2 served gates of ``model_dir``, and the copy baseline."""
+    import secrets
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    megabytes = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
+    token = secrets.token_hex(16)
+    print(f"\n== served {name}: {megabytes:.0f} MB; starting 2 gates ...", flush=True)
+    procs, urls = start_gates(model_dir, 2, token)
+    med = statistics.median
+    try:
+        version = 0
+        figures: dict[str, list[list[float]]] = {"1 gate": [], "2 gates": []}
+        copy_s = []
+        for _ in range(pushes):
+            for label, gates in (("1 gate", urls[:1]), ("2 gates", urls)):
+                version += 1  # above every gate's, whichever were pushed before
+                figures[label].append(asyncio.run(served_push(gates, token, weights, version)))
+            started = time.perf_counter()
+            copies = {k: v.clone() for k, v in weights.items()}
+            copy_s.append(time.perf_counter() - started)
+            del copies
+    finally:
+        stop_all(procs)
+    copy = med(copy_s)
+    print(f"{'':30}{'median ms':>10}{'x copy':>9}")
+    out: dict[str, Any] = {"model": name, "mb": megabytes, "copy_ms": copy * 1e3}
+    for label, runs in figures.items():
+        total = med(r[0] for r in runs)
+        out[label] = total * 1e3
+        print(f"{'push, ' + label:30}{total * 1e3:10.1f}{total / copy:9.1f}")
+        if label == "1 gate":
+            for i, part in enumerate(("check", "stage (write shm file)", "swap (reload, resume)")):
+                seconds = med(r[i + 1] for r in runs)
+                print(f"{'  ' + part:30}{seconds * 1e3:10.1f}{seconds / copy:9.1f}")
+    print(f"{'baseline: in-memory clone':30}{copy * 1e3:10.1f}{1.0:9.1f}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true")
+    parser.add_argument("--served", action="store_true", help="served gates only")
     args = parser.parse_args()
     from tokcap.tiny import build_tiny_model
 
     tiny = build_tiny_model(Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny")) / "dense")
+    if args.served:
+        from tokcap.tiny import build_small_model
+
+        served = [bench_served("tiny", tiny, args.pushes)]
+        if not args.skip_large:
+            cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
+            small = build_small_model(cache / "small")
+            served.append(bench_served("~100M", small, max(2, args.pushes // 2)))
+        print("\nsummary (served, shared memory, same host)")
+        for r in served:
+            print(
+                f"  {r['model']:6} {r['mb']:7.1f} MB  1 gate {r['1 gate']:7.1f} ms, "
+                f"2 gates {r['2 gates']:7.1f} ms, copy {r['copy_ms']:6.1f} ms "
+                f"({r['1 gate'] / r['copy_ms']:.1f}x / {r['2 gates'] / r['copy_ms']:.1f}x)"
+            )
+        return
     results = [bench_model("tiny", tiny, args.pushes)]
     if not args.skip_large:
         with tempfile.TemporaryDirectory(prefix="tokcap-push-") as tmp:

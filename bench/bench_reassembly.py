@@ -131,13 +131,9 @@ def build_trajectory(
         prompt = history + tokenizer.encode(suffix_text, add_special_tokens=False)
         answer = chunk(corpus, rng, int(chars_per_turn * 0.4))
         output = [*sampler.sample(answer, rng, split_rate), eos]
+        logprobs = [-rng.random() * 3 for _ in output]
         call = stage_call(
-            ledger,
-            call_id,
-            parent,
-            prompt_ids=prompt,
-            output_ids=output,
-            logprobs=[-rng.random() * 3 for _ in output],
+            ledger, call_id, parent, prompt_ids=prompt, output_ids=output, logprobs=logprobs
         )
         calls[call.key] = call
         call_starts.append(len(history))

@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tokcap.demo._cli  # noqa: F401  (the CPU engine's environment defaults, before vLLM)
+import tokcap
+
+tokcap.prepare_environment()  # the CPU engine's environment defaults, before vLLM
+tokcap.quiet_third_parties()
 
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
 
@@ -119,7 +122,6 @@ def run_loop_bench(steps: int) -> tuple[Any, RetokFigures]:
     """The `tokcap train` loop for ``steps`` steps; the last step's rows scored both ways."""
     from transformers import AutoTokenizer
 
-    from tokcap._stages import Stages
     from tokcap.loop import LoopConfig, run_loop
     from tokcap.tiny import build_tiny_model
 
@@ -132,8 +134,7 @@ def run_loop_bench(steps: int) -> tuple[Any, RetokFigures]:
         if step == steps - 1:
             found.append(retokenization_figures(trainer.model, tokenizer, episodes, batch.rows))
 
-    with Stages() as stages:
-        run = run_loop(LoopConfig(model=model_dir, steps=steps), stages, observe=observe)
+    run = run_loop(LoopConfig(model=model_dir, steps=steps), observe=observe)
     return run, found[0]
 
 

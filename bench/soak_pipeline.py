@@ -1,12 +1,13 @@
 """Soak: 10,000 rollouts streamed through gate -> TQSink -> Ray pool -> clears, memory traced.
 
-The demo's services on one machine (`tokcap.demo._pipeline` is the model): vLLM's OpenAI server
+The demo's services on one machine (built as `tokcap.compose` builds them): vLLM's OpenAI server
 with the gate (tiny model, the demo's vLLM options, ledger persisted to a file that
 compacts as rollouts are released) staging into a `TQSink` on a loopback Ray +
 TransferQueue, and a `ReassemblerPool` of ``--workers`` actors. A harness (the real
 ``openai`` client) plays groups of ``--group-size`` rollouts of ``--turns`` short calls,
 ``--concurrency`` rollouts at a time; finished groups stream to the trainer, which takes
-them ``--batch-groups`` at a time through `examples/custom_trainer.py` itself: ``collect``
+them ``--batch-groups`` at a time through `tokcap.compose` (as the example trainer does):
+``collect``
 (close with reward and response-id witness, verified receipts, the pool, the policy, rows
 and advantages) then ``finish`` (clear the rows, release the rollouts), and then forgets
 the batch's groups on the pool (`ReassemblerPool.forget`: the example's ``finish`` does
@@ -134,9 +135,8 @@ async def _play_group(
     import anyio
     import openai
 
-    from tokcap._examples import load_example
+    from tokcap.compose import Finished
 
-    trainer: Any = load_example("custom_trainer")
     finished: list[Any] = []
     failed = False
 
@@ -168,7 +168,7 @@ async def _play_group(
             ]
         reward = round(random.Random(g * 1000 + i).uniform(-1, 1), 3)
         finished.append(
-            trainer.Finished(
+            Finished(
                 rollout_id=rid, group_id=f"soak-g{g:05d}", reward=reward, response_id=response_id
             )
         )
@@ -188,13 +188,13 @@ async def _train(
     totals: Totals,
 ) -> None:
     """One batch through the example trainer, checked, then the pool's records forgotten."""
-    from tokcap._examples import load_example
+    from tokcap.compose import collect, finish
+    from tokcap_core import Accept
 
-    trainer: Any = load_example("custom_trainer")
-    out = await trainer.collect(control, pool, sink, batch, capture)
+    out = await collect(control, pool, sink, batch, capture)
     totals.receipts_not_ok += sum(1 for r in out.receipts.values() if not r.ok)
     totals.groups_not_accepted += sum(
-        1 for d in out.decisions.values() if type(d).__name__ != "Accept"
+        1 for d in out.decisions.values() if not isinstance(d, Accept)
     )
     reward_of = {f.rollout_id: f.reward for f in batch}
     rows_of = {row.rollout_id: row for row in out.rows}
@@ -205,7 +205,7 @@ async def _train(
         or rows_of[rid].sample_mask != 1
         or not math.isclose(rows_of[rid].reward or 0.0, reward)
     ) + max(0, len(out.rows) - len(reward_of))
-    await trainer.finish(control, sink, out)
+    await finish(control, sink, out)
     groups = sorted({f.group_id for f in batch})
     totals.progress_records_forgotten += await pool.forget(groups)
     totals.rollouts += len(batch)
@@ -313,7 +313,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     import anyio
 
-    from tokcap.demo._pipeline import VLLM_ARGS
+    from tokcap.demo import QWEN_VLLM_ARGS
     from tokcap.tiny import build_tiny_model
     from tokcap_core import CaptureConfig
     from tokcap_tq import TQSink, TQSinkConfig, local_tq
@@ -333,7 +333,7 @@ def main() -> None:
             GateConfig(parent_commit_timeout_s=600, capture=capture, ledger_path=str(ledger)),
             sink=sink,
         )
-        server = InProcessServer(str(model), gate=gate, vllm_args=VLLM_ARGS)
+        server = InProcessServer(str(model), gate=gate, vllm_args=QWEN_VLLM_ARGS)
         print("[soak] starting Ray + TransferQueue, then vLLM + gate ...", flush=True)
         with local_tq(tmp, storage_units=1, extra_cpus=args.workers):
             server.launch()  # one at a time: Ray's start-up times out on a loaded box

@@ -1,122 +1,104 @@
-"""A custom trainer's side of tokcap: from finished rollouts to a training batch, by the policy.
+"""A custom trainer on tokcap, end to end on this machine (the tiny model, a CPU engine).
 
-A harness (a black box speaking the OpenAI API) has played each rollout through the gate;
-the trainer knows each rollout's id, its group and its score. This module is everything
-the trainer does after that, and it is the code `tokcap demo` and `tokcap train` run:
+``python examples/custom_trainer.py [MODEL_DIR]`` starts the stack (vLLM's OpenAI server with
+the tokcap gate, TransferQueue on a loopback Ray, the Ray reassembler pool), lets a
+black-box harness (the real ``openai`` client) play 2 groups x 3 rollouts through the gate,
+then does a trainer's part with `tokcap.compose`:
 
-1. close every rollout with its reward (and the scorer's witness), keeping the ledger head;
-2. fetch verified receipts from the control plane, checked against those heads;
-3. send metadata-only reassembly requests to the Ray pool, with the rewards the *verified
-   receipts* carry (the ledger is the one source of truth, never the harness's copy);
-4. let the policy decide each group (accept, replace or drop) and train only accepted
-   groups: read their rows and compute mask-aware GRPO advantages;
-5. free every training row and release the rollouts on the gate (`finish`).
+1. `Stack.collect`: close every rollout with its reward and witness, fetch receipts
+   verified against the ledger heads, reassemble on the pool with the *receipts'* rewards,
+   decide each group (accept, replace, drop), advantages for accepted groups only;
+2. your optimizer step on ``batch.rows`` and ``batch.advantages``;
+3. `Stack.finish`: free the rows and release the rollouts on the gate.
+
+Copy it and swap in your harness, your scorer and your optimizer step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
-from tokcap_core import (
-    Accept,
-    CaptureConfig,
-    FinalizedGroup,
-    ReassemblyRequest,
-    Receipt,
-    TokenSink,
-    TrainingRow,
-    decide_group,
-    grpo,
+import tokcap
+
+tokcap.prepare_environment()  # before vLLM, torch or Ray are imported
+
+import anyio  # noqa: E402
+import openai  # noqa: E402
+
+from tokcap.compose import (  # noqa: E402
+    Finished,
+    in_process_gate,
+    open_stack,
+    play_rollouts,
+    services,
+    tq_sink,
 )
-from tokcap_core.rpc import GroupDecision
-from tokcap_ray import ReassemblerPool
-from tokcap_vllm import ControlPlaneClient
+from tokcap.demo import QWEN_VLLM_ARGS  # noqa: E402
+from tokcap.tiny import build_tiny_model  # noqa: E402
+from tokcap_core import Accept, CaptureConfig  # noqa: E402
+from tokcap_tq import TQSink  # noqa: E402
+from tokcap_vllm import InProcessServer  # noqa: E402
 
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """A rollout the harness finished: its group, its score and what the scorer saw."""
-
-    rollout_id: str
-    group_id: str
-    reward: float
-    response_id: str | None = None
-    """The scored response's id (a witness naming the terminal call)."""
-    content: str | None = None
-    """Or the scored content itself (the gate fingerprints it)."""
+GROUPS, ROLLOUTS = 2, 3
 
 
 @dataclass(slots=True)
-class Batch:
-    """One step's outcome: receipts, groups and their decisions, and the rows to train on."""
+class Chat:
+    """One rollout the harness plays; its score once played."""
 
-    receipts: dict[str, Receipt] = field(default_factory=dict)
-    groups: list[FinalizedGroup] = field(default_factory=list)
-    decisions: dict[str, GroupDecision] = field(default_factory=dict)
-    rows: list[TrainingRow] = field(default_factory=list)
-    """Rows of accepted groups only (placeholders included, with ``sample_mask == 0``)."""
-    advantages: list[float] = field(default_factory=list)
-    """One GRPO advantage per row (0.0 for placeholders)."""
+    rollout_id: str
+    group_id: str
+    finished: Finished | None = None
 
 
-async def collect(
-    control: ControlPlaneClient,
-    pool: ReassemblerPool,
-    sink: TokenSink,
-    finished: Sequence[Finished],
-    capture: CaptureConfig,
-) -> Batch:
-    """Close, verify, reassemble and decide; return the accepted rows with their advantages."""
-    batch = Batch()
-    heads = {
-        f.rollout_id: await control.close(
-            f.rollout_id, reward=f.reward, response_id=f.response_id, content=f.content
-        )
-        for f in finished
-    }
-    receipts = await control.fetch_receipts(
-        list(heads),
-        expected_heads=heads,
-        segments=capture.segments,  # type: ignore[arg-type]
+async def play(client: openai.AsyncOpenAI, model: str, chat: Chat, n: int) -> None:
+    """The harness: one chat through the gate (``client`` is on the rollout's URL), scored."""
+    reply = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": f"Task {chat.group_id}: count to three."}],
+        max_tokens=8,
+        temperature=1.0,
     )
-    batch.receipts = {r.rollout_id: r for r in receipts}
-    members: dict[str, list[str]] = {}
-    for f in finished:
-        members.setdefault(f.group_id, []).append(f.rollout_id)
-    requests = [
-        ReassemblyRequest(
-            group_id=group_id,
-            rollout_ids=tuple(ids),
-            receipts=tuple(batch.receipts[r] for r in ids),
-            rewards=tuple(batch.receipts[r].reward for r in ids),
-            max_seq_len=capture.max_seq_len,
-        )
-        for group_id, ids in members.items()
-    ]
-    async with pool.as_completed(requests) as results:
-        async for group in results:
-            batch.groups.append(group)
-            batch.decisions[group.group_id] = decide_group(
-                group, min_valid_fraction=capture.min_valid_fraction
-            )
-    batch.groups.sort(key=lambda g: g.group_id)
-    accepted = [g for g in batch.groups if isinstance(batch.decisions[g.group_id], Accept)]
-    rejected = [k for g in batch.groups if g not in accepted for k in g.training_keys]
-    await sink.clear_rows(rejected)  # replaced or dropped groups never reach the trainer
-    batch.rows = await sink.fetch([k for g in accepted for k in g.training_keys])
-    group_of = {r: g.group_id for g in accepted for r in g.rollout_ids}
-    batch.advantages = grpo(
-        [row.reward or 0.0 for row in batch.rows],
-        [group_of[row.rollout_id] for row in batch.rows],
-        [row.sample_mask for row in batch.rows],
-        rollout_ids_N=[row.rollout_id for row in batch.rows],
-    )
-    return batch
+    answer = reply.choices[0].message.content or ""
+    reward = len(answer) % 5 / 4  # your scorer here
+    chat.finished = Finished(chat.rollout_id, chat.group_id, reward, response_id=reply.id)
 
 
-async def finish(control: ControlPlaneClient, sink: TokenSink, batch: Batch) -> None:
-    """After the optimizer step: free the batch's rows and release its rollouts on the gate."""
-    await sink.clear_rows([row.key for row in batch.rows])
-    for rollout_id in batch.receipts:
-        await control.release(rollout_id)
+async def train(server: InProcessServer, sink: TQSink, capture: CaptureConfig) -> int:
+    """Play, collect, (train), finish; 0 when every receipt verified."""
+    ready = functools.partial(anyio.to_thread.run_sync, server.wait_ready)
+    async with open_stack(
+        [server], sink=sink, capture=capture, workers=1, alongside=[ready]
+    ) as stack:
+        chats = [Chat(f"ex-g{g}-r{i}", f"ex-g{g}") for g in range(GROUPS) for i in range(ROLLOUTS)]
+        await play_rollouts(stack.gate, chats, play, concurrency=8)
+        batch = await stack.collect([c.finished for c in chats if c.finished is not None])
+        accepted = [g for g, d in batch.decisions.items() if isinstance(d, Accept)]
+        print(f"receipts verified {batch.receipts_verified}/{len(batch.receipts)}")
+        print(f"groups accepted {len(accepted)}/{len(batch.groups)}; rows {len(batch.rows)}")
+        print(f"advantages {[round(a, 3) for a in batch.advantages]}")
+        print(f"collect timings {batch.timings}")
+        # your optimizer step on batch.rows and batch.advantages goes here
+        await stack.finish(batch)
+        return 0 if batch.receipts_verified == len(batch.receipts) else 1
+
+
+def main() -> int:
+    """Build the tiny model, start the stack, run one step, shut everything down."""
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else ".tokcap/tiny/dense")
+    model = build_tiny_model(folder, kind="dense")  # built once, then cached
+    capture = CaptureConfig(segments="terminal", min_valid_fraction=0.5).with_derived(
+        environ=os.environ
+    )  # mints the control token the gate and the trainer share
+    sink = tq_sink("example")
+    server = in_process_gate(str(model), capture=capture, sink=sink, vllm_args=QWEN_VLLM_ARGS)
+    with services(server, workers=1):
+        return anyio.run(train, server, sink, capture)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -70,6 +70,16 @@ if [[ "${1:-}" == "--with-chromium" ]] && ! command -v chromium >/dev/null 2>&1;
     fi
 fi
 
-# 4. the locked environment (default groups: dev + cpu-engine).
+# 4. Python 3.12 and 3.13 (pyenv's, else uv's): tests/test_python_versions.py runs the core's
+# tests on every Python it claims, and fails if one is missing.
+for v in 3.12 3.13; do
+    if ! ls "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v".*/bin/python"$v" >/dev/null 2>&1 &&
+        ! uv python find --python-preference only-managed "$v" >/dev/null 2>&1; then
+        say "installing Python $v (uv python install) for the core's multi-version test"
+        uv python install --quiet "$v" || say "could not install Python $v: that test will fail"
+    fi
+done
+
+# 5. the locked environment (default groups: dev + cpu-engine).
 uv sync --locked --quiet
 say "ok ($(uv run --locked --no-sync python -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'torch ?'))"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 import tests
 
@@ -22,6 +23,10 @@ if Path(tests.__file__).resolve().parent != _HERE:
         f"`import tests` resolved to {tests.__file__}, not {_HERE}: run pytest from the repo "
         "root (bash scripts/test.sh) so the repo's tests/ package shadows site-packages."
     )
+
+# `pytest --hypothesis-profile=lean`: fewer examples where a test does not pin its own count
+# (tests/test_python_versions.py runs the core's tests this way on each extra Python).
+settings.register_profile("lean", max_examples=10, deadline=None)
 
 # Ray must not re-run `uv run` in its workers (see scripts/setup.sh).
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")

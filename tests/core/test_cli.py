@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tokcap_core import Ledger
-from tokcap_core.ledger import Admitted, Closed, Failed, Witnesses, encode_manifest, manifest_of
+from tokcap_core.ledger import Closed, Failed, Witnesses, encode_manifest, manifest_of
+from tokcap_core.simulate import admit_call
 
 EXAMPLES = resources.files("tokcap_core").joinpath("examples")
 
@@ -83,17 +84,8 @@ def test_a_head_other_than_the_one_kept_at_close_exits_3() -> None:
 
 def test_a_poisoned_rollout_exits_1(tmp_path: Path) -> None:
     ledger = Ledger("poisoned-run")
-    ledger.append(
-        Admitted(
-            call_id="c000001",
-            parent_id=None,
-            prefix_len=0,
-            admitted_at=5,
-            request_fingerprint="req",
-            formation="root",
-        )
-    )
-    ledger.append(Failed(call_id="c000001", reason="stage_failed:timeout", served=True))
+    call_id = admit_call(ledger, None, admitted_at=5, request_fingerprint="req")
+    ledger.append(Failed(call_id=call_id, reason="stage_failed:timeout", served=True))
     ledger.append(Closed(reward=1.0, witnesses=Witnesses()))
     path = tmp_path / "manifest.json"
     path.write_bytes(encode_manifest(manifest_of(ledger)))
@@ -434,7 +426,8 @@ def test_oversized_inputs_are_refused_before_they_are_read(tmp_path: Path) -> No
     for args in (("verify", big), ("verify", example("manifest.json"), "--staged", big)):
         rss_kib, doc = _peak_rss_kib(*args)
         assert doc["error"]["code"] == "too_large"
-        assert rss_kib < 200 * 1024, rss_kib
+        # the peak includes what the forking test process held (Linux keeps it across exec)
+        assert rss_kib < 768 * 1024, rss_kib
 
 
 def test_an_unreadable_file_is_a_json_error_on_stdout_and_one_line_on_stderr(

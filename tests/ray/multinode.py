@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
+from tests.procs import descendants, process_table
+
 STORAGE = "tq_storage"
 _TITLES = {
     "controller": b"ray::TransferQueueController",
@@ -45,25 +47,10 @@ _TITLES = {
 }
 
 
-def _processes() -> dict[int, tuple[int, bytes]]:
-    """``pid -> (parent pid, process title)`` of every process on the machine."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            title = (entry / "cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, IndexError, ValueError):
-            continue
-        out[int(entry.name)] = (ppid, title)
-    return out
-
-
 def _placement(cluster: Any) -> dict[str, list[int]]:
     """Which node (index) each controller, storage unit and pool actor process runs on."""
     by_raylet = {node.raylet_pid: node.index for node in cluster.nodes}
-    processes = _processes()
+    processes = process_table()
     where: dict[str, list[int]] = {role: [] for role in _TITLES}
     for ppid, title in processes.values():
         for role, prefix in _TITLES.items():
@@ -76,21 +63,9 @@ def _placement(cluster: Any) -> dict[str, list[int]]:
     return {role: sorted(nodes) for role, nodes in where.items()}
 
 
-def _descendants(root: int) -> set[int]:
-    processes = _processes()
-    seen, todo = {root}, [root]
-    while todo:
-        parent = todo.pop()
-        for pid, (ppid, _) in processes.items():
-            if ppid == parent and pid not in seen:
-                seen.add(pid)
-                todo.append(pid)
-    return seen
-
-
 def _listening_not_on_loopback() -> tuple[int, list[str]]:
     """How many sockets this process tree listens on, and those not on loopback."""
-    ours = _descendants(os.getpid())
+    ours = descendants(os.getpid())
     listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     owned = [
         line.split()[3]

@@ -19,8 +19,8 @@ from tokcap_core import (
     assemble_receipt,
     verify_manifest,
 )
-from tokcap_core.ledger import Admitted, Closed, Failed, Witnesses, manifest_of
-from tokcap_core.simulate import simulate_rollout
+from tokcap_core.ledger import Closed, Failed, Witnesses, manifest_of
+from tokcap_core.simulate import admit_call, simulate_rollout
 from tokcap_ray import ActorSink
 
 Kind = str  # "ok" | "forest" | "poisoned" | "tampered" | "missing"
@@ -69,17 +69,7 @@ def make_group(
 
 def _poisoned_ledger(rollout_id: str) -> Ledger:
     ledger = Ledger(rollout_id)
-    call_id = ledger.next_call_id()
-    ledger.append(
-        Admitted(
-            call_id=call_id,
-            parent_id=None,
-            prefix_len=0,
-            admitted_at=1,
-            request_fingerprint="f",
-            formation="root",
-        )
-    )
+    call_id = admit_call(ledger, None, admitted_at=1, request_fingerprint="f")
     ledger.append(Failed(call_id=call_id, reason="engine_failed:oom", served=True))
     ledger.append(Closed(reward=0.0, witnesses=Witnesses()))
     return ledger

@@ -35,3 +35,10 @@ def test_defaults_give_every_operation_a_deadline() -> None:
     config = TQSinkConfig()
     assert config.op_timeout_s == 60.0
     assert config.staging_partition != config.training_partition
+
+
+def test_the_old_buffer_name_still_resolves_with_a_deprecation_warning() -> None:
+    import tokcap_tq
+
+    with pytest.warns(DeprecationWarning, match="use TQGroupBuffer"):
+        assert tokcap_tq.TQReplayBuffer is tokcap_tq.TQGroupBuffer  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.procs import descendants
 from tests.tq.support import fresh_tq_sink, max_loop_lag
 from tokcap_core import MissingRows, SinkError, StagedCall
 from tokcap_core.simulate import simulate_rollout
@@ -150,26 +151,8 @@ async def test_clear_never_touches_the_sync_veneer(monkeypatch: pytest.MonkeyPat
     assert await sink.staged_keys() == []
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    seen, todo = {root}, [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in seen:
-                seen.add(child)
-                todo.append(child)
-    return seen
-
-
 def test_every_listening_socket_of_ray_and_tq_is_loopback() -> None:
-    ours = _descendants(os.getpid())
+    ours = descendants(os.getpid())
     listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     owned = []
     for line in listing.splitlines():

@@ -9,12 +9,12 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+from tests.procs import process_table
 from tests.tq.support import fresh_tq_sink
 from tokcap_core import MissingRows, SinkError, StagedCall
 from tokcap_core.simulate import simulate_rollout
@@ -135,24 +135,10 @@ async def test_a_refused_put_leaves_none_of_its_new_keys_registered() -> None:
     assert await sink.get([held.key]) == [held]
 
 
-def _processes() -> dict[int, tuple[int, bytes]]:
-    """``pid -> (parent pid, process title)`` for every process."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                title = (entry / "cmdline").read_bytes().split(b"\0")[0]
-            except (OSError, IndexError, ValueError):
-                continue
-            out[int(entry.name)] = (ppid, title)
-    return out
-
-
 def _controller_pid() -> int:
     """This session's TQ controller: a descendant of this process titled
     ``ray::TransferQueueController`` (other Rays on the machine are not ours to stop)."""
-    processes = _processes()
+    processes = process_table()
     for pid, (_, title) in processes.items():
         if title.startswith(b"ray::TransferQueueController"):
             parent = pid

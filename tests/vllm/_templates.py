@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from tokcap.tiny import CHATML_TOOLS_TEMPLATE
+from tokcap.demo import CHATML_TOOLS_TEMPLATE
 
 __all__ = [
     "CHATML_TOOLS_TEMPLATE",

@@ -11,8 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tokcap_vllm._shm import write_push_file as _write_file
 from tokcap_vllm._weight_state import begin, fail, succeed
-from tokcap_vllm._weights import _chunks, _write_file
+from tokcap_vllm._weights import _chunks
 from tokcap_vllm.weights import (
     WeightPhase,
     WeightPushError,
@@ -224,6 +225,7 @@ def test_the_shared_memory_file_holds_each_tensor_at_its_offset(tmp_path: Path) 
     tensors = [("x", torch.arange(3, dtype=torch.int64)), ("y", torch.full((2,), 0.5))]
     path, entries = _write_file(tensors, str(tmp_path))
     blob = Path(path).read_bytes()
-    assert entries == [("x", "int64", [3], 0, 24), ("y", "float32", [2], 24, 8)]
-    assert blob == tensors[0][1].numpy().tobytes() + tensors[1][1].numpy().tobytes()
+    assert entries == [["x", "int64", [3], 0, 24], ["y", "float32", [2], 64, 8]]
+    padding = bytes(64 - 24)
+    assert blob == tensors[0][1].numpy().tobytes() + padding + tensors[1][1].numpy().tobytes()
     assert Path(path).stat().st_mode & 0o077 == 0  # readable by this user only

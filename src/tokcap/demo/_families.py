@@ -22,7 +22,15 @@ from typing import Any, Final
 
 from ._harness import TOOLS, forced_tool_calls
 
-__all__ = ["ENGINE_ARGS", "FAMILIES", "ModelFamily", "chatml_tool_args", "model_family"]
+__all__ = [
+    "CHATML_TOOLS_TEMPLATE",
+    "ENGINE_ARGS",
+    "FAMILIES",
+    "QWEN_VLLM_ARGS",
+    "ModelFamily",
+    "chatml_tool_args",
+    "model_family",
+]
 
 FAMILIES: Final = ("qwen", "mistral")
 """The names ``--model-family`` accepts (the first is the default)."""
@@ -41,12 +49,63 @@ ENGINE_ARGS: Final = (
 """The CPU engine's options, the same for every family."""
 
 
+CHATML_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and not message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""The qwen family's chat template: Qwen2.5-style ChatML with tools (the tool list in the
+system turn, each call as one ``<tool_call>`` JSON object with arguments re-serialised by
+``tojson``, consecutive tool results grouped in one user turn as ``<tool_response>``
+blocks). vLLM serves it as ``--chat-template``; the tokenizer keeps
+`tokcap.tiny.CHATML_TEMPLATE`."""
+
+
 def chatml_tool_args(template: str) -> tuple[str, ...]:
     """vLLM options for the tiny Qwen model's tool calls: ``hermes`` parser, ``template``."""
     return (
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         "--chat-template", template,
     )  # fmt: skip
+
+
+QWEN_VLLM_ARGS: Final = (*ENGINE_ARGS, *chatml_tool_args(CHATML_TOOLS_TEMPLATE))
+"""The engine options of the default (``qwen``) family: `tokcap demo` and `tokcap train`."""
 
 
 # A calc call's arguments as the tool's JSON schema allows them (integers 0..99).
@@ -84,7 +143,7 @@ def model_family(name: str, cache: Path) -> ModelFamily:
 
 
 def _qwen(cache: Path) -> ModelFamily:
-    from ..tiny._qwen import CHATML_TOOLS_TEMPLATE, build_tiny_model
+    from ..tiny import build_tiny_model
 
     model = build_tiny_model(cache / "tiny" / "dense", kind="dense")
 
@@ -106,7 +165,7 @@ def _qwen(cache: Path) -> ModelFamily:
     return ModelFamily(
         name="qwen",
         model=model,
-        vllm_args=(*ENGINE_ARGS, *chatml_tool_args(CHATML_TOOLS_TEMPLATE)),
+        vllm_args=QWEN_VLLM_ARGS,
         force_tools=lambda count: forced_tool_calls(TOOLS, count),
         load_tokenizer=load_tokenizer,
         retokenize=retokenize,
@@ -114,7 +173,7 @@ def _qwen(cache: Path) -> ModelFamily:
 
 
 def _mistral(cache: Path) -> ModelFamily:
-    from ..tiny._mistral import force_tool_calls, tiny_mistral
+    from ..tiny import force_tool_calls, tiny_mistral
 
     model, args = tiny_mistral(cache / "tiny")
     calc = {"calc": _CALC_ARGUMENTS}

@@ -1,13 +1,11 @@
 """``tokcap train``: build the tiny model, run the closed loop, save and print the figures.
 
-Environment defaults for the CPU engine (vLLM's fast start, Ray without ``uv run`` in its
-workers) come from `tokcap.demo._cli`, imported before vLLM is.
+The process is prepared by `tokcap._startup.start_up` before this module is imported
+(``tokcap train`` calls it first: the CPU engine's environment defaults, quiet loggers).
 """
 
 from __future__ import annotations
 
-import json
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +14,7 @@ from rich.console import Console
 
 from tokcap_core import ConfigError
 
-from ..demo._cli import _interrupt_once  # also sets the engine's environment defaults
+from .._startup import interruptible, save_and_print
 from ._summary import (
     build_train_summary,
     print_train_summary,
@@ -48,17 +46,16 @@ def run_train(options: TrainOptions, console: Console | None = None) -> int:
     130 on Ctrl-C."""
     console = console or summary_console()
     out = options.out or options.cache / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
-    signal.signal(signal.SIGINT, _interrupt_once)
+    return interruptible(lambda: _checked(options, out, console), "the loop")
+
+
+def _checked(options: TrainOptions, out: Path, console: Console) -> int:
+    """`_run`; 2 for a bad option."""
     try:
         return _run(options, out, console)
     except ConfigError as e:
         Console(stderr=True).print(f"[red]tokcap train: {e}", highlight=False)
         return 2
-    except KeyboardInterrupt:
-        Console(stderr=True).print(
-            "[yellow]interrupted: everything the loop started has been shut down"
-        )
-        return 130
 
 
 def _run(options: TrainOptions, out: Path, console: Console) -> int:
@@ -66,7 +63,7 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
 
     with Stages(Console(stderr=True)) as stages:
         with stages.stage("build tiny model (cached)"):
-            from ..tiny._qwen import build_tiny_model
+            from ..tiny import build_tiny_model
 
             model = build_tiny_model(options.cache / "tiny" / "dense", kind="dense")
             from ._loop import LoopConfig, StepRecord, run_loop
@@ -97,11 +94,5 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
             summary = build_train_summary(run, stages.timings_s)
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.html").write_text(render_train_report(summary), encoding="utf-8")
-    summary["timings_s"] = {k: round(v, 3) for k, v in stages.timings_s.items()}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print_train_summary(summary, console)
     problems = train_problems(summary)
-    for problem in problems:
-        console.print(f"[red]check failed: {problem}")
-    console.print(f"saved [bold]{out / 'summary.json'}[/] and [bold]{out / 'report.html'}[/]")
-    return 1 if problems else 0
+    return save_and_print(summary, out, stages.timings_s, console, print_train_summary, problems)

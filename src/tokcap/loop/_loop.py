@@ -5,9 +5,9 @@ Each step:
 1. **generate**: the harness (`tokcap.loop._task`, the real ``openai`` client) plays G
    groups x N rollouts of a short chat through the gate; the gate stages every call's
    exact ids and logprobs into TransferQueue;
-2. **capture + verify**: declared terminals, then `examples/custom_trainer.collect`
-   (unchanged) closes every rollout with its reward and witness and fetches receipts
-   verified against the returned ledger heads over the control plane;
+2. **capture + verify**: declared terminals, then `tokcap.compose.collect` closes every
+   rollout with its reward and witness and fetches receipts verified against the returned
+   ledger heads over the control plane;
 3. **reassemble**: in the same `collect`, metadata-only requests to the Ray pool, the
    group policy, the accepted rows read from TransferQueue and GRPO advantages;
 4. **train**: one `tokcap.train.Trainer` step, whose parity report compares the trainer's
@@ -33,47 +33,50 @@ from typing import Any
 import anyio
 
 from tokcap_core import CaptureConfig
-from tokcap_ray import ReassemblerPool
-from tokcap_tq import TQSink, TQSinkConfig
-from tokcap_vllm import ControlPlaneClient, Gate, GateConfig, InProcessServer, WeightSync
+from tokcap_tq import TQSink
+from tokcap_vllm import InProcessServer, WeightSync
 
-from .._examples import load_example
 from .._stages import Stages
-from ..demo._pipeline import VLLM_ARGS, services
+from ..compose import in_process_gate, open_stack, services, tq_sink
+from ..demo import QWEN_VLLM_ARGS
 from ._step import LoopConfig, Observer, StepContext, StepRecord, TrainRun, run_step
 
 __all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "run_loop"]
 
 TRAIN_VLLM_ARGS = (
-    *VLLM_ARGS,
+    *QWEN_VLLM_ARGS,
     "--worker-extension-cls", "tokcap_vllm.WeightSyncWorker",
 )  # fmt: skip
-# VLLM_ARGS already turns chunked prefill off: the loop's seeded requests (32 chats of ~80
-# prompt tokens a step) would otherwise crash vLLM 0.32's CPU engine core.
+# QWEN_VLLM_ARGS already turns chunked prefill off: the loop's seeded requests (32 chats of
+# ~80 prompt tokens a step) would otherwise crash vLLM 0.32's CPU engine core.
 
 
 def run_loop(
     config: LoopConfig,
-    stages: Stages,
+    stages: Stages | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     observe: Observer | None = None,
 ) -> TrainRun:
     """Start everything, train ``config.steps`` steps, and shut everything down again.
 
-    ``on_step`` gets each step's record; ``observe`` (for benchmarks) sees each step's
-    rows before the step trains on them; its time is not counted in the step's.
+    ``stages`` shows the progress (default: a fresh one on stderr); ``on_step`` gets each
+    step's record; ``observe`` (for benchmarks) sees each step's rows before the step
+    trains on them; its time is not counted in the step's.
     """
+    if stages is None:
+        with Stages() as own:
+            return run_loop(config, own, on_step, observe)
     run = TrainRun(config)
-    tag = config.tag.replace("-", "_")
     capture = CaptureConfig(
         segments="terminal", max_seq_len=config.max_seq_len, min_valid_fraction=0.5
     ).with_derived(environ=os.environ)
-    sink = TQSink(
-        TQSinkConfig(staging_partition=f"{tag}_staging", training_partition=f"{tag}_rows")
+    sink = tq_sink(config.tag)
+    server = in_process_gate(
+        str(config.model), capture=capture, sink=sink, vllm_args=TRAIN_VLLM_ARGS
     )
-    gate = Gate(GateConfig(parent_commit_timeout_s=60, capture=capture), sink=sink)
-    server = InProcessServer(str(config.model), gate=gate, vllm_args=TRAIN_VLLM_ARGS)
-    with services(server, stages, workers=config.workers, ray_address=config.ray_address):
+    with services(
+        server, workers=config.workers, ray_address=config.ray_address, stage=stages.stage
+    ):
         anyio.run(_drive, run, server, sink, capture, stages, on_step, observe)
     return run
 
@@ -110,15 +113,23 @@ async def _drive(
     from ..train import TrainConfig, Trainer
 
     config = run.config
-    factory = functools.partial(TQSink.connect, sink.config)
-    pool = ReassemblerPool(config.workers, factory, num_cpus=1.0)
-    try:
-        with stages.stage("start vLLM + gate, Ray pool, trainer"):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(functools.partial(anyio.to_thread.run_sync, server.wait_ready))
-                tg.start_soon(pool.start)
-                model = await anyio.to_thread.run_sync(load_policy, config.model, config.seed)
-            sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
+    policy: list[Any] = []
+
+    async def load() -> None:
+        policy.append(await anyio.to_thread.run_sync(load_policy, config.model, config.seed))
+
+    ready = functools.partial(anyio.to_thread.run_sync, server.wait_ready)
+    async with open_stack(
+        [server],
+        sink=sink,
+        capture=capture,
+        workers=config.workers,
+        alongside=[ready, load],
+        stage=stages.stage,
+        label="start vLLM + gate, Ray pool, trainer",
+    ) as stack:
+        (model,) = policy
+        sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
         run.params = sum(p.numel() for p in model.parameters())
         trainer = Trainer(
             model,
@@ -126,21 +137,13 @@ async def _drive(
             config=TrainConfig(temperature=1.0, pad_token_id=model.config.pad_token_id or 0),
             version=sync.state.version,
         )
-        assert capture.control_token is not None
-        async with (
-            ControlPlaneClient(server.base_url, capture.control_token) as control,
-            anyio.create_task_group() as background,
-        ):
+        async with anyio.create_task_group() as background:
             loop = StepContext(
                 run=run,
                 server=server,
-                control=control,
-                pool=pool,
-                sink=sink,
-                capture=capture,
+                stack=stack,
                 trainer=trainer,
                 sync=sync,
-                example=load_example("custom_trainer"),
                 background=background,
                 observe=observe,
             )
@@ -151,6 +154,3 @@ async def _drive(
                     if on_step is not None:
                         on_step(record)
                     advance(1)
-    finally:
-        with anyio.CancelScope(shield=True):
-            pool.close()

@@ -1,15 +1,15 @@
 """One step of ``tokcap train``'s loop, and the records it keeps (see `tokcap.loop`).
 
-`run_step` plays the step's chats, runs `examples/custom_trainer.collect` (its control
-client wrapped so that closing and fetching receipts are timed apart from reassembly),
-trains, pushes, and leaves `finish` to run while the next step generates.
+`run_step` plays the step's chats, runs `tokcap.compose.collect` (whose stage timings
+split closing and fetching receipts from reassembly), trains, pushes, and leaves `finish`
+to run while the next step generates.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +19,10 @@ import anyio
 import openai
 from anyio.abc import TaskGroup
 
-from tokcap_core import CaptureConfig, ConfigError
-from tokcap_ray import ReassemblerPool
-from tokcap_tq import TQSink
-from tokcap_vllm import ControlPlaneClient, InProcessServer, WeightSync
+from tokcap_core import ConfigError
+from tokcap_vllm import InProcessServer, WeightSync
 
+from ..compose import Batch, Finished, GateEndpoint, Stack, play_rollouts
 from ._task import WITNESSES, DigitsEpisode, group_prompt, play_digits
 
 __all__ = ["LoopConfig", "Observer", "StepContext", "StepRecord", "TrainRun", "run_step"]
@@ -144,45 +143,16 @@ class _Clock:
             self.add(name, time.perf_counter() - start)
 
 
-class _Timed:
-    """Forwards every attribute of ``target``; awaits of the named methods are timed into
-    ``clock`` under their part's name and their own (how the loop splits `collect` without
-    changing it)."""
-
-    def __init__(self, target: Any, clock: _Clock, parts: Mapping[str, str]) -> None:
-        self._target, self._clock, self._parts = target, clock, dict(parts)
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._target, name)
-        part = self._parts.get(name)
-        if part is None:
-            return attribute
-
-        async def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return await attribute(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - start
-                self._clock.add(part, seconds)
-                self._clock.add(name, seconds)
-
-        return timed
-
-
 @dataclass(slots=True, kw_only=True)
 class StepContext:
     """What every step uses."""
 
     run: TrainRun
     server: InProcessServer
-    control: ControlPlaneClient
-    pool: ReassemblerPool
-    sink: TQSink
-    capture: CaptureConfig
+    """The in-process gate: its engine takes the weight pushes."""
+    stack: Stack
     trainer: Any
     sync: WeightSync
-    example: Any
     background: TaskGroup
     """Where each step's `finish` runs, overlapping the next step."""
     observe: Observer | None = None
@@ -190,7 +160,7 @@ class StepContext:
 
 async def run_step(loop: StepContext, step: int) -> StepRecord:
     """Play, collect, train and push one step; its record (``finish`` left running)."""
-    config, example = loop.run.config, loop.example
+    config, stack = loop.run.config, loop.stack
     clock = _Clock()
     started = time.perf_counter()
     episodes = [
@@ -204,17 +174,17 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         for i in range(config.rollouts)
     ]
     with clock.time("generate"):
-        await _play(loop.server, episodes, config, step)
+        await _play(stack.gate, episodes, config, step)
     if step % 5 == 0 or step == config.steps - 1:
         loop.run.samples.append((step, " | ".join(episodes[0].contents), episodes[0].reward))
     with clock.time("capture_verify"):
         for episode in episodes:
             if episode.witness == "declared":
-                await loop.control.declare_terminal(
+                await stack.control.declare_terminal(
                     episode.rollout_id, response_id=episode.response_ids[-1]
                 )
     finished = [
-        example.Finished(
+        Finished(
             rollout_id=e.rollout_id,
             group_id=e.group_id,
             reward=e.reward,
@@ -223,14 +193,12 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         )
         for e in episodes
     ]
-    verified_s = clock.seconds["capture_verify"]
-    parts = {"close": "capture_verify", "fetch_receipts": "capture_verify"}
-    with clock.time("collect"):
-        batch = await example.collect(
-            _Timed(loop.control, clock, parts), loop.pool, loop.sink, finished, loop.capture
-        )
-    collect_s = clock.seconds.pop("collect")
-    clock.add("reassemble", collect_s - (clock.seconds["capture_verify"] - verified_s))
+    batch = await stack.collect(finished)
+    assert batch.timings is not None
+    clock.add("capture_verify", batch.timings.close_s + batch.timings.receipts_s)
+    clock.add("close", batch.timings.close_s)
+    clock.add("fetch_receipts", batch.timings.receipts_s)
+    clock.add("reassemble", batch.timings.reassemble_s + batch.timings.rows_s)
     if loop.observe is not None:
         observed = time.perf_counter()
         loop.observe(step, episodes, batch, loop.trainer)
@@ -241,7 +209,11 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         label = await anyio.to_thread.run_sync(_push, loop.server, loop.sync, loop.trainer)
     clock.seconds["total"] = time.perf_counter() - started
     loop.background.start_soon(_finish, loop, batch, clock)
-    versions = [r.weight_version_max for r in batch.rows if r.sample_mask]
+    versions = [
+        r.weight_version_max
+        for r in batch.rows
+        if r.sample_mask and r.weight_version_max is not None
+    ]
     rewards = [e.reward for e in episodes]
     return StepRecord(
         step=step,
@@ -259,9 +231,9 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         staleness_max=report.staleness_max,
         rows_valid=report.rows_valid,
         rows_placeholder=report.rows_placeholder,
-        receipts_verified=sum(r.ok for r in batch.receipts.values()),
+        receipts_verified=batch.receipts_verified,
         receipts_total=len(batch.receipts),
-        groups_accepted=sum(type(d).__name__ == "Accept" for d in batch.decisions.values()),
+        groups_accepted=len(batch.accepted),
         tokens=report.tokens,
         loss=report.loss,
         clip_fraction=report.clip_fraction,
@@ -270,10 +242,10 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
     )
 
 
-async def _finish(loop: StepContext, batch: Any, clock: _Clock) -> None:
+async def _finish(loop: StepContext, batch: Batch, clock: _Clock) -> None:
     """Free the step's rows and release its rollouts (while the next step generates)."""
     with clock.time("finish"):
-        await loop.example.finish(loop.control, loop.sink, batch)
+        await loop.stack.finish(batch)
 
 
 def _push(server: InProcessServer, sync: WeightSync, trainer: Any) -> str:
@@ -284,26 +256,12 @@ def _push(server: InProcessServer, sync: WeightSync, trainer: Any) -> str:
 
 
 async def _play(
-    server: InProcessServer, episodes: list[DigitsEpisode], config: LoopConfig, step: int
+    gate: GateEndpoint, episodes: list[DigitsEpisode], config: LoopConfig, step: int
 ) -> None:
-    limit = anyio.Semaphore(config.concurrency)
+    async def play(client: openai.AsyncOpenAI, model: str, episode: DigitsEpisode, n: int) -> None:
+        seed = (config.seed * 10_000 + step) * 1_000 + n
+        await play_digits(
+            client, model, episode, turns=config.turns, max_tokens=config.max_tokens, seed=seed
+        )
 
-    async def play(episode: DigitsEpisode, seed: int) -> None:
-        async with (
-            limit,
-            openai.AsyncOpenAI(
-                base_url=server.rollout_url(episode.rollout_id), api_key="unused", max_retries=0
-            ) as client,
-        ):
-            await play_digits(
-                client,
-                server.model,
-                episode,
-                turns=config.turns,
-                max_tokens=config.max_tokens,
-                seed=seed,
-            )
-
-    async with anyio.create_task_group() as tg:
-        for n, episode in enumerate(episodes):
-            tg.start_soon(play, episode, (config.seed * 10_000 + step) * 1_000 + n)
+    await play_rollouts(gate, episodes, play, concurrency=config.concurrency)

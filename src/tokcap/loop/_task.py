@@ -26,6 +26,7 @@ WITNESSES: tuple[Witness, ...] = ("response_id", "content", "declared", "none")
 """How the scorer names the scored call, by rollout slot (cycled)."""
 
 SYSTEM = "You write numbers. Answer with digits only."
+"""The system prompt of every chat the loop's harness plays."""
 MORE = "More digits, please."
 
 

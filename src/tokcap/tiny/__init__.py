@@ -20,7 +20,6 @@ from ._mistral import (
 )
 from ._qwen import (
     CHATML_TEMPLATE,
-    CHATML_TOOLS_TEMPLATE,
     SPECIAL_TOKENS,
     build_tiny_model,
     build_tiny_tokenizer,
@@ -29,7 +28,6 @@ from ._small import SMALL_SHAPE, build_small_model, parameter_count
 
 __all__ = [
     "CHATML_TEMPLATE",
-    "CHATML_TOOLS_TEMPLATE",
     "MISTRAL_TOKENIZERS",
     "SMALL_SHAPE",
     "SPECIAL_TOKENS",

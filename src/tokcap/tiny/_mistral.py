@@ -23,7 +23,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from ._qwen import _hash, _library_versions, _staging_dir, _stamp_matches, _write_stamp
+from ._cache import (
+    TINY_LAYERS,
+    hash_recipe,
+    library_versions,
+    save_seeded_model,
+    staging_dir,
+    stamp_matches,
+    write_stamp,
+)
 
 __all__ = [
     "MISTRAL_TOKENIZERS",
@@ -36,6 +44,7 @@ __all__ = [
 ]
 
 MistralTokenizerKind = Literal["tekken", "spm"]
+"""Which ``mistral_common`` tokenizer a tiny Mistral model ships: Tekken or SentencePiece v3."""
 MISTRAL_TOKENIZERS: Final[dict[str, tuple[str, str]]] = {
     "tekken": ("tekken_240911.json", "tekken.json"),
     "spm": ("mistral_instruct_tokenizer_240323.model.v3", "tokenizer.model.v3"),
@@ -123,16 +132,16 @@ def build_tiny_mistral(out_dir: Path, *, tokenizer: MistralTokenizerKind = "tekk
         "tokenizer": {"file": source, "sha256": _file_digest(tok_file)},
         "config": _config_args(),
         "seed": MODEL_SEED,
-        "versions": {**_library_versions(), "mistral_common": _version("mistral_common")},
+        "versions": {**library_versions(), "mistral_common": _version("mistral_common")},
     }
-    recipe_hash = _hash(recipe)
-    if _stamp_matches(out_dir, recipe_hash):
+    recipe_hash = hash_recipe(recipe)
+    if stamp_matches(out_dir, recipe_hash):
         return out_dir
-    with _staging_dir(out_dir) as tmp:
+    with staging_dir(out_dir) as tmp:
         shutil.copy2(tok_file, tmp / target)
         special = _special_ids(tmp / target)
         _save_random_model(tmp, special)
-        _write_stamp(tmp, recipe, recipe_hash)
+        write_stamp(tmp, recipe, recipe_hash)
     return out_dir
 
 
@@ -172,13 +181,7 @@ def _special_ids(tokenizer_file: Path) -> dict[str, int]:
 def _config_args() -> dict[str, Any]:
     """Architecture settings; vocabulary and special ids come from the tokenizer file."""
     return {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "max_position_embeddings": 32768,
+        **TINY_LAYERS,
         "rope_theta": 1000000.0,
         "sliding_window": None,
         "tie_word_embeddings": False,
@@ -186,24 +189,14 @@ def _config_args() -> dict[str, Any]:
 
 
 def _save_random_model(out_dir: Path, special: dict[str, int]) -> None:
-    import torch
     import transformers
-    from transformers.utils import logging as hf_logging
 
     args: dict[str, Any] = {**_config_args(), **special}
-    config = transformers.MistralConfig(**args)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(MODEL_SEED)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = transformers.GenerationConfig(
+    save_seeded_model(
+        transformers.MistralConfig(**args),
+        out_dir,
+        seed=MODEL_SEED,
         bos_token_id=special["bos_token_id"],
         eos_token_id=special["eos_token_id"],
         pad_token_id=special["pad_token_id"],
     )
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out_dir)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()

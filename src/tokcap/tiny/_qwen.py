@@ -12,27 +12,37 @@ stamp with the hash of its recipe, and a later call with the same recipe returns
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import shutil
-import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from ._cache import (
+    STAMP,
+    TINY_LAYERS,
+    hash_recipe,
+    library_versions,
+    read_stamp,
+    save_seeded_model,
+    staging_dir,
+    stamp_matches,
+    write_stamp,
+)
+
 __all__ = [
     "CHATML_TEMPLATE",
-    "CHATML_TOOLS_TEMPLATE",
     "SPECIAL_TOKENS",
     "build_tiny_model",
     "build_tiny_tokenizer",
 ]
 
-STAMP = "tokcap-tiny.json"
 RECIPE_VERSION = 1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""The tiny tokenizer's special tokens (ChatML): pad, turn start, turn end (eos)."""
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 CHATML_TEMPLATE = (
@@ -41,50 +51,7 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# Qwen2.5-style ChatML with tools: the tool list in the system turn, each call as one
-# ``<tool_call>`` JSON object (arguments re-serialised with ``tojson``), consecutive tool
-# results grouped in one user turn as ``<tool_response>`` blocks. Requests pass it as
-# ``chat_template`` (the tokenizer keeps `CHATML_TEMPLATE`).
-CHATML_TOOLS_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
-    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- elif messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and loop.first %}"
-    "{%- elif message['role'] == 'assistant' and not message.get('tool_calls') %}"
-    "{{- '<|im_start|>assistant\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant' }}"
-    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
-    "{%- for call in message['tool_calls'] %}"
-    "{%- set fn = call['function'] if call['function'] is defined else call %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
-    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
-    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+"""Plain ChatML without tools: the tiny tokenizer's own chat template."""
 # The rule Qwen2Tokenizer hard-codes; training with it keeps ids stable across reloads.
 QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -114,14 +81,14 @@ def build_tiny_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE)
     out_dir = Path(out_dir)
     corpus = _corpus_files()
     recipe = _tokenizer_recipe(corpus, vocab_size)
-    recipe_hash = _hash(recipe)
-    if _stamp_matches(out_dir, recipe_hash):
+    recipe_hash = hash_recipe(recipe)
+    if stamp_matches(out_dir, recipe_hash):
         return out_dir
-    with _staging_dir(out_dir) as tmp:
+    with staging_dir(out_dir) as tmp:
         tokenizer = _train_bpe(corpus, vocab_size)
         _save_tokenizer(tokenizer, tmp)
         _assert_same_ids(tokenizer, tmp)
-        _write_stamp(tmp, recipe, recipe_hash)
+        write_stamp(tmp, recipe, recipe_hash)
     return out_dir
 
 
@@ -136,48 +103,66 @@ def build_tiny_model(
     """
     if kind not in ("dense", "moe"):
         raise ValueError(f"kind must be 'dense' or 'moe', not {kind!r}")
-    out_dir = Path(out_dir)
-    if tokenizer_dir is None:
-        tok_hash = _hash(_tokenizer_recipe(_corpus_files(), DEFAULT_VOCAB_SIZE))
-    else:
-        tok_stamp = _read_stamp(Path(tokenizer_dir))
-        if tok_stamp is None or tok_stamp.get("recipe", {}).get("what") != "tokenizer":
-            raise FileNotFoundError(
-                f"{tokenizer_dir} is not a tokenizer built by build_tiny_tokenizer"
-            )
-        tok_hash = tok_stamp["recipe_hash"]
     recipe = {
         "what": "model",
         "version": RECIPE_VERSION,
         "kind": kind,
         "config": _config_args(kind),
-        "tokenizer": tok_hash,
+        "tokenizer": _tokenizer_hash(tokenizer_dir),
         "seed": MODEL_SEED,
-        "versions": _library_versions(),
+        "versions": library_versions(),
     }
-    recipe_hash = _hash(recipe)
-    if _stamp_matches(out_dir, recipe_hash):
+    save = functools.partial(_save_random_model, kind)
+    return build_beside_tokenizer(
+        Path(out_dir), recipe, tokenizer_dir, save, prefix="tokcap-tiny-tok-"
+    )
+
+
+def build_beside_tokenizer(
+    out_dir: Path,
+    recipe: dict[str, Any],
+    tokenizer_dir: Path | None,
+    save: Callable[[Path, Path], None],
+    *,
+    prefix: str,
+) -> Path:
+    """Build (or reuse) ``out_dir`` from ``recipe``: ``save(tok_dir, folder)`` writes the model,
+    then the tokenizer's files are copied next to it and checked to reload with the same ids.
+
+    ``tokenizer_dir`` defaults to a tokenizer built by `build_tiny_tokenizer` in a temporary
+    folder (named with ``prefix``).
+    """
+    recipe_hash = hash_recipe(recipe)
+    if stamp_matches(out_dir, recipe_hash):
         return out_dir
-    with tempfile.TemporaryDirectory(prefix="tokcap-tiny-tok-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
         tok_dir = (
             Path(tokenizer_dir)
             if tokenizer_dir is not None
             else build_tiny_tokenizer(Path(scratch) / "tok")
         )
-        with _staging_dir(out_dir) as tmp:
-            _save_random_model(kind, tok_dir, tmp)
+        with staging_dir(out_dir) as tmp:
+            save(tok_dir, tmp)
             for path in sorted(tok_dir.iterdir()):
                 if path.is_file() and path.name != STAMP:
                     shutil.copy2(path, tmp / path.name)
             _assert_same_ids(_load_trained(tok_dir), tmp)
-            _write_stamp(tmp, recipe, recipe_hash)
+            write_stamp(tmp, recipe, recipe_hash)
     return out_dir
 
 
+def _tokenizer_hash(tokenizer_dir: Path | None) -> str:
+    """The recipe hash of the tokenizer in ``tokenizer_dir`` (None: the default one's)."""
+    if tokenizer_dir is None:
+        return hash_recipe(_tokenizer_recipe(_corpus_files(), DEFAULT_VOCAB_SIZE))
+    stamp = read_stamp(Path(tokenizer_dir))
+    if stamp is None or stamp.get("recipe", {}).get("what") != "tokenizer":
+        raise FileNotFoundError(f"{tokenizer_dir} is not a tokenizer built by build_tiny_tokenizer")
+    return str(stamp["recipe_hash"])
+
+
 def _save_random_model(kind: ModelKind, tok_dir: Path, out_dir: Path) -> None:
-    import torch
     import transformers
-    from transformers.utils import logging as hf_logging
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
     args = _config_args(kind)
@@ -188,20 +173,13 @@ def _save_random_model(kind: ModelKind, tok_dir: Path, out_dir: Path) -> None:
         bos_token_id=None,
     )
     config_class = transformers.Qwen3MoeConfig if kind == "moe" else transformers.Qwen3Config
-    config = config_class(**args)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(MODEL_SEED)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = transformers.GenerationConfig(
-        eos_token_id=args["eos_token_id"], pad_token_id=args["pad_token_id"]
+    save_seeded_model(
+        config_class(**args),
+        out_dir,
+        seed=MODEL_SEED,
+        eos_token_id=args["eos_token_id"],
+        pad_token_id=args["pad_token_id"],
     )
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out_dir)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _tokenizer_recipe(corpus: list[Path], vocab_size: int) -> dict[str, Any]:
@@ -212,26 +190,14 @@ def _tokenizer_recipe(corpus: list[Path], vocab_size: int) -> dict[str, Any]:
         "corpus": _corpus_digest(corpus),
         "template": CHATML_TEMPLATE,
         "split": QWEN2_SPLIT,
-        "versions": _library_versions(),
+        "versions": library_versions(),
     }
-
-
-def _library_versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("tokenizers", "transformers", "torch")}
 
 
 def _config_args(kind: ModelKind) -> dict[str, Any]:
     """Architecture settings; vocabulary and special ids come from the tokenizer at build time."""
     args: dict[str, Any] = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "max_position_embeddings": 32768,
+        **TINY_LAYERS,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
     }
@@ -319,67 +285,3 @@ def _assert_same_ids(tokenizer: Any, folder: Path) -> None:
             )
     if reloaded.eos_token != EOS_TOKEN or reloaded.chat_template is None:
         raise RuntimeError(f"{folder}: eos token or chat template lost on reload")
-
-
-def _hash(recipe: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
-
-
-def _read_stamp(folder: Path) -> dict[str, Any] | None:
-    try:
-        stamp: dict[str, Any] = json.loads((folder / STAMP).read_text())
-    except (OSError, ValueError):
-        return None
-    return stamp
-
-
-def _stamp_matches(folder: Path, recipe_hash: str) -> bool:
-    stamp = _read_stamp(folder)
-    if stamp is None or stamp.get("recipe_hash") != recipe_hash:
-        return False
-    return all((folder / name).is_file() for name in stamp.get("files", ()))
-
-
-def _write_stamp(folder: Path, recipe: dict[str, Any], recipe_hash: str) -> None:
-    files = sorted(p.name for p in folder.iterdir() if p.is_file())
-    stamp = {
-        "recipe_hash": recipe_hash,
-        "recipe": recipe,
-        "files": files,
-        "python": sys.version.split()[0],
-    }
-    (folder / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-
-
-class _staging_dir:
-    """Build in a sibling temporary folder, then move it onto ``out_dir`` (never half-written).
-
-    An existing ``out_dir`` is replaced only if it is empty or holds a stale tokcap stamp.
-    """
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.tmp: Path | None = None
-
-    def __enter__(self) -> Path:
-        if (
-            self.out_dir.exists()
-            and any(self.out_dir.iterdir())
-            and _read_stamp(self.out_dir) is None
-        ):
-            raise FileExistsError(
-                f"{self.out_dir} exists and is not a tokcap tiny build; refusing to replace it"
-            )
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}-", dir=self.out_dir.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        assert self.tmp is not None
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        if self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
-        self.tmp.chmod(0o755)  # mkdtemp makes it private; engines may run as another user
-        self.tmp.rename(self.out_dir)

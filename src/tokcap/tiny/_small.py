@@ -11,28 +11,11 @@ a finished folder holds a stamp with the hash of its recipe.
 from __future__ import annotations
 
 import importlib
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Final
 
-from ._qwen import (
-    DEFAULT_VOCAB_SIZE,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    STAMP,
-    _assert_same_ids,
-    _corpus_files,
-    _hash,
-    _library_versions,
-    _load_trained,
-    _read_stamp,
-    _staging_dir,
-    _stamp_matches,
-    _tokenizer_recipe,
-    _write_stamp,
-    build_tiny_tokenizer,
-)
+from ._cache import library_versions, save_seeded_model
+from ._qwen import EOS_TOKEN, PAD_TOKEN, _tokenizer_hash, build_beside_tokenizer
 
 __all__ = ["SMALL_SHAPE", "build_small_model", "parameter_count"]
 
@@ -58,41 +41,17 @@ def build_small_model(out_dir: Path, *, tokenizer_dir: Path | None = None) -> Pa
     ``tokenizer_dir`` defaults to a tokenizer built by `build_tiny_tokenizer` in a
     temporary folder (the same recipe, so the same tokenizer as the tiny models').
     """
-    out_dir = Path(out_dir)
-    if tokenizer_dir is None:
-        tok_hash = _hash(_tokenizer_recipe(_corpus_files(), DEFAULT_VOCAB_SIZE))
-    else:
-        stamp = _read_stamp(Path(tokenizer_dir))
-        if stamp is None or stamp.get("recipe", {}).get("what") != "tokenizer":
-            raise FileNotFoundError(
-                f"{tokenizer_dir} is not a tokenizer built by build_tiny_tokenizer"
-            )
-        tok_hash = stamp["recipe_hash"]
     recipe = {
         "what": "small-model",
         "version": RECIPE_VERSION,
         "config": SMALL_SHAPE,
-        "tokenizer": tok_hash,
+        "tokenizer": _tokenizer_hash(tokenizer_dir),
         "seed": MODEL_SEED,
-        "versions": _library_versions(),
+        "versions": library_versions(),
     }
-    recipe_hash = _hash(recipe)
-    if _stamp_matches(out_dir, recipe_hash):
-        return out_dir
-    with tempfile.TemporaryDirectory(prefix="tokcap-small-tok-") as scratch:
-        tok_dir = (
-            Path(tokenizer_dir)
-            if tokenizer_dir is not None
-            else build_tiny_tokenizer(Path(scratch) / "tok")
-        )
-        with _staging_dir(out_dir) as tmp:
-            _save_random_model(tok_dir, tmp)
-            for path in sorted(tok_dir.iterdir()):
-                if path.is_file() and path.name != STAMP:
-                    shutil.copy2(path, tmp / path.name)
-            _assert_same_ids(_load_trained(tok_dir), tmp)
-            _write_stamp(tmp, recipe, recipe_hash)
-    return out_dir
+    return build_beside_tokenizer(
+        Path(out_dir), recipe, tokenizer_dir, _save_random_model, prefix="tokcap-small-tok-"
+    )
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -107,10 +66,7 @@ def parameter_count(model_dir: Path) -> int:
 
 
 def _save_random_model(tok_dir: Path, out_dir: Path) -> None:
-    import torch
-
     transformers: Any = importlib.import_module("transformers")  # untyped library
-    hf_logging: Any = importlib.import_module("transformers.utils.logging")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
@@ -121,14 +77,4 @@ def _save_random_model(tok_dir: Path, out_dir: Path) -> None:
         pad_token_id=pad,
         bos_token_id=None,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(MODEL_SEED)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = transformers.GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out_dir)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    save_seeded_model(config, out_dir, seed=MODEL_SEED, eos_token_id=eos, pad_token_id=pad)

@@ -2,14 +2,15 @@
 
 Stdlib only and sans-I/O: ids and digests, staged calls, the hash-chained custody
 ledger, manifests, receipts, verification, reassembly into training rows, mask-aware
-advantages, replay slots and the RPC contract. Adapters (``tokcap_tq``,
+advantages, group slots and the RPC contract. Adapters (``tokcap_tq``,
 ``tokcap_vllm``, ``tokcap_ray``) feed it events and act on what it returns.
 
 The top level holds what a trainer author needs; the rest lives in named public
 submodules: `tokcap_core.ids` (id types and keys), `.ledger` (events, the state
 machine, manifests, digests), `.staged`, `.receipts`, `.rows`, `.reasons`, `.routes`,
-`.rpc` (reassembly contract and group policy), `.slots` (replay slots), `.sink`,
-`.advantages`, `.parity`, `.metrics`, `.golden`, `.simulate`, `.errors`, `.testing`
+`.rpc` (reassembly contract and group policy), `.slots` (group slots), `.sink`,
+`.advantages`, `.parity`, `.metrics`, `.golden`, `.simulate`, `.errors`, `.states`
+(the named states every state machine here and in the adapters uses), `.testing`
 (hypothesis strategies) and `.interop` (peers' capture formats).
 """
 

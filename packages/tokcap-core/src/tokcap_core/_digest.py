@@ -5,7 +5,7 @@ strings as u64 byte length + UTF-8; optional values as one presence byte
 (0/1) then the value; token ids as little-endian u32 and logprobs as
 little-endian f32, hashed straight from their buffers (no per-token loop);
 scalar floats (rewards) as little-endian f64. Every digest starts with its
-domain string, so a digest of one kind can never be replayed as another.
+domain string, so a digest of one kind can never be passed off as another.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class RoutesError(TokcapError, ValueError):
     """A routed-experts envelope or array is malformed (shape, dtype, length, range)."""
 
 
-class ReplaySlotError(TokcapError, ValueError):
-    """An illegal replay-slot transition (e.g. abort of a READY slot, double commit)."""
+class SlotError(TokcapError, ValueError):
+    """An illegal group-slot transition (e.g. abort of a READY slot, double commit)."""
 
 
 class MetadataViolation(TokcapError, TypeError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from ._digest import CALL_DOMAIN, Canon, chain_hash
@@ -31,6 +31,7 @@ FINISH_REASONS: Final[tuple[str, ...]] = ("stop", "length")
 """Finish reasons a staged (served, completed) call may carry."""
 
 _HEX = frozenset("0123456789abcdef")
+_UNSEALED = "0" * 64  # a well-formed placeholder until the digest over the fields is known
 
 if array("I").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - exotic platforms
     raise ImportError("tokcap_core needs array('I') and array('f') to be 4 bytes wide")
@@ -207,7 +208,7 @@ class StagedCall:
                 raise InvalidStagedCall("route_count_mismatch", str(e)) from e
             first = parent_cum_len - 1 if parent_id is not None else 0
             routes = _route_rows(aligned, first)
-        digest = compute_call_digest(
+        unsealed = cls(
             rollout_id=rollout_id,
             call_id=call_id,
             parent_id=parent_id,
@@ -220,23 +221,11 @@ class StagedCall:
             tokens=tokens,
             logprobs=lp,
             routes=routes,
+            digest=_UNSEALED,
+            chain_hash=_UNSEALED,
         )
-        return cls(
-            rollout_id=rollout_id,
-            call_id=call_id,
-            parent_id=parent_id,
-            prefix_len=parent_cum_len,
-            carry_len=carry_len,
-            gen_len=len(output),
-            weight_version=weight_version,
-            weight_version_last=last,
-            finish_reason=finish_reason,
-            tokens=tokens,
-            logprobs=lp,
-            routes=routes,
-            digest=digest,
-            chain_hash=chain_hash(parent_chain_hash, digest),
-        )
+        digest = unsealed.compute_digest()
+        return replace(unsealed, digest=digest, chain_hash=chain_hash(parent_chain_hash, digest))
 
 
 def compute_call_digest(

@@ -12,12 +12,13 @@ from ._errors import (
     MetadataViolation,
     MissingRows,
     ReassemblyError,
-    ReplaySlotError,
     RoutesError,
     SinkError,
+    SlotError,
     TokcapError,
     VerificationError,
 )
+from ._renamed import renamed_names
 from ._rpc import (
     InvalidRequest,
 )
@@ -36,9 +37,12 @@ __all__ = [
     "MetadataViolation",
     "MissingRows",
     "ReassemblyError",
-    "ReplaySlotError",
     "RoutesError",
     "SinkError",
+    "SlotError",
     "TokcapError",
     "VerificationError",
 ]
+
+__getattr__ = renamed_names(__name__, {"ReplaySlotError": SlotError})
+"""``ReplaySlotError`` was renamed `SlotError` ("replay" names the ledger's replay alone)."""

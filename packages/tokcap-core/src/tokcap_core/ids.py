@@ -40,7 +40,7 @@ StagingKey = NewType("StagingKey", str)
 TrainingKey = NewType("TrainingKey", str)
 """A key of the sink's training partition: ``"{rollout_id}/s{segment:03d}"``."""
 GroupId = NewType("GroupId", str)
-"""A GRPO group's id (chosen by the trainer; names a replay slot)."""
+"""A GRPO group's id (chosen by the trainer; names a group slot)."""
 
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _CALL_ID = re.compile(r"c[0-9]{6,12}")

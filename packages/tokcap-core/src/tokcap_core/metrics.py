@@ -68,7 +68,7 @@ def break_cause_counts(receipts: Iterable[Receipt]) -> dict[str, float]:
     """``breaks/<cause>`` for every cause in `BREAK_CAUSES`, and ``breaks/total``.
 
     A break is a later root of a rollout (a call that extended no parent). The total
-    counts every break, including a cause outside `BREAK_CAUSES` (none can be replayed
+    counts every break, including a cause outside `BREAK_CAUSES` (none can be recorded
     today: the ledger refuses them).
     """
     counts = Counter(cause for receipt in receipts for cause in receipt.break_causes)

@@ -1,4 +1,6 @@
-"""Replay-buffer slots in capture mode: a pure state machine over groups, h11-style.
+"""Group slots: a trainer's buffer of GRPO groups in capture mode, as a pure state machine.
+
+h11-style (`GroupSlots` is the one mutable object):
 
     (absent) --reserve--> RESERVED --commit_finalized--> READY --remove--> (absent)
                           RESERVED --abort--> (absent)
@@ -9,7 +11,7 @@ Invariants:
   exactly one :class:`ClearPlan`; the caller clears exactly the keys a plan hands it.
   Staging keys leave at once (reassembled rows make them garbage); training keys are held
   until ``remove``. Keys held by live slots are unique.
-- Every method either applies fully or raises :class:`ReplaySlotError` and changes nothing.
+- Every method either applies fully or raises :class:`SlotError` and changes nothing.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Final, TypeVar
 
-from ._errors import ReplaySlotError
-from ._sentinel import Sentinel
+from ._errors import SlotError
+from ._renamed import renamed_names
 from .ids import StagingKey, TrainingKey
+from .states import Sentinel
 
-__all__ = ["READY", "RESERVED", "ClearPlan", "ReplaySlots", "Slot", "SlotState"]
+__all__ = ["READY", "RESERVED", "ClearPlan", "GroupSlots", "Slot", "SlotState"]
 
 
 class SlotState(Sentinel):
@@ -59,10 +62,10 @@ _Key = TypeVar("_Key", bound=str)
 
 def _check_keys(keys: Sequence[_Key], what: str) -> tuple[_Key, ...]:
     if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
-        raise ReplaySlotError("bad_argument", f"{what} must be a sequence of non-empty str")
+        raise SlotError("bad_argument", f"{what} must be a sequence of non-empty str")
     out = tuple(keys)
     if len(set(out)) != len(out):
-        raise ReplaySlotError("duplicate_key", f"{what} lists a key twice")
+        raise SlotError("duplicate_key", f"{what} lists a key twice")
     return out
 
 
@@ -91,28 +94,26 @@ class Slot:
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_id, str) or not self.group_id:
-            raise ReplaySlotError("bad_argument", "group_id must be a non-empty str")
+            raise SlotError("bad_argument", "group_id must be a non-empty str")
         if not self.rollout_ids:
-            raise ReplaySlotError("empty_group", f"group {self.group_id!r} has no rollouts")
+            raise SlotError("empty_group", f"group {self.group_id!r} has no rollouts")
         if not all(isinstance(r, str) and r for r in self.rollout_ids):
-            raise ReplaySlotError("bad_argument", "rollout_ids must be non-empty str")
+            raise SlotError("bad_argument", "rollout_ids must be non-empty str")
         if len(set(self.rollout_ids)) != len(self.rollout_ids):
-            raise ReplaySlotError("duplicate_rollout", f"group {self.group_id!r} repeats a rollout")
+            raise SlotError("duplicate_rollout", f"group {self.group_id!r} repeats a rollout")
         for name in ("weight_version", "target_step"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
-                raise ReplaySlotError("bad_argument", f"{name} must be an int >= 0: {value!r}")
+                raise SlotError("bad_argument", f"{name} must be an int >= 0: {value!r}")
         if self.state is not RESERVED and self.state is not READY:
-            raise ReplaySlotError(
-                "bad_argument", f"a stored slot is RESERVED or READY: {self.state}"
-            )
+            raise SlotError("bad_argument", f"a stored slot is RESERVED or READY: {self.state}")
         _check_keys(self.training_keys, "training_keys")
         if self.state is RESERVED and self.training_keys:
-            raise ReplaySlotError("bad_argument", "a RESERVED slot holds no training keys")
+            raise SlotError("bad_argument", "a RESERVED slot holds no training keys")
 
 
-class ReplaySlots:
-    """The live slots of one replay buffer, by group id (the one mutable object here)."""
+class GroupSlots:
+    """The live slots of one trainer's buffer, by group id (the one mutable object here)."""
 
     __slots__ = ("_held_training", "_owner", "_ready", "_slots")
 
@@ -130,7 +131,7 @@ class ReplaySlots:
         state = self._state(group_id)
         next_state = _TRANSITIONS[state].get(op)
         if next_state is None:
-            raise ReplaySlotError(_REFUSALS[state][op], f"{op} of {group_id!r} in state {state}")
+            raise SlotError(_REFUSALS[state][op], f"{op} of {group_id!r} in state {state}")
         return next_state
 
     def _staging_keys(
@@ -139,7 +140,7 @@ class ReplaySlots:
         keys = _check_keys(staging_keys, "staging_keys")
         for key in keys:
             if key.partition("/")[0] not in slot.rollout_ids:
-                raise ReplaySlotError(
+                raise SlotError(
                     "foreign_key", f"staging key {key!r} is not a rollout of {slot.group_id!r}"
                 )
         return keys
@@ -150,7 +151,7 @@ class ReplaySlots:
         """Open a RESERVED slot for a group about to be reassembled."""
         self._step(group_id, "reserve")
         if isinstance(rollout_ids, str):
-            raise ReplaySlotError("bad_argument", "rollout_ids must be a sequence of str")
+            raise SlotError("bad_argument", "rollout_ids must be a sequence of str")
         slot = Slot(
             group_id=group_id,
             rollout_ids=tuple(rollout_ids),
@@ -160,7 +161,7 @@ class ReplaySlots:
         )
         taken = [r for r in slot.rollout_ids if r in self._owner]
         if taken:
-            raise ReplaySlotError(
+            raise SlotError(
                 "duplicate_rollout", f"{taken[0]!r} is already in group {self._owner[taken[0]]!r}"
             )
         self._slots[group_id] = slot
@@ -187,7 +188,7 @@ class ReplaySlots:
         staging = self._staging_keys(slot, staging_keys)
         clash = self._held_training.intersection(training) or set(training).intersection(staging)
         if clash:
-            raise ReplaySlotError("duplicate_key", f"key {min(clash)!r} is already held")
+            raise SlotError("duplicate_key", f"key {min(clash)!r} is already held")
         self._slots[group_id] = replace(slot, state=READY, training_keys=training)
         self._ready[group_id] = None
         self._held_training.update(training)
@@ -214,7 +215,7 @@ class ReplaySlots:
         """
         ids = tuple(group_ids)
         if len(set(ids)) != len(ids):
-            raise ReplaySlotError("duplicate_group", "remove lists a group twice")
+            raise SlotError("duplicate_group", "remove lists a group twice")
         for group_id in ids:
             self._step(group_id, "remove")
         slots = [self._slots.pop(group_id) for group_id in ids]
@@ -234,7 +235,7 @@ class ReplaySlots:
         """The live slot of ``group_id``; ``unknown_group`` if there is none."""
         slot = self._slots.get(group_id)
         if slot is None:
-            raise ReplaySlotError("unknown_group", f"no slot for group {group_id!r}")
+            raise SlotError("unknown_group", f"no slot for group {group_id!r}")
         return slot
 
     def stale(self, current_step: int, max_age: int) -> tuple[str, ...]:
@@ -243,7 +244,7 @@ class ReplaySlots:
         For sweeping abandoned groups: abort the RESERVED ones, remove the READY ones.
         """
         if max_age < 0:
-            raise ReplaySlotError("bad_argument", f"max_age must be >= 0: {max_age}")
+            raise SlotError("bad_argument", f"max_age must be >= 0: {max_age}")
         return tuple(g for g, s in self._slots.items() if current_step - s.target_step > max_age)
 
     def __contains__(self, group_id: object) -> bool:
@@ -253,11 +254,15 @@ class ReplaySlots:
         return len(self._slots)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ReplaySlots):
+        if not isinstance(other, GroupSlots):
             return NotImplemented
         return self._slots == other._slots and list(self._ready) == list(other._ready)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"ReplaySlots({len(self._slots)} slots, {len(self._ready)} ready)"
+        return f"GroupSlots({len(self._slots)} slots, {len(self._ready)} ready)"
+
+
+__getattr__ = renamed_names(__name__, {"ReplaySlots": GroupSlots})
+"""``ReplaySlots`` was renamed `GroupSlots` ("replay" names the ledger's replay alone)."""

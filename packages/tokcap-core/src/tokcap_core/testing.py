@@ -22,57 +22,24 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         'tokcap_core.testing needs hypothesis: pip install "tokcap-core[testing]"'
     ) from e
 
-from ._conformance_cli import cli_verifier
-from ._conformance_format import (
-    FormatReport,
-    Sample,
-    check_capture_format,
-    golden_samples,
-    single_field_tampers,
-    tokcap_irrelevant,
-    verify_tokcap_sample,
-)
-from ._conformance_sink import (
-    SINK_CHECKS,
-    SinkConformance,
-    SinkFactory,
-    check_clears,
-    check_concurrency,
-    check_conflicting_puts,
-    check_idempotent_puts,
-    check_put_get_round_trip,
-    check_strict_gets,
-    check_training_rows,
-)
+from . import _conformance_cli, _conformance_format, _conformance_sink
+from ._conformance_cli import *  # noqa: F403
+from ._conformance_format import *  # noqa: F403
+from ._conformance_sink import *  # noqa: F403
 from ._ledger import Entry
 from ._manifest import Manifest
 from ._staged import StagedCall
 from .simulate import SimulatedRollout, simulate_rollout
 
 __all__ = [
-    "SINK_CHECKS",
-    "FormatReport",
-    "Sample",
-    "SinkConformance",
-    "SinkFactory",
-    "check_capture_format",
-    "check_clears",
-    "check_concurrency",
-    "check_conflicting_puts",
-    "check_idempotent_puts",
-    "check_put_get_round_trip",
-    "check_strict_gets",
-    "check_training_rows",
-    "cli_verifier",
+    *_conformance_cli.__all__,
+    *_conformance_format.__all__,
+    *_conformance_sink.__all__,
     "entries",
-    "golden_samples",
     "manifests",
     "rollout_ids",
     "simulated_rollouts",
-    "single_field_tampers",
     "staged_calls",
-    "tokcap_irrelevant",
-    "verify_tokcap_sample",
 ]
 
 

@@ -1,8 +1,8 @@
-"""tokcap adapter for TransferQueue: `TQSink`, `TQReplayBuffer`, and TransferQueue on Ray.
+"""tokcap adapter for TransferQueue: `TQSink`, `TQGroupBuffer`, and TransferQueue on Ray.
 
 `TQSink` implements ``tokcap_core.TokenSink`` over TransferQueue's async KV API (a staging
 partition for staged calls, a training partition for trainer-ready rows) and turns TQ's
-silent partial results into errors. `TQReplayBuffer` drives the core's replay-slot state
+silent partial results into errors. `TQGroupBuffer` drives the core's group-slot state
 machine over it. `to_padded_batch` turns fetched rows into torch tensors; the
 ``encode_*``/``decode_*`` functions expose the TensorDict layout for readers of TQ itself.
 Where TransferQueue runs: `local_tq` starts a loopback single-node Ray with it;
@@ -11,6 +11,9 @@ starts a loopback multi-node cluster on this machine to try that on.
 Installing: ``pip install tokcap-tq`` (brings TransferQueue, Ray, torch and tensordict).
 """
 
+import warnings
+
+from ._buffer import SweepResult, TQGroupBuffer
 from ._cluster import ClusterNode, ClusterTQ, LocalCluster, NodeSpec, connect_tq, local_cluster
 from ._codec import (
     STAGING_FIELDS,
@@ -22,7 +25,6 @@ from ._codec import (
     to_padded_batch,
 )
 from ._local import LocalTQ, local_tq
-from ._replay import SweepResult, TQReplayBuffer
 from ._sink import TQSink, TQSinkConfig
 
 __all__ = [
@@ -34,7 +36,7 @@ __all__ = [
     "LocalTQ",
     "NodeSpec",
     "SweepResult",
-    "TQReplayBuffer",
+    "TQGroupBuffer",
     "TQSink",
     "TQSinkConfig",
     "connect_tq",
@@ -46,3 +48,11 @@ __all__ = [
     "local_tq",
     "to_padded_batch",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``TQReplayBuffer`` was renamed `TQGroupBuffer`: the old name warns, then resolves."""
+    if name != "TQReplayBuffer":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn("TQReplayBuffer is deprecated; use TQGroupBuffer", DeprecationWarning, 2)
+    return TQGroupBuffer

@@ -100,7 +100,7 @@ class CapturePath:
         the tokenizer (after the claim, so a retry replays without re-planning). A request
         refused on the way leaves nothing behind.
         """
-        record = self.book.join(rollout_id)
+        record = self.book.join(rollout_id, require_open=self.config.require_open)
         call = self.book.begin(
             record,
             kind=kind,

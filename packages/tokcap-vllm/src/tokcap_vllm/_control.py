@@ -5,6 +5,8 @@ Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``)
 - ``GET  health`` (503 while the gate is not serving) · ``GET metrics`` (Prometheus text)
 - ``GET  rollouts?state=open|closed&limit=N&after=ID`` (ascending ids, paged)
 - ``GET  rollouts/{id}/manifest`` — exactly ``encode_manifest`` bytes
+- ``POST rollouts/{id}/open`` — hold a rollout before its first call (a gate run with
+  ``require_open`` refuses calls of rollouts nobody opened: 404 ``unknown_rollout``)
 - ``POST rollouts/{id}/terminal`` `TerminalBody` · ``POST rollouts/{id}/close`` `CloseBody`
   — both answer the ledger head; close answers once the head is durable
 - ``DELETE rollouts/{id}`` — the gate forgets a closed rollout (sink keys are the trainer's)
@@ -41,6 +43,7 @@ from ._api import (
     Head,
     HeadResponse,
     Health,
+    OpenResponse,
     ReleaseResponse,
     RolloutItem,
     RolloutPage,
@@ -111,6 +114,10 @@ class ControlPlane:
             send, reply.status, reply.body, content_type=reply.content_type, headers=headers
         )
 
+    def authorize(self, scope: Scope) -> None:
+        """Raise unless ``scope`` carries the control token (the same check as every route)."""
+        self._authorize(scope)
+
     def _authorize(self, scope: Scope) -> None:
         if _redact_query(scope):
             raise BadRequest(
@@ -158,6 +165,12 @@ class ControlPlane:
             if action == "terminal":
                 _allow(method, "POST")
                 return self._terminal(rollout_id, await _body(receive, TerminalBody))
+            if action == "open":
+                _allow(method, "POST")
+                await read_body(receive, _MAX_BODY)
+                with _ledger_errors():
+                    self.gate.open(rollout_id)
+                return _json(OpenResponse(rollout_id=rollout_id, opened=True))
             if action == "close":
                 _allow(method, "POST")
                 return await self._close(rollout_id, await _body(receive, CloseBody))

@@ -169,6 +169,11 @@ class Gate:
 
     # ---- control operations ------------------------------------------------------------
 
+    def open(self, rollout_id: str) -> None:
+        """Open a rollout before its first call (what ``GateConfig.require_open`` asks for);
+        opening an open rollout again changes nothing."""
+        self.registry.open(rollout_id)
+
     def declare_terminal(
         self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
     ) -> Entry:

@@ -31,6 +31,7 @@ from ._capture import CapturePath
 from ._control import ControlPlane
 from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
+from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._lifecycle import GateCall
 from ._planning import Observed
@@ -77,6 +78,7 @@ class GateMiddleware:
         self._host: CaptureHost | None = None
         self._renderer: RequestRenderer | None = None
         self._control = ControlPlane(self.gate)
+        self._guarded = GuardedRoutes(self.gate, self._control)
         self._rollout_header = self.gate.config.rollout_header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -85,6 +87,9 @@ class GateMiddleware:
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if guarded_path(scope) is not None:  # vLLM's RL/dev/admin routes, tokcap's weights
+            await self._guarded(scope, receive, send, self.app)
             return
         if scope["path"].startswith(CONTROL_PREFIX):
             await self._control(scope, receive, send)

@@ -1,9 +1,14 @@
-"""The ``vllm.general_plugins`` entry point: opt-in gate for a stock ``vllm serve``.
+"""The ``vllm.general_plugins`` entry points: opt-in gate, and tokcap's weight transport.
 
-vLLM loads general plugins in every process it starts. With ``TOKCAP_GATE=1`` in the
-environment, `register` wraps the API server's ``build_app`` so the app it builds carries
-`GateMiddleware` (the same thing ``--middleware tokcap_vllm.GateMiddleware`` does);
-without it, the plugin does nothing, so installing tokcap-vllm never changes a server.
+vLLM loads general plugins in every process it starts (API server, engine core, workers).
+With ``TOKCAP_GATE=1`` in the environment, `register` wraps the API server's ``build_app``
+so the app it builds carries `GateMiddleware` (the same thing ``--middleware
+tokcap_vllm.GateMiddleware`` does); without it, the plugin does nothing, so installing
+tokcap-vllm never changes a server. The gate is configured by the same ``TOKCAP_<FIELD>``
+variables ``tokcap-vllm serve`` sets from its options (``TOKCAP_SINK`` is required; see
+`tokcap_vllm._served`). `register_weight_transfer` always registers the ``tokcap_shm``
+weight-transfer backend (lazily, by module path: nothing is imported until an engine
+selects it with ``--weight-transfer-config '{"backend": "tokcap_shm"}'``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 from ._vllm import require_vllm
 
-__all__ = ["ENABLE_ENV", "register"]
+__all__ = ["ENABLE_ENV", "register", "register_weight_transfer"]
 
 ENABLE_ENV = "TOKCAP_GATE"
 _MIDDLEWARE = "tokcap_vllm.GateMiddleware"
@@ -41,3 +46,28 @@ def register() -> None:
 
     build_app.__tokcap__ = True  # type: ignore[attr-defined]
     entry.build_app = build_app  # type: ignore[attr-defined]
+
+
+def register_weight_transfer() -> None:
+    """Entry point: register ``tokcap_shm`` with vLLM's worker- and trainer-side factories.
+
+    Idempotent (vLLM loads plugins once per process, but a process may import vLLM twice
+    through different entry points); without vLLM's weight-transfer package, a no-op.
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
+    except ImportError:
+        return
+    module = "tokcap_vllm._transfer"
+    for factory, name in (
+        (WeightTransferEngineFactory, "TokcapShmWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "TokcapShmTrainerWeightTransferEngine"),
+    ):
+        if _BACKEND not in factory._registry:
+            factory.register_engine(_BACKEND, module, name)
+
+
+_BACKEND = "tokcap_shm"

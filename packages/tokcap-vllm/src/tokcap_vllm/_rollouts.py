@@ -5,6 +5,7 @@ the `RolloutBook` what happened and applies what it answers (the flags and locks
 driver waits on are made by factories it passes in). A rollout::
 
     EMPTY --append--> OPEN --fail--> UNCAPTURED
+    EMPTY --open--> OPEN (opened explicitly: held and closable before its first call)
     OPEN --close--> CLOSING --closed--> CLOSED (its ledger kept until released)
     UNCAPTURED --close--> CLOSING_UNCAPTURED --closed--> CLOSED
     CLOSING --fail--> CLOSING_UNCAPTURED
@@ -40,6 +41,7 @@ from typing import Any, Final
 from tokcap_core import Ledger
 from tokcap_core.ids import CallId, RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
+from tokcap_core.states import Sentinel
 
 from ._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 from ._lifecycle import (
@@ -68,16 +70,10 @@ __all__ = [
 ]
 
 
-class RolloutPhase:
+class RolloutPhase(Sentinel):
     """A rollout's phase in the gate (compare with ``is``)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
+    __slots__ = ()
 
 
 EMPTY: Final = RolloutPhase("EMPTY")
@@ -87,11 +83,15 @@ CLOSING: Final = RolloutPhase("CLOSING")
 CLOSING_UNCAPTURED: Final = RolloutPhase("CLOSING_UNCAPTURED")
 CLOSED: Final = RolloutPhase("CLOSED")
 
-# An explicitly opened rollout is one more row: EMPTY: {"open": OPEN, ...} (held, closable).
 _TRANSITIONS: Final[Mapping[RolloutPhase, Mapping[str, RolloutPhase]]] = {
-    EMPTY: {"append": OPEN, "fail": UNCAPTURED},
-    OPEN: {"append": OPEN, "fail": UNCAPTURED, "close": CLOSING},
-    UNCAPTURED: {"append": UNCAPTURED, "fail": UNCAPTURED, "close": CLOSING_UNCAPTURED},
+    EMPTY: {"append": OPEN, "fail": UNCAPTURED, "open": OPEN},
+    OPEN: {"append": OPEN, "fail": UNCAPTURED, "close": CLOSING, "open": OPEN},
+    UNCAPTURED: {
+        "append": UNCAPTURED,
+        "fail": UNCAPTURED,
+        "close": CLOSING_UNCAPTURED,
+        "open": UNCAPTURED,
+    },
     CLOSING: {"append": CLOSING, "fail": CLOSING_UNCAPTURED, "closed": CLOSED, "reopen": OPEN},
     CLOSING_UNCAPTURED: {
         "append": CLOSING_UNCAPTURED,
@@ -105,9 +105,9 @@ _REFUSALS: Final[Mapping[RolloutPhase, Mapping[str, str]]] = {
     EMPTY: dict.fromkeys(("close", "closed", "reopen"), "not_open"),
     OPEN: dict.fromkeys(("closed", "reopen"), "not_closing"),
     UNCAPTURED: dict.fromkeys(("closed", "reopen"), "not_closing"),
-    CLOSING: {"close": "rollout_closed"},
-    CLOSING_UNCAPTURED: {"close": "rollout_closed"},
-    CLOSED: dict.fromkeys(("append", "close", "closed", "reopen"), "rollout_closed"),
+    CLOSING: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSING_UNCAPTURED: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSED: dict.fromkeys(("append", "close", "closed", "reopen", "open"), "rollout_closed"),
 }
 _CLOSING: Final = frozenset({CLOSING, CLOSING_UNCAPTURED})
 _HELD: Final = frozenset({OPEN, UNCAPTURED, CLOSING, CLOSING_UNCAPTURED})
@@ -164,16 +164,22 @@ class RolloutBook:
 
     # ---- rollouts ----------------------------------------------------------------------
 
-    def join(self, rollout_id: str) -> RolloutRecord:
+    def join(self, rollout_id: str, *, require_open: bool = False) -> RolloutRecord:
         """The open record a new request joins, made on first use.
 
         `RolloutConflict` (409) if the id names a closed (or closing) rollout;
-        `TooManyRollouts` (503) when ``max_open`` records are open already.
+        `TooManyRollouts` (503) when ``max_open`` records are open already; with
+        ``require_open``, `RolloutNotFound` (``unknown_rollout``) unless it was opened.
         """
         rid = validate_rollout_id(rollout_id)
         if rid in self._closed:
             raise RolloutConflict("rollout_closed", f"{rid} is closed; start a new rollout id")
         record = self._open.get(rid)
+        if require_open and (record is None or record.phase is EMPTY):
+            raise RolloutNotFound(
+                "unknown_rollout",
+                f"{rid} was not opened on this gate (POST /tokcap/v1/rollouts/{rid}/open)",
+            )
         if record is None:
             if len(self._open) >= self.max_open:
                 raise TooManyRollouts(
@@ -183,6 +189,12 @@ class RolloutBook:
             record = self._open[rid] = RolloutRecord(rid, Ledger(rid), self._lock())
         elif record.phase in _CLOSING:
             raise RolloutConflict("rollout_closed", f"{rid} is closing")
+        return record
+
+    def open(self, rollout_id: str) -> RolloutRecord:
+        """Open a rollout explicitly (made if new; opening it again changes nothing)."""
+        record = self.join(rollout_id)
+        self.advance(record, "open")
         return record
 
     def open_record(self, rollout_id: str) -> RolloutRecord:

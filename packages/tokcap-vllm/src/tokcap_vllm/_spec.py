@@ -18,8 +18,15 @@ import json
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["SAFETENSORS_DTYPES", "TensorSpec", "expected_spec", "read_checkpoint_spec"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "TensorSpec",
+    "engine_spec",
+    "expected_spec",
+    "read_checkpoint_spec",
+]
 
 TensorSpec = tuple[str, tuple[int, ...]]
 """(torch dtype name without ``torch.``, shape)."""
@@ -86,3 +93,30 @@ def expected_spec(
         return spec, ()
     spec.setdefault(head, spec[embedding])
     return spec, ((head, embedding),)
+
+
+def engine_spec(model_config: Any) -> tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]]:
+    """The push contract of an engine from its vLLM ``ModelConfig``: `expected_spec` of the
+    checkpoint it loaded, in its dtype (readable in the API server and in every worker)."""
+    return expected_spec(
+        read_checkpoint_spec(_checkpoint_folder(model_config)),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        tie_word_embeddings=bool(
+            getattr(model_config.hf_text_config, "tie_word_embeddings", False)
+        ),
+    )
+
+
+def _checkpoint_folder(config: Any) -> str:
+    """The local folder of the engine's checkpoint (a hub id resolves in the local cache)."""
+    if Path(config.model).is_dir():
+        return str(config.model)
+    from huggingface_hub import snapshot_download
+
+    folder: str = snapshot_download(
+        config.model,
+        revision=config.revision,
+        local_files_only=True,
+        allow_patterns=["*.safetensors", "*.json"],
+    )
+    return folder

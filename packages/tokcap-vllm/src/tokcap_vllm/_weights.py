@@ -39,13 +39,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 
+from ._shm import SHM_DIR, write_push_file
 from ._spec import TensorSpec
 from ._weight_state import (
     READY,
@@ -67,7 +67,6 @@ Transport = Literal["rpc", "shm"]
 _MODES: Final = ("wait", "keep", "abort")
 _TRANSPORTS: Final = ("rpc", "shm")
 _log = logging.getLogger("tokcap_vllm.weights")
-_SHM_DIR: Final = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def check_push(
@@ -118,29 +117,6 @@ def check_push(
     return checked
 
 
-def _write_file(
-    tensors: list[tuple[str, torch.Tensor]], folder: str
-) -> tuple[str, list[tuple[str, str, list[int], int, int]]]:
-    """Write every tensor's bytes, back to back, into a new file in ``folder``: (path, entries)."""
-    import torch
-
-    entries = []
-    with tempfile.NamedTemporaryFile(dir=folder, prefix="tokcap-push-", delete=False) as f:
-        for name, tensor in tensors:
-            data = tensor.reshape(-1).view(torch.uint8).numpy().data
-            entries.append(
-                (
-                    name,
-                    str(tensor.dtype).removeprefix("torch."),
-                    list(tensor.shape),
-                    f.tell(),
-                    data.nbytes,
-                )
-            )
-            f.write(data)
-    return f.name, entries
-
-
 def _finite(tensor: torch.Tensor) -> bool:
     """One reduction pass, no copy: a NaN or inf anywhere makes the float32 sum non-finite
     (20x faster than ``isfinite().all()`` here; only a sum past 3e38 would alarm falsely)."""
@@ -184,7 +160,7 @@ class WeightSync:
         tied: Sequence[tuple[str, str]] = (),
         version: int = 0,
         chunk_bytes: int = 64 << 20,
-        shm_dir: str = _SHM_DIR,
+        shm_dir: str = SHM_DIR,
     ) -> None:
         self.engine = engine
         self.shm_dir = shm_dir
@@ -204,7 +180,7 @@ class WeightSync:
         tied: Sequence[tuple[str, str]] = (),
         version: int = 0,
         chunk_bytes: int = 64 << 20,
-        shm_dir: str = _SHM_DIR,
+        shm_dir: str = SHM_DIR,
     ) -> WeightSync:
         """A `WeightSync` for ``engine``; ``spec`` and ``tied`` default to the worker's
         (read from the checkpoint's headers).
@@ -305,7 +281,7 @@ class WeightSync:
             raise
 
     async def _stage_file(self, push_id: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        path, entries = await anyio.to_thread.run_sync(_write_file, tensors, self.shm_dir)
+        path, entries = await anyio.to_thread.run_sync(write_push_file, tensors, self.shm_dir)
         try:
             await self.engine.collective_rpc("tokcap_stage_file", args=(push_id, path, entries))
         finally:

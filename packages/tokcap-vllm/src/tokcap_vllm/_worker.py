@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._spec import TensorSpec, expected_spec, read_checkpoint_spec
+from ._spec import TensorSpec, engine_spec
 
 if TYPE_CHECKING:
     import torch
@@ -161,28 +161,6 @@ def _spec_of(worker: object) -> tuple[dict[str, TensorSpec], tuple[tuple[str, st
     cached = worker.__dict__.get("_tokcap_spec")
     if cached is None:
         engine_worker: Any = worker
-        config = engine_worker.vllm_config.model_config
-        cached = expected_spec(
-            read_checkpoint_spec(_checkpoint_folder(config)),
-            dtype=str(config.dtype).removeprefix("torch."),
-            tie_word_embeddings=bool(getattr(config.hf_text_config, "tie_word_embeddings", False)),
-        )
+        cached = engine_spec(engine_worker.vllm_config.model_config)
         worker.__dict__["_tokcap_spec"] = cached
     return cached
-
-
-def _checkpoint_folder(config: Any) -> str:
-    """The local folder of the engine's checkpoint (a hub id resolves in the local cache)."""
-    from pathlib import Path
-
-    if Path(config.model).is_dir():
-        return str(config.model)
-    from huggingface_hub import snapshot_download
-
-    folder: str = snapshot_download(
-        config.model,
-        revision=config.revision,
-        local_files_only=True,
-        allow_patterns=["*.safetensors", "*.json"],
-    )
-    return folder

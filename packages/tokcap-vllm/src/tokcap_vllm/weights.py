@@ -1,15 +1,40 @@
-"""Pushing trainer weights into the running engine: `WeightSync`, its states and its checks."""
+"""Pushing trainer weights into running engines: one gate, a fleet, or an in-process engine.
 
+A trainer in another process (the deployment shape) uses `GateWeightClient` (one served
+gate) or `FleetWeightSync` (N gates, one version): they drive vLLM's own weight-transfer
+routes with the gate's bearer token, over tokcap's CPU transport (backend ``tokcap_shm``,
+registered with vLLM by the ``vllm.general_plugins`` entry point; on GPU, vLLM's
+``nccl``/``ipc`` engines are used as vLLM ships them). The gate serves with
+``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "tokcap_shm"}'``.
+
+`WeightSync` (with the `WeightSyncWorker` extension) pushes from inside the server's own
+process only (`InProcessServer`); it stays supported there, and is superseded by
+`GateWeightClient` for served gates. `StateDictSource` and the ``tokcap_shm`` engine
+classes (which import vLLM) are in `tokcap_vllm.transfer`.
+"""
+
+from ._fleet_weights import FleetPushError, FleetWeightSync, GateOutcome
+from ._guarded_routes import GUARDED_PATHS, WeightInfo, WeightSpec
 from ._spec import TensorSpec, expected_spec, read_checkpoint_spec
+from ._weight_client import GateWeightClient, PushTransport, StagedPush
 from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
 from ._weights import PauseMode, WeightSync, check_push
 from ._worker import WeightSyncWorker
 
 __all__ = [
+    "GUARDED_PATHS",
+    "FleetPushError",
+    "FleetWeightSync",
+    "GateOutcome",
+    "GateWeightClient",
     "PauseMode",
+    "PushTransport",
+    "StagedPush",
     "TensorSpec",
+    "WeightInfo",
     "WeightPhase",
     "WeightPushError",
+    "WeightSpec",
     "WeightState",
     "WeightSync",
     "WeightSyncError",

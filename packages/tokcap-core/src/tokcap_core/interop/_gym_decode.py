@@ -24,15 +24,11 @@ from ._gym_records import (
 )
 
 __all__ = [
-    "call_record_from_json",
     "decode_gym_manifest",
     "decode_gym_receipt",
     "decode_gym_snapshots",
     "decode_gym_staged_record",
     "encode_gym_json",
-    "manifest_from_json",
-    "receipt_from_json",
-    "staged_record_from_json",
 ]
 
 

@@ -27,7 +27,6 @@ from ._gym_digest import (
 from ._gym_errors import GymFormatError
 
 __all__ = [
-    "GYM_MODES",
     "GYM_TERMINAL_SELECTIONS",
     "GymCallRecord",
     "GymManifest",

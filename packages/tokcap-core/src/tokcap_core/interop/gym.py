@@ -14,103 +14,32 @@ a tokcap `~tokcap_core.Receipt` and `~tokcap_core.TrainingRow` (Gym's reason kep
     result.receipt.status, result.row.input_ids, result.gym_reason
 """
 
-from ._gym_convert import (
-    GYM_UNKNOWN_FINISH,
-    ROUTED_EXPERTS_KEY,
-    TOKCAP_FINISH_REASON_KEY,
-    TOKCAP_PREFILL_ROUTE_KEY,
-    TOKCAP_SPLICE_CAUSE_KEY,
-    TOKCAP_WEIGHT_VERSION_LAST_KEY,
-    GymVerification,
-    verify_gym_rollout,
+from . import (
+    _gym_convert,
+    _gym_decode,
+    _gym_digest,
+    _gym_errors,
+    _gym_export,
+    _gym_lineage,
+    _gym_records,
+    _gym_verify,
 )
-from ._gym_decode import (
-    decode_gym_manifest,
-    decode_gym_receipt,
-    decode_gym_snapshots,
-    decode_gym_staged_record,
-    encode_gym_json,
-)
-from ._gym_digest import (
-    EMPTY_EXTRAS_DIGEST,
-    GYM_DIGEST_VERSION,
-    GYM_EXTRAS_DIGEST_VERSION,
-    GYM_SCHEMA_VERSIONS,
-    assert_gym_golden_vectors,
-    compute_chain_hash,
-    compute_extras_digest,
-    compute_staging_digest,
-    encode_token_ids,
-    hash_token_ids,
-)
-from ._gym_errors import (
-    GYM_UNCOMMITTED_CALL_REASON,
-    GymConversionError,
-    GymFormatError,
-    GymVerificationError,
-    gym_failure_reason,
-)
-from ._gym_export import GymCapture, export_gym_capture
-from ._gym_lineage import (
-    GymLineageCommit,
-    GymLineageFailure,
-    decode_gym_lineage,
-    gym_manifest_from_lineage,
-)
-from ._gym_records import (
-    GYM_TERMINAL_SELECTIONS,
-    GymCallRecord,
-    GymManifest,
-    GymManifestFailure,
-    GymReceipt,
-    GymStagedRecord,
-    gym_staging_key,
-)
-from ._gym_verify import GymLinearizedRow, linearize_gym_rollout, select_gym_terminal
+from ._gym_convert import *  # noqa: F403
+from ._gym_decode import *  # noqa: F403
+from ._gym_digest import *  # noqa: F403
+from ._gym_errors import *  # noqa: F403
+from ._gym_export import *  # noqa: F403
+from ._gym_lineage import *  # noqa: F403
+from ._gym_records import *  # noqa: F403
+from ._gym_verify import *  # noqa: F403
 
 __all__ = [
-    "EMPTY_EXTRAS_DIGEST",
-    "GYM_DIGEST_VERSION",
-    "GYM_EXTRAS_DIGEST_VERSION",
-    "GYM_SCHEMA_VERSIONS",
-    "GYM_TERMINAL_SELECTIONS",
-    "GYM_UNCOMMITTED_CALL_REASON",
-    "GYM_UNKNOWN_FINISH",
-    "ROUTED_EXPERTS_KEY",
-    "TOKCAP_FINISH_REASON_KEY",
-    "TOKCAP_PREFILL_ROUTE_KEY",
-    "TOKCAP_SPLICE_CAUSE_KEY",
-    "TOKCAP_WEIGHT_VERSION_LAST_KEY",
-    "GymCallRecord",
-    "GymCapture",
-    "GymConversionError",
-    "GymFormatError",
-    "GymLineageCommit",
-    "GymLineageFailure",
-    "GymLinearizedRow",
-    "GymManifest",
-    "GymManifestFailure",
-    "GymReceipt",
-    "GymStagedRecord",
-    "GymVerification",
-    "GymVerificationError",
-    "assert_gym_golden_vectors",
-    "compute_chain_hash",
-    "compute_extras_digest",
-    "compute_staging_digest",
-    "decode_gym_lineage",
-    "decode_gym_manifest",
-    "decode_gym_receipt",
-    "decode_gym_snapshots",
-    "decode_gym_staged_record",
-    "encode_gym_json",
-    "encode_token_ids",
-    "export_gym_capture",
-    "gym_failure_reason",
-    "gym_manifest_from_lineage",
-    "gym_staging_key",
-    "hash_token_ids",
-    "linearize_gym_rollout",
-    "select_gym_terminal",
-    "verify_gym_rollout",
+    *_gym_convert.__all__,
+    *_gym_decode.__all__,
+    *_gym_digest.__all__,
+    *_gym_errors.__all__,
+    *_gym_export.__all__,
+    *_gym_lineage.__all__,
+    *_gym_records.__all__,
+    *_gym_verify.__all__,
 ]

@@ -1,9 +1,9 @@
-"""`TQReplayBuffer`: the core's `ReplaySlots` state machine driving a sink's clears.
+"""`TQGroupBuffer`: the core's `GroupSlots` state machine driving a sink's clears.
 
-Locking: each transition runs under one anyio Lock and is all-or-nothing (``ReplaySlots``
+Locking: each transition runs under one anyio Lock and is all-or-nothing (``GroupSlots``
 either applies or raises and changes nothing). The transition hands its keys out in
 exactly one `ClearPlan`, so of two concurrent removes of a group one gets the plan and the
-other ``ReplaySlotError`` — a key is cleared once. The clear runs *after* the lock is
+other ``SlotError`` — a key is cleared once. The clear runs *after* the lock is
 released (no I/O under the lock) and under a shield; before the lock is released the plan's
 keys are recorded as owed, and only a successful clear settles them. A clear that fails
 (or is somehow skipped) leaves them owed, and `sweep` retries them: no key is ever lost.
@@ -19,16 +19,16 @@ import attrs
 
 from tokcap_core import FinalizedGroup, Receipt
 from tokcap_core.ids import StagingKey, TrainingKey
-from tokcap_core.slots import READY, ClearPlan, ReplaySlots, Slot
+from tokcap_core.slots import READY, ClearPlan, GroupSlots, Slot
 
 from ._sink import TQSink
 
-__all__ = ["SweepResult", "TQReplayBuffer"]
+__all__ = ["SweepResult", "TQGroupBuffer"]
 
 
 @attrs.frozen(kw_only=True)
 class SweepResult:
-    """What a `TQReplayBuffer.sweep` did: groups aborted (RESERVED), removed (READY), keys freed."""
+    """What a `TQGroupBuffer.sweep` did: groups aborted (RESERVED), removed (READY), keys freed."""
 
     aborted: tuple[str, ...]
     removed: tuple[str, ...]
@@ -39,12 +39,12 @@ def _receipt_keys(receipts: Iterable[Receipt]) -> list[StagingKey]:
     return [key for receipt in receipts for key in receipt.sink_keys]
 
 
-class TQReplayBuffer:
-    """Replay slots by group id over a `TQSink`; each key it takes custody of is freed once."""
+class TQGroupBuffer:
+    """Group slots by group id over a `TQSink`; each key it takes custody of is freed once."""
 
     def __init__(self, sink: TQSink) -> None:
         self.sink = sink
-        self._slots = ReplaySlots()
+        self._slots = GroupSlots()
         self._lock = anyio.Lock()
         self._owed_staging: set[StagingKey] = set()
         self._owed_training: set[TrainingKey] = set()
@@ -135,7 +135,7 @@ class TQReplayBuffer:
         return self._slots.ready()
 
     def slot(self, group_id: str) -> Slot:
-        """The live slot of ``group_id`` (``ReplaySlotError`` ``unknown_group`` if none)."""
+        """The live slot of ``group_id`` (``SlotError`` ``unknown_group`` if none)."""
         return self._slots.slot(group_id)
 
     @property

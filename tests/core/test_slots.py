@@ -1,4 +1,4 @@
-"""Replay slots: every (state, op) pair, key custody, and a stateful model check."""
+"""Group slots: every (state, op) pair, key custody, and a stateful model check."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from tokcap_core.errors import ReplaySlotError
-from tokcap_core.slots import READY, RESERVED, ClearPlan, ReplaySlots, Slot
+from tokcap_core.errors import SlotError
+from tokcap_core.slots import READY, RESERVED, ClearPlan, GroupSlots, Slot
 
-Op = Callable[[ReplaySlots], object]
+Op = Callable[[GroupSlots], object]
 
 OPS: dict[str, Op] = {
     "reserve": lambda s: s.reserve("g", ["r9"], 0, 0),
@@ -26,8 +26,8 @@ OPS: dict[str, Op] = {
 }
 
 
-def in_state(state: str) -> ReplaySlots:
-    slots = ReplaySlots()
+def in_state(state: str) -> GroupSlots:
+    slots = GroupSlots()
     slots.reserve("other", ["r0"], 0, 0)  # a bystander that must never be touched
     if state in ("RESERVED", "READY"):
         slots.reserve("g", ["r1", "r2"], 3, 7)
@@ -68,14 +68,14 @@ def test_every_state_op_pair(state: str, op: str) -> None:
         assert after == outcome
         assert slots.slot("other") == before.slot("other")
     else:
-        with pytest.raises(ReplaySlotError) as info:
+        with pytest.raises(SlotError) as info:
             OPS[op](slots)
         assert info.value.code == outcome
         assert slots == before
 
 
 def test_keys_change_hands_once() -> None:
-    slots = ReplaySlots()
+    slots = GroupSlots()
     slot = slots.reserve("g1", ("a", "b"), weight_version=2, target_step=5)
     assert (slot.state, slot.rollout_ids, slot.training_keys) == (RESERVED, ("a", "b"), ())
     plan = slots.commit_finalized("g1", training_keys=["t/0", "t/1"], staging_keys=["a/c1", "b/c1"])
@@ -88,7 +88,7 @@ def test_keys_change_hands_once() -> None:
 
 
 def test_ready_is_in_commit_order_and_remove_is_by_id() -> None:
-    slots = ReplaySlots()
+    slots = GroupSlots()
     for g in ("g1", "g2", "g3"):
         slots.reserve(g, [f"{g}r"], 0, 0)
     for g in ("g3", "g1", "g2"):
@@ -96,7 +96,7 @@ def test_ready_is_in_commit_order_and_remove_is_by_id() -> None:
     assert slots.ready() == ("g3", "g1", "g2")
     assert slots.remove(["g1"]).training_keys == ("t/g1",)
     assert slots.ready() == ("g3", "g2")
-    with pytest.raises(ReplaySlotError, match="unknown_group"):  # a racing second remove
+    with pytest.raises(SlotError, match="unknown_group"):  # a racing second remove
         slots.remove(["g1"])
 
 
@@ -137,19 +137,19 @@ def test_ready_is_in_commit_order_and_remove_is_by_id() -> None:
     ],
 )
 def test_bad_calls_raise_and_change_nothing(call: Op, code: str) -> None:
-    slots = ReplaySlots()
+    slots = GroupSlots()
     slots.reserve("h", ["r0"], 0, 0)
     slots.commit_finalized("h", training_keys=["t/h/0"], staging_keys=[])
     slots.reserve("g", ["r1", "r2"], 0, 0)
     before = copy.deepcopy(slots)
-    with pytest.raises(ReplaySlotError) as info:
+    with pytest.raises(SlotError) as info:
         call(slots)
     assert info.value.code == code
     assert slots == before
 
 
 def test_stale_finds_old_groups_in_any_state() -> None:
-    slots = ReplaySlots()
+    slots = GroupSlots()
     slots.reserve("old", ["a"], 0, target_step=1)
     slots.reserve("done", ["b"], 0, target_step=2)
     slots.commit_finalized("done", training_keys=["t"], staging_keys=[])
@@ -164,7 +164,7 @@ def test_values_are_frozen_and_sentinels_pickle_to_themselves() -> None:
     assert repr(RESERVED) == "RESERVED"
     slot = Slot(group_id="g", rollout_ids=("a",), weight_version=0, target_step=0, state=READY)
     assert pickle.loads(pickle.dumps(slot)) == slot
-    with pytest.raises(ReplaySlotError, match="bad_argument"):
+    with pytest.raises(SlotError, match="bad_argument"):
         Slot(
             group_id="g",
             rollout_ids=("a",),
@@ -175,7 +175,7 @@ def test_values_are_frozen_and_sentinels_pickle_to_themselves() -> None:
         )
     with pytest.raises(AttributeError):
         slot.state = RESERVED  # type: ignore[misc]
-    err = pickle.loads(pickle.dumps(ReplaySlotError("not_ready", "m")))
+    err = pickle.loads(pickle.dumps(SlotError("not_ready", "m")))
     assert (err.code, err.message) == ("not_ready", "m")
 
 
@@ -188,7 +188,7 @@ class SlotsModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.slots = ReplaySlots()
+        self.slots = GroupSlots()
         self.model: dict[str, tuple[str, tuple[str, ...]]] = {}  # group -> (state, rollouts)
         self.order: list[str] = []  # READY groups in commit order
         self.introduced: set[str] = set()
@@ -204,7 +204,7 @@ class SlotsModel(RuleBasedStateMachine):
 
     def refused(self, call: Callable[[], object], code: str) -> None:
         before = copy.deepcopy(self.slots)
-        with pytest.raises(ReplaySlotError) as info:
+        with pytest.raises(SlotError) as info:
             call()
         assert info.value.code == code
         assert self.slots == before
@@ -299,3 +299,16 @@ class SlotsModel(RuleBasedStateMachine):
 
 
 TestSlotsModel = SlotsModel.TestCase
+
+
+def test_the_old_replay_names_still_resolve_with_a_deprecation_warning() -> None:
+    """``replay`` now names the ledger's replay alone; the slots' old names stay as aliases."""
+    import tokcap_core.errors
+    import tokcap_core.slots
+
+    with pytest.warns(DeprecationWarning, match="use GroupSlots"):
+        assert tokcap_core.slots.ReplaySlots is GroupSlots  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="use SlotError"):
+        assert tokcap_core.errors.ReplaySlotError is SlotError  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        tokcap_core.slots.NoSuchName  # type: ignore[attr-defined]  # noqa: B018

@@ -1,4 +1,4 @@
-"""TQReplayBuffer over real TQ: every key it takes custody of is cleared exactly once, none leak."""
+"""TQGroupBuffer over real TQ: every key it takes custody of is cleared exactly once, none leak."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.tq.support import fresh_tq_sink, rows_of
 from tokcap_core import FinalizedGroup, assemble_receipt
-from tokcap_core.errors import ReplaySlotError
+from tokcap_core.errors import SlotError
 from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("tq_cluster")]
@@ -46,16 +46,21 @@ async def _stage_group(
     return rollouts, group
 
 
+def _fresh_buffer() -> tuple[Any, Any]:
+    """A `TQGroupBuffer` over a fresh `TQSink` (partitions no other test touches)."""
+    from tokcap_tq import TQGroupBuffer
+
+    sink = fresh_tq_sink()
+    return sink, TQGroupBuffer(sink)
+
+
 def _receipts(rollouts: list[SimulatedRollout]) -> list[Any]:
     return [assemble_receipt(r.ledger.state) for r in rollouts]
 
 
 @pytest.mark.anyio
 async def test_reserve_commit_remove_clears_exactly_the_groups_keys() -> None:
-    from tokcap_tq import TQReplayBuffer
-
-    sink = fresh_tq_sink()
-    buffer = TQReplayBuffer(sink)
+    sink, buffer = _fresh_buffer()
     kept, kept_group = await _stage_group(sink, "keep")
     rollouts, group = await _stage_group(sink, "g1")
     assert len({k for r in rollouts for k in r.staged}) > len(
@@ -79,10 +84,7 @@ async def test_reserve_commit_remove_clears_exactly_the_groups_keys() -> None:
 
 @pytest.mark.anyio
 async def test_concurrent_removes_of_one_group_clear_once() -> None:
-    from tokcap_tq import TQReplayBuffer
-
-    sink = fresh_tq_sink()
-    buffer = TQReplayBuffer(sink)
+    sink, buffer = _fresh_buffer()
     rollouts, group = await _stage_group(sink, "race")
     await buffer.reserve("race", [r.ledger.rollout_id for r in rollouts], 0, 1)
     await buffer.commit_finalized(group, receipts=_receipts(rollouts))
@@ -101,7 +103,7 @@ async def test_concurrent_removes_of_one_group_clear_once() -> None:
         try:
             await buffer.remove(["race"])
             outcomes.append("removed")
-        except ReplaySlotError as e:
+        except SlotError as e:
             outcomes.append(e.code)
 
     async with anyio.create_task_group() as tg:
@@ -115,25 +117,19 @@ async def test_concurrent_removes_of_one_group_clear_once() -> None:
 
 @pytest.mark.anyio
 async def test_abort_clears_every_staged_call_of_the_group() -> None:
-    from tokcap_tq import TQReplayBuffer
-
-    sink = fresh_tq_sink()
-    buffer = TQReplayBuffer(sink)
+    sink, buffer = _fresh_buffer()
     rollouts, group = await _stage_group(sink, "ab")
     await sink.clear_rows(list(group.training_keys))
     await buffer.reserve("ab", [r.ledger.rollout_id for r in rollouts], 0, 1)
     await buffer.abort("ab", receipts=_receipts(rollouts))
     assert await sink.staged_keys() == []
-    with pytest.raises(ReplaySlotError):
+    with pytest.raises(SlotError):
         await buffer.abort("ab")
 
 
 @pytest.mark.anyio
 async def test_commit_of_staging_the_reassembler_cleared_only_clears_the_rest() -> None:
-    from tokcap_tq import TQReplayBuffer
-
-    sink = fresh_tq_sink()
-    buffer = TQReplayBuffer(sink)
+    sink, buffer = _fresh_buffer()
     rollouts, group = await _stage_group(sink, "rc")
     await sink.clear(group.staging_keys)
     await buffer.reserve("rc", [r.ledger.rollout_id for r in rollouts], 0, 1)
@@ -145,10 +141,7 @@ async def test_commit_of_staging_the_reassembler_cleared_only_clears_the_rest() 
 
 @pytest.mark.anyio
 async def test_sweep_frees_abandoned_groups_in_either_state() -> None:
-    from tokcap_tq import TQReplayBuffer
-
-    sink = fresh_tq_sink()
-    buffer = TQReplayBuffer(sink)
+    sink, buffer = _fresh_buffer()
     old_ready, ready_group = await _stage_group(sink, "old-ready")
     old_reserved, reserved_group = await _stage_group(sink, "old-reserved")
     fresh, fresh_group = await _stage_group(sink, "fresh")

@@ -1,0 +1,224 @@
+"""`FleetWeightSync`: one weight version for a fleet of gates.
+
+A fleet version is current only when every gate reports it (`current_version`). A push
+(`push`) checks and stages on every gate concurrently and swaps each one; the rule:
+
+- As soon as the push fails on any gate, every gate is held (``POST
+  /tokcap/v1/weights/hold``: captured calls answer 503 ``weights_unavailable``), the gates
+  whose own push succeeded included, and those still pushing once they finish: no gate
+  admits captured calls at a version the rest of the fleet may not have.
+- Only a push that succeeded on every gate releases them all. Until then they stay held,
+  whatever a single gate's later push does (a gate's successful push does not lift the
+  fleet's hold).
+- Calls served before the hold stay valid: each records the version(s) it was sampled with.
+
+With ``transport="shm"`` (gates on the trainer's host) the push file is written once and
+read by every gate's engine; with ``"http"`` each gate gets its own upload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+
+from tokcap_core import TokcapError
+
+from ._guarded_routes import WeightInfo
+from ._shm import SHM_DIR, write_push_file
+from ._weight_client import GateWeightClient, PushTransport, StagedPush
+from ._weight_state import WeightPushError, WeightSyncError
+from ._weights import PauseMode
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FleetPushError", "FleetWeightSync", "GateOutcome"]
+
+
+@dataclass(frozen=True, slots=True)
+class GateOutcome:
+    """What one gate's part of a fleet push did: ``error`` is the code (None: it loaded)."""
+
+    url: str
+    error: str | None
+    message: str = ""
+
+
+class FleetPushError(WeightSyncError):
+    """A fleet push failed on at least one gate; every gate is held. ``outcomes``: per gate."""
+
+    outcomes: tuple[GateOutcome, ...] = ()
+
+
+class FleetWeightSync:
+    """Pushes to N gates as one; build from ``[(url, token), ...]`` or from clients."""
+
+    def __init__(
+        self,
+        gates: Iterable[tuple[str, str] | GateWeightClient],
+        *,
+        transport: PushTransport = "shm",
+        mode: PauseMode = "wait",
+        shm_dir: str = SHM_DIR,
+    ) -> None:
+        self.clients: list[GateWeightClient] = [
+            g
+            if isinstance(g, GateWeightClient)
+            else GateWeightClient(g[0], g[1], transport=transport, mode=mode, shm_dir=shm_dir)
+            for g in gates
+        ]
+        if not self.clients:
+            raise WeightPushError("no_gates", "a fleet has at least one gate")
+        self.shm_dir = shm_dir
+
+    def __repr__(self) -> str:
+        return f"FleetWeightSync({[c.base_url for c in self.clients]!r})"
+
+    async def __aenter__(self) -> FleetWeightSync:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every gate's connections."""
+        for client in self.clients:
+            await client.aclose()
+
+    async def infos(self) -> list[WeightInfo]:
+        """Every gate's `WeightInfo`, in order (concurrently)."""
+        results: list[WeightInfo | None] = [None] * len(self.clients)
+
+        async def one(i: int) -> None:
+            results[i] = await self.clients[i].info()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(self.clients)):
+                tg.start_soon(one, i)
+        return [r for r in results if r is not None]
+
+    async def current_version(self) -> int | None:
+        """The fleet's version: the one every gate serves READY and unheld, else None."""
+        infos = await self.infos()
+        versions = {i.version for i in infos if i.phase == "READY"}
+        return versions.pop() if len(versions) == 1 and len(infos) == len(self.clients) else None
+
+    async def hold(self, reason: str) -> list[GateOutcome]:
+        """Hold every gate (concurrently, best effort: an unreachable gate is reported)."""
+        outcomes: list[GateOutcome | None] = [None] * len(self.clients)
+
+        async def one(i: int) -> None:
+            client = self.clients[i]
+            try:
+                await client.hold(reason)
+                outcomes[i] = GateOutcome(client.base_url, None)
+            except TokcapError as e:
+                outcomes[i] = GateOutcome(client.base_url, e.code, str(e))
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(self.clients)):
+                    tg.start_soon(one, i)
+        return [o for o in outcomes if o is not None]
+
+    async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> list[WeightInfo]:
+        """Load ``weights`` as ``version`` on every gate; see the module for the rule.
+
+        Returns every gate's `WeightInfo` (all READY at ``version``, released). Raises
+        `FleetPushError` (every gate held, ``outcomes`` per gate).
+        """
+        outcomes: list[GateOutcome | None] = [None] * len(self.clients)
+        shared: list[StagedPush] = []
+        checked: list[tuple[object, list[tuple[str, torch.Tensor]]]] = []
+        lock = anyio.Lock()
+        held = False
+
+        async def hold_all(reason: str) -> None:
+            nonlocal held
+            if not held:
+                held = True
+                await self.hold(reason)
+
+        async def one(i: int) -> None:
+            client = self.clients[i]
+            try:
+                await client.check_version(version)
+                async with lock:  # one check and one file for gates that agree on the spec
+                    tensors = await _checked(client, weights, checked)
+                    staged = await self._stage(client, tensors, shared)
+                await client.swap(staged, version)
+                outcomes[i] = GateOutcome(client.base_url, None)
+            except TokcapError as e:
+                outcomes[i] = GateOutcome(client.base_url, e.code, str(e))
+                await hold_all(f"fleet push of version {version} failed on {client.base_url}")
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(self.clients)):
+                    tg.start_soon(one, i)
+        except BaseException:
+            await hold_all(f"fleet push of version {version} was interrupted")
+            raise
+        finally:
+            _remove(shared)
+        done = [o for o in outcomes if o is not None]
+        failed = [o for o in done if o.error is not None]
+        if failed or held:
+            await hold_all(f"fleet push of version {version} failed")
+            error = FleetPushError(
+                "fleet_push_failed",
+                "; ".join(f"{o.url}: {o.error} {o.message}" for o in failed)
+                + " — every gate is held until a push succeeds on all",
+            )
+            error.outcomes = tuple(done)
+            raise error
+        return await self._release_all()
+
+    async def _stage(
+        self,
+        client: GateWeightClient,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        shared: list[StagedPush],
+    ) -> StagedPush:
+        """Shared memory: one file for the fleet (the first gate to get here writes it)."""
+        if client.transport != "shm" or client.shm_dir != self.shm_dir:
+            return await client.stage(tensors)
+        if not shared:
+            path, entries = await anyio.to_thread.run_sync(write_push_file, tensors, self.shm_dir)
+            shared.append(StagedPush(path, entries, owned_here=False))
+        return shared[0]
+
+    async def _release_all(self) -> list[WeightInfo]:
+        results: list[WeightInfo | None] = [None] * len(self.clients)
+
+        async def one(i: int) -> None:
+            results[i] = await self.clients[i].release()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(self.clients)):
+                tg.start_soon(one, i)
+        return [r for r in results if r is not None]
+
+
+async def _checked(
+    client: GateWeightClient,
+    weights: Mapping[str, torch.Tensor],
+    checked: list[tuple[object, list[tuple[str, torch.Tensor]]]],
+) -> list[tuple[str, torch.Tensor]]:
+    spec = await client.spec()
+    for known, tensors in checked:
+        if known == spec:
+            return tensors
+    tensors = await client.check(weights)
+    checked.append((spec, tensors))
+    return tensors
+
+
+def _remove(staged: list[StagedPush]) -> None:
+    import os
+
+    for push in staged:
+        os.unlink(push.path)

@@ -1,0 +1,328 @@
+"""vLLM's RL, development and admin routes behind the gate's control token; the weight routes.
+
+vLLM 0.32 mounts with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``, ``/resume``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ...) and the dev
+routes (``/collective_rpc``, ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``,
+``/server_info``, ...); ``/scale_elastic_ep`` is mounted even without it, and the LoRA,
+profiler and fault-tolerance routes with their own switches. vLLM puts no authentication
+on any of them: anyone who reaches the port could swap the weights or run a method on
+every worker. `GUARDED_PATHS` lists them all (a test checks the list against vLLM's own
+routers); a request to one answers 401 unless it carries the control token
+(``Authorization: Bearer``, compared in constant time by `ControlPlane.authorize`).
+
+Authorised weight routes are watched on their way through: their answers move the gate's
+`ServedWeights` (``_served_weights``), which the gate reads before admitting a captured
+call. tokcap's own weight routes, under ``/tokcap/v1/weights``:
+
+- ``GET  weights`` — `WeightInfo`: the gate's weight state and the engine's version label
+- ``GET  weights/spec`` — what a push must carry (`WeightSpec`, read from the checkpoint)
+- ``POST weights/hold`` `HoldBody` — refuse captured calls until released (the fleet's hold)
+- ``POST weights/release`` — lift the hold (409 ``weights_not_ready`` unless READY)
+- ``PUT  weights/upload`` — a push file's bytes, streamed; written into shared memory on
+  this host (`UploadResponse`: its path for ``/update_weights``). Files uploaded are removed
+  once the next ``/finish_weight_update`` that follows an update has answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any, Final
+
+import anyio
+import msgspec
+
+from ._api import CONTROL_PREFIX, error_json
+from ._asgi import App, Message, Receive, Scope, Send, read_body, send_body
+from ._control import ControlPlane
+from ._errors import BadRequest, GateError, InvalidBody, MethodNotAllowed, RolloutNotFound, TooLarge
+from ._gate import Gate
+from ._served_weights import ServedWeights
+from ._shm import PUSH_PREFIX, SHM_DIR
+from ._spec import engine_spec
+
+__all__ = [
+    "GUARDED_PATHS",
+    "WEIGHTS_PATH",
+    "GuardedRoutes",
+    "HoldBody",
+    "UploadResponse",
+    "WeightInfo",
+    "WeightSpec",
+]
+
+RL_PATHS: Final = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/abort_requests",
+        "/is_paused",
+        "/init_weight_transfer_engine",
+        "/shutdown_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
+        "/weight_info",
+        "/weight_checker",
+        "/get_world_size",
+    }
+)
+DEV_PATHS: Final = frozenset(
+    {
+        "/collective_rpc",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/release_kv_cache_memory",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/server_info",
+    }
+)
+ADMIN_PATHS: Final = frozenset(
+    {
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/start_profile",
+        "/stop_profile",
+        "/fault_tolerance/apply",
+        "/fault_tolerance/status",
+    }
+)
+GUARDED_PATHS: Final = RL_PATHS | DEV_PATHS | ADMIN_PATHS
+"""Every vLLM route that changes or reveals the engine beyond serving: token required."""
+WEIGHTS_PATH: Final = CONTROL_PREFIX + "weights"
+
+
+class WeightInfo(msgspec.Struct):
+    """``GET /tokcap/v1/weights``: the gate's weight state and the engine's label."""
+
+    phase: str
+    """READY, PUSHING or FAILED as the gate admits calls (FAILED while held)."""
+    version: int
+    """The last version loaded in full."""
+    engine_phase: str
+    """The engine's own phase, the hold aside."""
+    held: str | None
+    error: str | None
+    engine_version: str
+    """The label vLLM attaches to outputs (``/weight_info``)."""
+
+
+class WeightSpec(msgspec.Struct):
+    """``GET /tokcap/v1/weights/spec``: ``{name: [dtype, shape]}`` and the tied pairs."""
+
+    tensors: dict[str, tuple[str, list[int]]]
+    tied: list[tuple[str, str]]
+
+
+class HoldBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /tokcap/v1/weights/hold``."""
+
+    reason: str
+
+
+class UploadResponse(msgspec.Struct):
+    """``PUT /tokcap/v1/weights/upload``: where the bytes now are, on the gate's host."""
+
+    path: str
+    nbytes: int
+
+
+def guarded_path(scope: Scope) -> str | None:
+    """The route a request names, if it is one the gate guards (None otherwise)."""
+    path: str = scope["path"]
+    root = scope.get("root_path") or ""
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    while "//" in path:
+        path = path.replace("//", "/")
+    path = path.rstrip("/") or "/"
+    if path in GUARDED_PATHS or path == WEIGHTS_PATH or path.startswith(WEIGHTS_PATH + "/"):
+        return path
+    return None
+
+
+class GuardedRoutes:
+    """ASGI handler for `GUARDED_PATHS` and ``/tokcap/v1/weights``; watches the weight routes."""
+
+    def __init__(self, gate: Gate, control: ControlPlane, *, upload_dir: str = SHM_DIR) -> None:
+        self.gate = gate
+        self.control = control
+        self.weights = ServedWeights(version=gate.config.weight_version)
+        self.upload_dir = upload_dir
+        self._uploads: list[str] = []
+        self._updated = False
+        self._watching = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, app: App) -> None:
+        path = guarded_path(scope)
+        assert path is not None
+        try:
+            self.control.authorize(scope)
+            self._watch()
+            if path == WEIGHTS_PATH or path.startswith(WEIGHTS_PATH + "/"):
+                status, body = await self._tokcap(path, scope, receive)
+                await send_body(send, status, body)
+                return
+        except GateError as e:
+            status = type(e).status
+            headers = [(b"www-authenticate", b"Bearer")] if status == 401 else []
+            await send_body(send, status, error_json(e.code, e.message, status), headers=headers)
+            return
+        await self._vllm(path, scope, receive, send, app)
+
+    def _watch(self) -> None:
+        """Let the gate read this tracker (once; only when weight routes are in use, so an
+        in-process `WeightSync` watched by the gate stays in charge otherwise)."""
+        if not self._watching:
+            self.gate.watch_weights(self.weights)  # type: ignore[arg-type]
+            self._watching = True
+
+    # ---- vLLM's routes, watched ------------------------------------------------------
+
+    async def _vllm(self, path: str, scope: Scope, receive: Receive, send: Send, app: App) -> None:
+        status = 0
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await app(scope, receive, watched)
+        finally:
+            ok = 200 <= status < 300
+            with anyio.CancelScope(shield=True):
+                await self._observe(path, ok, scope)
+
+    async def _observe(self, path: str, ok: bool, scope: Scope) -> None:
+        weights = self.weights
+        if path == "/update_weights":
+            self._updated = self._updated or ok
+            weights.updated() if ok else weights.failed("update_failed")
+        elif path in ("/start_weight_update", "/finish_weight_update", "/update_weight_version"):
+            if path == "/start_weight_update":
+                self._updated = False
+            elif path == "/finish_weight_update" and self._updated:  # not an empty finish
+                self._remove_uploads()
+            if not ok:
+                if path != "/update_weight_version":
+                    weights.failed(path.strip("/").removesuffix("_weight_update") + "_failed")
+                return
+            label = await _engine_label(scope)
+            if path == "/start_weight_update":
+                weights.started(label)
+            elif path == "/finish_weight_update":
+                weights.finished(label)
+            else:
+                weights.labelled(label)
+
+    # ---- tokcap's weight routes ------------------------------------------------------
+
+    async def _tokcap(self, path: str, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+        action = path[len(WEIGHTS_PATH) :].strip("/")
+        method = scope.get("method", "GET")
+        if action == "":
+            _allow(method, "GET")
+            return 200, msgspec.json.encode(await self.info(scope))
+        if action == "spec":
+            _allow(method, "GET")
+            return 200, msgspec.json.encode(_spec_of(scope))
+        if action == "hold":
+            _allow(method, "POST")
+            body = await read_body(receive, 1 << 16)
+            try:
+                reason = msgspec.json.decode(body, type=HoldBody).reason
+            except msgspec.MsgspecError as e:
+                raise InvalidBody("bad_body", f"invalid body: {e}") from e
+            self.weights.hold(reason)
+            return 200, msgspec.json.encode(await self.info(scope))
+        if action == "release":
+            _allow(method, "POST")
+            self.weights.release()
+            return 200, msgspec.json.encode(await self.info(scope))
+        if action == "upload":
+            _allow(method, "PUT")
+            return 200, msgspec.json.encode(await self._upload(scope, receive))
+        raise RolloutNotFound("unknown_route", f"no weight route {path}")
+
+    async def info(self, scope: Scope) -> WeightInfo:
+        """The gate's weight state and the engine's label."""
+        state = self.weights.state
+        return WeightInfo(
+            phase=state.phase.name,
+            version=state.version,
+            engine_phase=self.weights.engine_phase,
+            held=self.weights.held,
+            error=state.error,
+            engine_version=await _engine_label(scope),
+        )
+
+    async def _upload(self, scope: Scope, receive: Receive) -> UploadResponse:
+        limit = sum(_nbytes(dtype, shape) + 64 for dtype, shape in _spec_of(scope).tensors.values())
+        fd, path = tempfile.mkstemp(dir=self.upload_dir, prefix=PUSH_PREFIX)
+        self._uploads.append(path)
+        size = 0
+        with os.fdopen(fd, "wb") as f:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self._remove_uploads()
+                    raise BadRequest("client_disconnected", "the client went away while sending")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    self._remove_uploads()
+                    raise TooLarge("upload_too_large", f"a push is at most {limit} bytes")
+                if chunk:
+                    await anyio.to_thread.run_sync(f.write, chunk)
+                if not message.get("more_body", False):
+                    break
+        return UploadResponse(path=path, nbytes=size)
+
+    def _remove_uploads(self) -> None:
+        for path in self._uploads:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._uploads.clear()
+
+
+async def _engine_label(scope: Scope) -> str:
+    label = await scope["app"].state.engine_client.get_weight_version()
+    return str(label)
+
+
+def _spec_of(scope: Scope) -> WeightSpec:
+    state: Any = scope["app"].state
+    cached: WeightSpec | None = getattr(state, "tokcap_weight_spec", None)
+    if cached is None:
+        spec, tied = engine_spec(state.engine_client.model_config)
+        cached = WeightSpec(
+            tensors={name: (dtype, list(shape)) for name, (dtype, shape) in spec.items()},
+            tied=list(tied),
+        )
+        state.tokcap_weight_spec = cached
+    return cached
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    import torch
+
+    numel = 1
+    for n in shape:
+        numel *= n
+    itemsize: int = getattr(torch, dtype).itemsize
+    return numel * itemsize
+
+
+def _allow(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise MethodNotAllowed("method_not_allowed", f"use {allowed}")

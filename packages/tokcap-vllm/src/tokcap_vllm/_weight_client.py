@@ -1,0 +1,307 @@
+"""`GateWeightClient`: a trainer in another process pushes a full state dict to one gate.
+
+Everything goes through vLLM's own weight-transfer routes (served with
+``VLLM_SERVER_DEV_MODE=1``, engine started with ``--weight-transfer-config
+'{"backend": "tokcap_shm"}'``) plus tokcap's ``/tokcap/v1/weights`` routes, every request
+with the gate's bearer token (vLLM's own HTTP weight-sync client sends no headers). A push:
+
+1. **check** (nothing sent): the state dict must be exactly the gate's spec
+   (``GET /tokcap/v1/weights/spec``): every name, each shape, the engine's dtype, finite
+   values, tied pairs equal (`check_push`); and ``version`` above the gate's. Else
+   `WeightPushError`, and the gate never saw it.
+2. **stage** (the engine keeps serving): ``transport="shm"`` writes one push file into
+   shared memory on this host (the gate's host); ``"http"`` streams the same bytes to the
+   gate (``PUT /tokcap/v1/weights/upload``), which writes the file on its host. A failure
+   here loads nothing: `WeightSyncError` ``stage_failed``.
+3. **swap**: ``POST /pause?mode=...`` (vLLM defaults to ``abort``; tokcap asks ``wait``:
+   in-flight calls finish on the old weights), ``/start_weight_update`` (if it fails, one
+   empty ``/finish_weight_update`` clears the flag a failed finish leaves set in vLLM's
+   worker, then start again), ``/update_weights`` with ``{"path", "entries"}`` (JSON:
+   the bytes travel by reference), ``/finish_weight_update`` with the version (vLLM then
+   labels outputs with it), ``/reset_prefix_cache`` (vLLM's finish does not: cached KV
+   of the old weights gave measured errors), ``/resume``, and last
+   ``/tokcap/v1/weights/release`` (lifts a hold; ``release=False`` leaves that to a fleet).
+
+A failure in 3 raises `WeightSyncError` ``<step>_failed``. Before the weights were touched
+(pause, start) the engine is resumed; after, it stays paused and the gate, which watched
+the failing route, refuses captured calls (503 ``weights_unavailable``) until a full push
+succeeds. A failed prefix-cache reset, which the gate cannot see, is turned into a hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import httpx
+import msgspec
+
+from ._guarded_routes import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
+from ._shm import SHM_DIR, Entry, entries_for, file_chunks, write_push_file
+from ._spec import TensorSpec
+from ._weight_state import WeightPushError, WeightSyncError
+from ._weights import PauseMode, check_push
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["GateWeightClient", "PushTransport", "StagedPush"]
+
+PushTransport = Literal["shm", "http"]
+_MODES = ("wait", "keep", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class StagedPush:
+    """A push file ready on the gate's host: what ``/update_weights`` names."""
+
+    path: str
+    entries: list[Entry]
+    owned_here: bool
+    """True when this process wrote the file (and removes it); False for an upload."""
+
+
+class GateWeightClient:
+    """Full-state-dict pushes into one served gate's engine; ``async with`` it, or `aclose`.
+
+    ``token`` goes only into the ``authorization`` header. One push at a time per client.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        transport: PushTransport = "shm",
+        mode: PauseMode = "wait",
+        check_finite: bool = True,
+        shm_dir: str = SHM_DIR,
+        timeout_s: float = 600.0,
+        http: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if transport not in ("shm", "http"):
+            raise WeightPushError("bad_transport", f"transport is 'shm' or 'http': {transport!r}")
+        if mode not in _MODES:
+            raise WeightPushError("bad_mode", f"mode is one of {_MODES}: {mode!r}")
+        self.base_url = base_url.rstrip("/")
+        self.transport: PushTransport = transport
+        self.mode: PauseMode = mode
+        self.check_finite = check_finite
+        self.shm_dir = shm_dir
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            transport=http,
+        )
+        self._spec: tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]] | None = None
+
+    def __repr__(self) -> str:
+        return f"GateWeightClient({self.base_url!r}, transport={self.transport!r})"
+
+    async def __aenter__(self) -> GateWeightClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        await self._http.aclose()
+
+    # ---- reading ---------------------------------------------------------------------
+
+    async def info(self) -> WeightInfo:
+        """The gate's weight state and the engine's version label."""
+        response = await self._call("info", "GET", WEIGHTS_PATH)
+        return msgspec.json.decode(response.content, type=WeightInfo)
+
+    async def spec(self) -> tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]]:
+        """What a push must carry, and the tied pairs (asked once, then kept)."""
+        if self._spec is None:
+            response = await self._call("spec", "GET", WEIGHTS_PATH + "/spec")
+            raw = msgspec.json.decode(response.content, type=WeightSpec)
+            spec = {name: (dtype, tuple(shape)) for name, (dtype, shape) in raw.tensors.items()}
+            self._spec = spec, tuple(raw.tied)
+        return self._spec
+
+    # ---- pushing ---------------------------------------------------------------------
+
+    async def check(self, weights: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Step 1 (in a worker thread): ``weights`` as contiguous CPU tensors, or
+        `WeightPushError`."""
+        spec, tied = await self.spec()
+        return await anyio.to_thread.run_sync(
+            functools.partial(check_push, weights, spec, tied=tied, check_finite=self.check_finite)
+        )
+
+    async def stage(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> StagedPush:
+        """Step 2: put the bytes on the gate's host (`WeightSyncError` ``stage_failed``)."""
+        try:
+            if self.transport == "shm":
+                path, entries = await anyio.to_thread.run_sync(
+                    write_push_file, tensors, self.shm_dir
+                )
+                return StagedPush(path, entries, owned_here=True)
+            entries, _ = entries_for(tensors)
+            response = await self._call(
+                "stage", "PUT", WEIGHTS_PATH + "/upload", content=_stream(tensors, entries)
+            )
+            upload = msgspec.json.decode(response.content, type=UploadResponse)
+            return StagedPush(upload.path, entries, owned_here=False)
+        except WeightSyncError:
+            raise
+        except (OSError, httpx.HTTPError) as e:
+            raise WeightSyncError("stage_failed", str(e)) from e
+
+    async def push(
+        self, weights: Mapping[str, torch.Tensor], version: int, *, release: bool = True
+    ) -> WeightInfo:
+        """Load ``weights`` (the full state dict) into the gate's engine as ``version``.
+
+        Returns the gate's `WeightInfo` afterwards. Raises `WeightPushError` before anything
+        was sent, or `WeightSyncError`. Do not modify the tensors until it returns.
+        """
+        await self.check_version(version)
+        tensors = await self.check(weights)
+        staged = await self.stage(tensors)
+        try:
+            await self.swap(staged, version)
+        finally:
+            if staged.owned_here:
+                os.unlink(staged.path)
+        return await (self.release() if release else self.info())
+
+    async def check_version(self, version: int) -> None:
+        """`WeightPushError` unless ``version`` is an int above the gate's."""
+        if type(version) is not int or version < 0:
+            raise WeightPushError("bad_version", f"a weight version is an int >= 0: {version!r}")
+        current = (await self.info()).version
+        if version <= current:
+            raise WeightPushError(
+                "version_not_increasing", f"version {version} is not above the gate's {current}"
+            )
+
+    async def swap(self, staged: StagedPush, version: int) -> None:
+        """Step 3: pause, load ``staged`` through vLLM's routes, label, reset, resume."""
+        step = "pause"
+        try:
+            await self._call(
+                step, "POST", "/pause", params={"mode": self.mode, "clear_cache": "false"}
+            )
+            step = "start"
+            await self._start()
+            step = "update"
+            update = {"update_info": {"path": staged.path, "entries": staged.entries}}
+            await self._call(step, "POST", "/update_weights", json=update)
+            step = "finish"
+            await self._call(
+                step, "POST", "/finish_weight_update", json={"weight_version": str(version)}
+            )
+            step = "prefix_cache"
+            reset = await self._call(
+                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+            )
+            if not reset.json().get("success"):
+                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            step = "resume"
+            await self._call(step, "POST", "/resume")
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                await self._after_failure(step, version)
+            if isinstance(e, WeightSyncError):
+                raise
+            if isinstance(e, Exception):
+                raise WeightSyncError(f"{step}_failed", str(e)) from e
+            raise
+
+    @asynccontextmanager
+    async def external_update(self, version: int, *, release: bool = True) -> AsyncIterator[None]:
+        """Steps 3's pause before, and label, prefix-cache reset, resume (and release)
+        after, a push that another engine drives through vLLM's routes: vLLM's ``nccl`` or
+        ``ipc`` trainer engines on GPU, or any `WeightTransferTrainerFactory` engine, with
+        `tokcap_vllm.transfer.BearerWeightSyncClient` (run its blocking ``send_weights`` in
+        a thread). A failure inside, or after, holds the gate until a push releases it.
+        """
+        await self.check_version(version)
+        pause = {"mode": self.mode, "clear_cache": "false"}
+        await self._call("pause", "POST", "/pause", params=pause)
+        try:
+            yield
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._after_failure("prefix_cache", version)
+            raise
+        step = "label"
+        try:
+            label = {"new_version": str(version)}
+            await self._call(step, "POST", "/update_weight_version", json=label)
+            step = "prefix_cache"
+            reset = await self._call(
+                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+            )
+            if not reset.json().get("success"):
+                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            step = "resume"
+            await self._call(step, "POST", "/resume")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._after_failure("prefix_cache", version)
+            raise
+        if release:
+            await self.release()
+
+    async def _start(self) -> None:
+        try:
+            await self._call("start", "POST", "/start_weight_update")
+        except WeightSyncError:  # maybe a flag left set by a failed finish: clear it, retry once
+            with contextlib.suppress(WeightSyncError):
+                await self._call("start", "POST", "/finish_weight_update")
+            await self._call("start", "POST", "/start_weight_update")
+
+    async def _after_failure(self, step: str, version: int) -> None:
+        """Best effort: resume an untouched engine; hold a gate that cannot see the failure."""
+        try:
+            if step in ("pause", "start"):
+                await self._call("resume", "POST", "/resume")
+            elif step in ("prefix_cache", "resume"):
+                await self.hold(f"push of version {version} failed at {step}")
+        except WeightSyncError:
+            pass
+
+    async def hold(self, reason: str) -> WeightInfo:
+        """Make the gate refuse captured calls until `release` (or a push with release)."""
+        response = await self._call("hold", "POST", WEIGHTS_PATH + "/hold", json={"reason": reason})
+        return msgspec.json.decode(response.content, type=WeightInfo)
+
+    async def release(self) -> WeightInfo:
+        """Lift a hold (`WeightSyncError` ``release_failed`` unless the engine is READY)."""
+        response = await self._call("release", "POST", WEIGHTS_PATH + "/release")
+        return msgspec.json.decode(response.content, type=WeightInfo)
+
+    async def _call(self, step: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise WeightSyncError(f"{step}_failed", f"{method} {path}: {e!r}") from e
+        if response.status_code >= 300:
+            raise WeightSyncError(
+                f"{step}_failed",
+                f"{method} {path}: HTTP {response.status_code} {response.text[:300]}",
+            )
+        return response
+
+
+async def _stream(
+    tensors: Sequence[tuple[str, torch.Tensor]], entries: Sequence[Entry]
+) -> AsyncIterator[bytes]:
+    for chunk in file_chunks(tensors, entries):
+        view = memoryview(chunk)
+        for start in range(0, len(view), 4 << 20):
+            yield bytes(view[start : start + (4 << 20)])

@@ -1,0 +1,117 @@
+"""Start-up of a process that runs the engine in-process, and of ``tokcap demo`` / ``train``.
+
+Nothing here imports vLLM, torch, Ray or TransferQueue: `prepare_environment` must run
+before they are imported (`tokcap.prepare_environment` is its public door). `start_up` is
+the one explicit call that prepares the process (the CPU engine's
+environment defaults, quiet third-party loggers); `interruptible` runs a command so that
+the first Ctrl-C interrupts it and later ones let its shutdown finish.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENVIRONMENT_DEFAULTS",
+    "interruptible",
+    "prepare_environment",
+    "quiet_third_parties",
+    "save_and_print",
+    "start_up",
+]
+
+ENVIRONMENT_DEFAULTS: dict[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "TQ_NUM_THREADS": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+    # torch's C++ notes (NUMA binding, ...) go straight to stderr unless silenced here
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    # torch's Python loggers ("Triton not available", fx tracing notes): torch sets their
+    # level itself at import, in this process and in every child, from this variable
+    "TORCH_LOGS": "-all",
+    # the multiprocessing resource tracker (a child process) warns about semaphores that
+    # vLLM's engine leaves for it to clean up at exit: nothing the user can act on; and
+    # FutureWarnings raised at import in child processes (vLLM's, torch's deprecations)
+    "PYTHONWARNINGS": "ignore::UserWarning:multiprocessing.resource_tracker,ignore::FutureWarning",
+}
+"""What `prepare_environment` sets where unset: vLLM's fast-start CPU mode, Ray's "do not
+re-run ``uv run`` in workers", and quiet third-party loggers in this process and children."""
+
+
+def prepare_environment() -> None:
+    """Set `ENVIRONMENT_DEFAULTS` where unset; call once at start-up, before vLLM is imported."""
+    for name, value in ENVIRONMENT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def quiet_third_parties() -> None:
+    """Keep the screen for tokcap's progress: third-party warnings and notes go nowhere.
+
+    torch/vLLM/transformers ``FutureWarning``s and deprecations at import, "Triton not
+    available" notes and the like say nothing a demo user can act on; tokcap's own warnings
+    and every error still show.
+    """
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings(
+            "ignore", category=category, module=r"(torch|vllm|transformers|ray|transfer_queue)"
+        )
+    for name in ("torch", "vllm", "ray", "transfer_queue", "transformers", "httpx", "uvicorn"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def start_up() -> None:
+    """Prepare this process for a run: `prepare_environment`, then `quiet_third_parties`."""
+    prepare_environment()
+    quiet_third_parties()
+
+
+def interruptible(body: Callable[[], int], what: str) -> int:
+    """``body()``'s status, or 130 after a Ctrl-C (saying that everything ``what`` started
+    has been shut down)."""
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        return body()
+    except KeyboardInterrupt:
+        from rich.console import Console
+
+        Console(stderr=True).print(
+            f"[yellow]interrupted: everything {what} started has been shut down"
+        )
+        return 130
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """First Ctrl-C interrupts; later ones are ignored so the shutdown can finish."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def save_and_print(
+    summary: dict[str, Any],
+    out: Path,
+    timings_s: Mapping[str, float],
+    console: Any,
+    show: Callable[[dict[str, Any], Any], None],
+    problems: list[str],
+) -> int:
+    """Write ``summary`` (with the stages' timings) to ``out/summary.json``, ``show`` it on
+    ``console``, name each of ``problems``; 1 when there is one, else 0."""
+    summary["timings_s"] = {k: round(v, 3) for k, v in timings_s.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    show(summary, console)
+    for problem in problems:
+        console.print(f"[red]check failed: {problem}")
+    console.print(f"saved [bold]{out / 'summary.json'}[/] and [bold]{out / 'report.html'}[/]")
+    return 1 if problems else 0

@@ -1,0 +1,234 @@
+"""A trainer's side of tokcap: from finished rollouts to a training batch, by the policy.
+
+A harness (a black box speaking the OpenAI API) has played each rollout through a gate;
+the trainer knows each rollout's id, its group and its score. `collect` is everything the
+trainer does after that, `finish` what it does after its optimizer step:
+
+1. close every rollout with its reward (and the scorer's witness), keeping the ledger head;
+2. fetch verified receipts from the control plane, checked against those heads;
+3. send metadata-only reassembly requests to the Ray pool, with the rewards the *verified
+   receipts* carry (the ledger is the one source of truth, never the harness's copy);
+4. let the policy decide each group (accept, replace or drop) and train only accepted
+   groups: read their rows and compute mask-aware GRPO advantages;
+5. free every training row and release the rollouts on the gate (`finish`).
+
+Each call reports how long each of its stages took (`CollectTimings`, `FinishTimings`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from tokcap_core import (
+    Accept,
+    CaptureConfig,
+    FinalizedGroup,
+    Manifest,
+    ReassemblyRequest,
+    Receipt,
+    TokenSink,
+    TrainingRow,
+    decide_group,
+    grpo,
+)
+from tokcap_core.rpc import GroupDecision
+from tokcap_ray import ReassemblerPool
+
+__all__ = [
+    "Batch",
+    "CollectTimings",
+    "ControlPlane",
+    "FinishTimings",
+    "Finished",
+    "collect",
+    "finish",
+]
+
+
+class ControlPlane(Protocol):
+    """What `collect` and `finish` need from the gates' control plane.
+
+    `tokcap_vllm.ControlPlaneClient` (one gate) is one; a client over several gates that
+    routes each rollout id to the gate that owns it is another.
+    """
+
+    async def close(
+        self,
+        rollout_id: str,
+        *,
+        reward: float | None = None,
+        response_id: str | None = None,
+        content: str | None = None,
+    ) -> tuple[int, str]:
+        """Close ``rollout_id`` with its reward and witness; its ledger head."""
+        ...
+
+    async def fetch_receipts(
+        self,
+        rollout_ids: Iterable[str],
+        *,
+        expected_heads: Mapping[str, tuple[int, str]] | None = None,
+        segments: Literal["terminal", "all"] = "terminal",
+    ) -> list[Receipt]:
+        """One receipt per id, verified against ``expected_heads``."""
+        ...
+
+    async def release(self, rollout_id: str) -> None:
+        """Make the owning gate forget a closed rollout."""
+        ...
+
+    async def declare_terminal(
+        self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
+    ) -> tuple[int, str]:
+        """Name a rollout's terminal call before it is closed; its ledger head."""
+        ...
+
+    async def manifest(self, rollout_id: str) -> Manifest:
+        """The decoded (not yet verified) manifest of ``rollout_id``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A rollout the harness finished: its group, its score and what the scorer saw."""
+
+    rollout_id: str
+    group_id: str
+    reward: float
+    response_id: str | None = None
+    """The scored response's id (a witness naming the terminal call)."""
+    content: str | None = None
+    """Or the scored content itself (the gate fingerprints it)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectTimings:
+    """Seconds `collect` spent in each of its stages."""
+
+    close_s: float
+    """Closing every rollout on its gate."""
+    receipts_s: float
+    """Fetching and verifying the receipts."""
+    reassemble_s: float
+    """The Ray pool's reassembly and the policy's decisions."""
+    rows_s: float
+    """Clearing rejected groups' rows, reading the accepted ones, advantages."""
+
+    @property
+    def total_s(self) -> float:
+        """All of `collect`."""
+        return self.close_s + self.receipts_s + self.reassemble_s + self.rows_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinishTimings:
+    """Seconds `finish` spent in each of its stages."""
+
+    free_s: float
+    """Clearing the batch's training rows from the sink."""
+    release_s: float
+    """Releasing the batch's rollouts on their gates."""
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step's outcome: receipts, groups and their decisions, and the rows to train on."""
+
+    receipts: dict[str, Receipt] = field(default_factory=dict)
+    groups: list[FinalizedGroup] = field(default_factory=list)
+    decisions: dict[str, GroupDecision] = field(default_factory=dict)
+    """Group id → `Accept`, `Replace` or `Drop` (`tokcap_core.decide_group`)."""
+    rows: list[TrainingRow] = field(default_factory=list)
+    """Rows of accepted groups only (placeholders included, with ``sample_mask == 0``)."""
+    advantages: list[float] = field(default_factory=list)
+    """One GRPO advantage per row (0.0 for placeholders)."""
+    timings: CollectTimings | None = None
+    """How long `collect` took, by stage."""
+
+    @property
+    def accepted(self) -> list[str]:
+        """The ids of the groups the policy accepted, in group order."""
+        return [g.group_id for g in self.groups if isinstance(self.decisions[g.group_id], Accept)]
+
+    @property
+    def receipts_verified(self) -> int:
+        """How many receipts verified (``ok``)."""
+        return sum(r.ok for r in self.receipts.values())
+
+
+async def collect(
+    control: ControlPlane,
+    pool: ReassemblerPool,
+    sink: TokenSink,
+    finished: Sequence[Finished],
+    capture: CaptureConfig,
+) -> Batch:
+    """Close, verify, reassemble and decide; return the accepted rows with their advantages."""
+    batch = Batch()
+    t0 = time.perf_counter()
+    heads = {
+        f.rollout_id: await control.close(
+            f.rollout_id, reward=f.reward, response_id=f.response_id, content=f.content
+        )
+        for f in finished
+    }
+    t1 = time.perf_counter()
+    receipts = await control.fetch_receipts(
+        list(heads),
+        expected_heads=heads,
+        segments=capture.segments,  # type: ignore[arg-type]
+    )
+    t2 = time.perf_counter()
+    batch.receipts = {r.rollout_id: r for r in receipts}
+    members: dict[str, list[str]] = {}
+    for f in finished:
+        members.setdefault(f.group_id, []).append(f.rollout_id)
+    requests = [
+        ReassemblyRequest(
+            group_id=group_id,
+            rollout_ids=tuple(ids),
+            receipts=tuple(batch.receipts[r] for r in ids),
+            rewards=tuple(batch.receipts[r].reward for r in ids),
+            max_seq_len=capture.max_seq_len,
+        )
+        for group_id, ids in members.items()
+    ]
+    async with pool.as_completed(requests) as results:
+        async for group in results:
+            batch.groups.append(group)
+            batch.decisions[group.group_id] = decide_group(
+                group, min_valid_fraction=capture.min_valid_fraction
+            )
+    batch.groups.sort(key=lambda g: g.group_id)
+    t3 = time.perf_counter()
+    accepted = [g for g in batch.groups if isinstance(batch.decisions[g.group_id], Accept)]
+    rejected = [k for g in batch.groups if g not in accepted for k in g.training_keys]
+    await sink.clear_rows(rejected)  # replaced or dropped groups never reach the trainer
+    batch.rows = await sink.fetch([k for g in accepted for k in g.training_keys])
+    group_of = {r: g.group_id for g in accepted for r in g.rollout_ids}
+    batch.advantages = grpo(
+        [row.reward or 0.0 for row in batch.rows],
+        [group_of[row.rollout_id] for row in batch.rows],
+        [row.sample_mask for row in batch.rows],
+        rollout_ids_N=[row.rollout_id for row in batch.rows],
+    )
+    batch.timings = CollectTimings(
+        close_s=t1 - t0,
+        receipts_s=t2 - t1,
+        reassemble_s=t3 - t2,
+        rows_s=time.perf_counter() - t3,
+    )
+    return batch
+
+
+async def finish(control: ControlPlane, sink: TokenSink, batch: Batch) -> FinishTimings:
+    """After the optimizer step: free the batch's rows and release its rollouts on the gate."""
+    t0 = time.perf_counter()
+    await sink.clear_rows([row.key for row in batch.rows])
+    t1 = time.perf_counter()
+    for rollout_id in batch.receipts:
+        await control.release(rollout_id)
+    return FinishTimings(free_s=t1 - t0, release_s=time.perf_counter() - t1)

@@ -1,0 +1,421 @@
+"""Weights pushed by a trainer in another process into served gates (``tokcap-vllm serve``).
+
+Two gates run as their own OS processes (the real CLI, ``VLLM_SERVER_DEV_MODE=1``,
+``--weight-transfer-config '{"backend": "tokcap_shm"}'``); this test process is the trainer:
+it holds the model in transformers, pushes with `GateWeightClient` / `FleetWeightSync`
+over HTTP with the control token, and checks the engine against its own copy. The gates'
+weights are pushed back to the original after each test that changes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import torch
+
+from tokcap_core import logprob_parity
+from tokcap_core.ledger import Staged
+from tokcap_vllm import ControlPlaneClient
+from tokcap_vllm.weights import (
+    GUARDED_PATHS,
+    FleetPushError,
+    FleetWeightSync,
+    GateWeightClient,
+    WeightPushError,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TOKEN = "served-push-" + secrets.token_hex(12)
+SAME = 1e-9
+Weights = dict[str, torch.Tensor]
+_IDS = itertools.count()
+SERVE_ARGS = [
+    "--enforce-eager",
+    "--distributed-executor-backend",
+    "uni",
+    "--max-model-len",
+    "2048",
+    "--dtype",
+    "float32",
+    "--no-enable-chunked-prefill",
+    "--max-num-batched-tokens",
+    "4096",
+    "--weight-transfer-config",
+    '{"backend": "tokcap_shm"}',
+    "--tokcap-sink",
+    "memory",
+]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def gates(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Two ``tokcap-vllm serve`` processes on loopback, started together; their base URLs."""
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        TOKCAP_CONTROL_TOKEN=TOKEN,
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    )
+    cli = str(Path(sys.executable).with_name("tokcap-vllm"))
+    logs = tmp_path_factory.mktemp("gates")
+    procs, urls = [], []
+    for i in range(2):
+        port = _port()
+        command = [cli, "serve", str(tiny_model), "--host", "127.0.0.1", "--port", str(port)]
+        log = (logs / f"gate{i}.log").open("wb")
+        procs.append(subprocess.Popen([*command, *SERVE_ARGS], env=env, stdout=log, stderr=log))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for proc, url, i in zip(procs, urls, range(2), strict=True):
+            deadline = time.monotonic() + 900
+            while True:
+                assert proc.poll() is None, (logs / f"gate{i}.log").read_text()[-3000:]
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "gate did not start"
+                time.sleep(1)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def original(model: Any) -> Weights:
+    weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    return weights
+
+
+def perturbed(original: Weights, seed: int, scale: float = 0.05) -> Weights:
+    generator = torch.Generator().manual_seed(seed)
+    weights = {
+        name: t + torch.randn(t.shape, generator=generator) * scale if t.is_floating_point() else t
+        for name, t in original.items()
+        if name != "lm_head.weight"
+    }
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def run(coro_fn: Any, *args: Any) -> Any:
+    return anyio.run(coro_fn, *args)
+
+
+async def version_of(url: str) -> int:
+    async with GateWeightClient(url, TOKEN) as c:
+        return (await c.info()).version
+
+
+async def push(url: str, weights: Weights, **kwargs: Any) -> Any:
+    async with GateWeightClient(url, TOKEN, **kwargs) as c:
+        return await c.push(weights, (await c.info()).version + 1)
+
+
+def engine_parity(url: str, model: Any, weights: Weights, count: int = 3) -> float:
+    """K3 of the engine's sampled-token logprobs against this process's recompute."""
+    model.load_state_dict({k: v for k, v in weights.items()}, strict=False)
+    engine, trainer, mask = [], [], []
+    for seed in range(count):
+        body = {
+            "model": "m",
+            "prompt": f"def f{seed}(x):",
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "seed": seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        answer = httpx.post(url + "/v1/completions", json=_named(url, body), timeout=120).json()
+        choice = answer["choices"][0]
+        prompt, output = answer["choices"][0]["prompt_token_ids"], choice["token_ids"]
+        ids = torch.tensor([prompt + output])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        recomputed = logits.gather(1, torch.tensor(output)[:, None])[:, 0].tolist()
+        engine.append(choice["logprobs"]["token_logprobs"])
+        trainer.append(recomputed)
+        mask.append([1] * len(output))
+    return logprob_parity(engine, trainer, mask).k3
+
+
+def _named(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    return {**body, "model": models[0]["id"]}
+
+
+def captured(url: str) -> tuple[int, Any]:
+    """One captured completion on a fresh rollout: the status, and its staged version (200)."""
+    rollout = f"served-{next(_IDS)}"
+    body = _named(url, {"prompt": "def g(x):", "max_tokens": 4, "temperature": 0})
+    response = httpx.post(f"{url}/tokcap/rollouts/{rollout}/v1/completions", json=body, timeout=120)
+    if response.status_code != 200:
+        return response.status_code, response.json()["error"]["code"]
+
+    async def staged_version() -> int:
+        async with ControlPlaneClient(url, TOKEN) as control:
+            await control.close(rollout, reward=0.0)
+            manifest = await control.manifest(rollout)
+        (event,) = [e.event for e in manifest.entries if isinstance(e.event, Staged)]
+        return event.weight_version
+
+    return 200, anyio.run(staged_version)
+
+
+@pytest.fixture
+def restore(gates: list[str], original: Weights) -> Iterator[None]:
+    """Every gate back on the original weights, released, whatever the test did."""
+    yield
+
+    async def back() -> None:
+        async with FleetWeightSync([(url, TOKEN) for url in gates]) as fleet:
+            top = max(info.version for info in await fleet.infos())
+            await fleet.push(original, top + 1)
+
+    anyio.run(back)
+
+
+# ---- the route guard --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(GUARDED_PATHS | {"/tokcap/v1/weights/hold"}))
+def test_every_rl_dev_and_admin_route_answers_401_without_the_token(
+    gates: list[str], path: str
+) -> None:
+    url = gates[0]
+    for method in ("GET", "POST"):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"x-tokcap-rollout-id": "r1"}):
+            answer = httpx.request(method, url + path, headers=headers, json={}, timeout=30)
+            assert answer.status_code == 401, (method, path, headers, answer.text)
+            assert answer.json()["error"]["code"] == "unauthorized"
+    slashed = httpx.post(url + path + "/", timeout=30)
+    assert slashed.status_code == 401
+
+
+def test_with_the_token_vllms_routes_answer(gates: list[str]) -> None:
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    info = httpx.get(gates[0] + "/weight_info", headers=auth, timeout=30)
+    assert info.status_code == 200
+    assert "weight_version" in info.json()
+    assert httpx.get(gates[0] + "/is_paused", headers=auth, timeout=30).json() == {
+        "is_paused": False
+    }
+
+
+# ---- one gate ---------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("restore")
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_a_push_from_another_process_lands_exactly(
+    gates: list[str], model: Any, original: Weights, transport: str
+) -> None:
+    url = gates[0]
+    assert engine_parity(url, model, original) <= SAME
+    new = perturbed(original, seed=1 if transport == "shm" else 2)
+    info = run(lambda: push(url, new, transport=transport))
+    assert (info.phase, info.engine_version) == ("READY", str(info.version))
+    assert engine_parity(url, model, new) <= SAME  # vs the trainer's copy, fresh prefix cache
+    assert engine_parity(url, model, original) > 1e-4  # the engine really moved
+    assert captured(url) == (200, info.version)  # the native version, per staged call
+    assert not [p for p in Path("/dev/shm").glob("tokcap-push-*")]
+
+
+@pytest.mark.parametrize(
+    ("edit", "code"),
+    [
+        (lambda w: w.pop("lm_head.weight"), "missing_tensors"),
+        (lambda w: w.update({"model.norm.weight": torch.ones(3)}), "shape_mismatch"),
+        (lambda w: w.update({"extra.weight": torch.ones(3)}), "unknown_tensors"),
+        (
+            lambda w: w.update({"model.norm.weight": w["model.norm.weight"].double()}),
+            "dtype_mismatch",
+        ),
+        (
+            lambda w: w.update({"model.norm.weight": w["model.norm.weight"] * float("nan")}),
+            "non_finite_weights",
+        ),
+    ],
+)
+def test_a_bad_push_is_refused_before_the_gate_sees_it(
+    gates: list[str], model: Any, original: Weights, edit: Any, code: str
+) -> None:
+    url = gates[0]
+    before = run(version_of, url)
+    weights = dict(original)
+    edit(weights)
+    with pytest.raises(WeightPushError) as refused:
+        run(lambda: push(url, weights))
+    assert refused.value.code == code
+    assert run(version_of, url) == before
+    assert captured(url)[0] == 200
+    assert engine_parity(url, model, original) <= SAME
+
+
+def test_a_version_that_does_not_increase_is_refused(gates: list[str], original: Weights) -> None:
+    async def stale() -> None:
+        async with GateWeightClient(gates[0], TOKEN) as c:
+            await c.push(original, (await c.info()).version)
+
+    with pytest.raises(WeightPushError) as refused:
+        run(stale)
+    assert refused.value.code == "version_not_increasing"
+
+
+@pytest.mark.usefixtures("restore")
+def test_a_push_the_worker_refuses_leaves_the_gate_failed_until_a_full_push(
+    gates: list[str], model: Any, original: Weights
+) -> None:
+    """vLLM's own routes, driven with a partial push (what a foreign trainer could send):
+    the worker refuses at finish, the gate refuses captured calls, a full push recovers."""
+    url = gates[0]
+    auth = {"authorization": f"Bearer {TOKEN}"}
+
+    async def partial() -> tuple[int, int]:
+        async with GateWeightClient(url, TOKEN) as c:
+            tensors = await c.check(original)
+            staged = await c.stage(tensors[:-1])
+        try:
+            async with httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as h:
+                await h.post("/pause", params={"mode": "wait"})
+                await h.post("/start_weight_update")
+                info = {"update_info": {"path": staged.path, "entries": staged.entries}}
+                updated = await h.post("/update_weights", json=info)
+                finished = await h.post("/finish_weight_update", json={"weight_version": "99"})
+                await h.post("/resume")
+        finally:
+            os.unlink(staged.path)
+        return updated.status_code, finished.status_code
+
+    assert run(partial) == (200, 500)
+    assert captured(url) == (503, "weights_unavailable")
+    new = perturbed(original, seed=3)
+    info = run(lambda: push(url, new))  # its start clears the flag the failed finish left
+    assert info.phase == "READY"
+    assert captured(url) == (200, info.version)
+    assert engine_parity(url, model, new) <= SAME
+
+
+@pytest.mark.usefixtures("restore")
+def test_vllms_own_trainer_engine_factory_pushes_through_the_registered_backend(
+    gates: list[str], model: Any, original: Weights
+) -> None:
+    """Trainer code written against vLLM's API (`WeightTransferTrainerFactory`) runs on CPU:
+    the backend resolves to tokcap's, the bearer client gets through the guard."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from tokcap_vllm._plugin import register_weight_transfer
+    from tokcap_vllm.transfer import (
+        BearerWeightSyncClient,
+        StateDictSource,
+        TokcapShmTrainerInitInfo,
+    )
+
+    register_weight_transfer()  # in a trainer process no vLLM plugin loader runs
+    url = gates[0]
+    new = perturbed(original, seed=5)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TokcapShmTrainerInitInfo(rank=0),
+        client=BearerWeightSyncClient(url, TOKEN),
+        source=StateDictSource(new),
+    )
+
+    async def driven() -> Any:
+        async with GateWeightClient(url, TOKEN) as gate:
+            version = (await gate.info()).version + 1
+            async with gate.external_update(version):
+                await anyio.to_thread.run_sync(engine.send_weights)
+            return await gate.info()
+
+    info = run(driven)
+    assert (info.phase, info.engine_version) == ("READY", str(info.version))
+    assert engine_parity(url, model, new) <= SAME
+    assert captured(url) == (200, info.version)
+
+
+# ---- the fleet --------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("restore")
+def test_a_push_that_fails_on_one_gate_holds_the_fleet_until_a_push_succeeds_on_all(
+    gates: list[str], model: Any, original: Weights, tmp_path: Path
+) -> None:
+    new = perturbed(original, seed=4)
+
+    async def broken_fleet() -> FleetPushError:
+        good = GateWeightClient(gates[0], TOKEN)
+        unreachable_shm = GateWeightClient(gates[1], TOKEN, shm_dir=str(tmp_path / "missing"))
+        async with FleetWeightSync([good, unreachable_shm]) as fleet:
+            version = max(i.version for i in await fleet.infos()) + 1
+            with pytest.raises(FleetPushError) as failed:
+                await fleet.push(new, version)
+            assert await fleet.current_version() is None
+            return failed.value
+
+    error = run(broken_fleet)
+    assert [o.error for o in error.outcomes] == [None, "stage_failed"]
+    for url in gates:  # gate 0 loaded the new weights, and still refuses captured calls
+        assert captured(url) == (503, "weights_unavailable")
+    assert engine_parity(gates[0], model, new) <= SAME
+
+    async def fleet_push() -> tuple[int, int | None]:
+        async with FleetWeightSync([(url, TOKEN) for url in gates]) as fleet:
+            version = max(i.version for i in await fleet.infos()) + 1
+            infos = await fleet.push(new, version)
+            assert {(i.phase, i.version, i.held) for i in infos} == {("READY", version, None)}
+            return version, await fleet.current_version()
+
+    version, current = run(fleet_push)
+    assert current == version
+    for url in gates:
+        assert captured(url) == (200, version)
+        assert engine_parity(url, model, new) <= SAME
+
+
+def test_a_single_gate_push_does_not_lift_the_fleets_hold(
+    gates: list[str], original: Weights
+) -> None:
+    async def scenario() -> tuple[str, str | None, list[str]]:
+        async with FleetWeightSync([(url, TOKEN) for url in gates]) as fleet:
+            await fleet.hold("test")
+            async with GateWeightClient(gates[0], TOKEN) as c:
+                pushed = await c.push(original, (await c.info()).version + 1, release=False)
+            version = max(i.version for i in await fleet.infos()) + 1
+            infos = await fleet.push(original, version)
+            return pushed.phase, pushed.held, [i.phase for i in infos]
+
+    phase, held, after = run(scenario)
+    assert (phase, held) == ("FAILED", "test")
+    assert after == ["READY", "READY"]

@@ -1,0 +1,172 @@
+"""Engine-free parts of weight pushes to served gates: the guarded route list against vLLM's
+own routers, the gate's weight tracker, the push file and the backend's registration."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokcap_vllm._guarded_routes import GUARDED_PATHS, WEIGHTS_PATH, guarded_path
+from tokcap_vllm._served_weights import ServedWeights
+from tokcap_vllm._shm import map_push_file, write_push_file
+from tokcap_vllm.errors import GateError
+from tokcap_vllm.weights import WeightPhase
+
+VLLM_ROUTERS = [
+    "vllm.entrypoints.rl.online.api_router",
+    "vllm.entrypoints.serve.dev.cache.api_router",
+    "vllm.entrypoints.serve.dev.rpc.api_router",
+    "vllm.entrypoints.serve.dev.server_info.api_router",
+    "vllm.entrypoints.serve.dev.sleep.api_router",
+    "vllm.entrypoints.serve.elastic_ep.api_router",
+    "vllm.entrypoints.serve.profile.api_router",
+    "vllm.entrypoints.serve.fault_tolerance.api_router",
+]
+
+
+@pytest.mark.parametrize("module", VLLM_ROUTERS)
+def test_every_route_of_vllms_rl_dev_and_admin_routers_is_guarded(module: str) -> None:
+    router = importlib.import_module(module).router
+    paths = {route.path for route in router.routes}
+    assert paths, module
+    assert paths <= GUARDED_PATHS, sorted(paths - GUARDED_PATHS)
+
+
+@pytest.mark.parametrize(
+    ("path", "root", "guarded"),
+    [
+        ("/pause", "", "/pause"),
+        ("/pause/", "", "/pause"),
+        ("//collective_rpc", "", "/collective_rpc"),
+        ("/api/sleep", "/api", "/sleep"),
+        ("/scale_elastic_ep", "", "/scale_elastic_ep"),
+        (WEIGHTS_PATH + "/hold", "", WEIGHTS_PATH + "/hold"),
+        ("/v1/chat/completions", "", None),
+        ("/health", "", None),
+        ("/pauses", "", None),
+    ],
+)
+def test_a_guarded_route_is_recognised_however_its_path_is_spelled(
+    path: str, root: str, guarded: str | None
+) -> None:
+    assert guarded_path({"path": path, "root_path": root}) == guarded
+
+
+def test_the_tracker_is_ready_only_after_a_finish_that_loaded_and_labelled() -> None:
+    weights = ServedWeights(version=0)
+    seen: list[WeightPhase] = []
+    weights.subscribe(lambda state: seen.append(state.phase))
+    weights.started("0")
+    assert weights.state.phase is WeightPhase.PUSHING
+    weights.finished("0")  # an empty finish (nothing updated) loads nothing: still pushing
+    assert weights.state.phase is WeightPhase.PUSHING
+    weights.updated()
+    weights.finished("3")
+    assert (weights.state.phase, weights.state.version) == (WeightPhase.READY, 3)
+    assert seen == [WeightPhase.PUSHING, WeightPhase.READY]
+
+
+def test_a_finish_without_a_label_is_ready_once_the_label_is_set() -> None:
+    weights = ServedWeights(version=1)
+    weights.started("1")
+    weights.updated()
+    weights.finished("1")
+    assert weights.state.phase is WeightPhase.PUSHING
+    weights.labelled("2")
+    assert (weights.state.phase, weights.state.version) == (WeightPhase.READY, 2)
+
+
+def test_a_failed_route_fails_the_weights_until_a_full_push() -> None:
+    weights = ServedWeights()
+    weights.started("0")
+    weights.failed("update_failed")
+    assert (weights.state.phase, weights.state.error) == (WeightPhase.FAILED, "update_failed")
+    weights.finished("0")  # the empty finish that clears vLLM's flag changes nothing
+    weights.labelled("7")
+    assert weights.state.phase is WeightPhase.FAILED
+    weights.started("0")
+    weights.updated()
+    weights.finished("1")
+    assert (weights.state.phase, weights.state.version) == (WeightPhase.READY, 1)
+
+
+def test_a_hold_outlives_the_gates_own_push_and_lifts_only_when_released() -> None:
+    weights = ServedWeights()
+    weights.hold("gate b failed")
+    assert weights.state.phase is WeightPhase.FAILED
+    weights.started("0")
+    weights.updated()
+    weights.finished("1")
+    assert weights.state.phase is WeightPhase.FAILED
+    assert weights.engine_phase == "READY"
+    weights.release()
+    assert (weights.state.phase, weights.state.version) == (WeightPhase.READY, 1)
+
+
+def test_a_hold_is_not_released_over_a_failed_engine() -> None:
+    weights = ServedWeights()
+    weights.failed("finish_failed")
+    weights.hold("fleet")
+    with pytest.raises(GateError) as refused:
+        weights.release()
+    assert refused.value.code == "weights_not_ready"
+    assert weights.held == "fleet"
+
+
+def test_a_push_file_maps_back_to_the_same_tensors(tmp_path: Path) -> None:
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64))]
+    spec = {"a": ("float32", (3, 5)), "b": ("int64", (7,))}
+    path, entries = write_push_file(tensors, str(tmp_path))
+    mapped = dict(map_push_file(path, entries, spec))
+    assert torch.equal(mapped["a"], tensors[0][1])
+    assert torch.equal(mapped["b"], tensors[1][1])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda e: e[0].__setitem__(0, "c"), "unknown tensor"),
+        (lambda e: e[0].__setitem__(2, [5, 3]), "expects float32"),
+        (lambda e: e[1].__setitem__(1, "int32"), "expects int64"),
+        (lambda e: e[1].__setitem__(3, 10_000), "do not fit"),
+        (lambda e: e.append(list(e[0])), "twice"),
+    ],
+)
+def test_the_worker_refuses_entries_that_are_not_the_spec(
+    tmp_path: Path, edit: object, message: str
+) -> None:
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64))]
+    spec = {"a": ("float32", (3, 5)), "b": ("int64", (7,))}
+    path, entries = write_push_file(tensors, str(tmp_path))
+    edit(entries)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=message):
+        map_push_file(path, entries, spec)
+
+
+def test_the_worker_maps_only_push_files(tmp_path: Path) -> None:
+    other = tmp_path / "secrets.bin"
+    other.write_bytes(bytes(60))
+    with pytest.raises(ValueError, match="not a tokcap push file"):
+        map_push_file(str(other), [["a", "float32", [3, 5], 0, 60]], {"a": ("float32", (3, 5))})
+
+
+def test_the_backend_registers_once_however_often_the_plugin_runs() -> None:
+    from vllm.distributed.weight_transfer import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    from tokcap_vllm._plugin import register_weight_transfer
+    from tokcap_vllm.transfer import (
+        TokcapShmTrainerWeightTransferEngine,
+        TokcapShmWeightTransferEngine,
+    )
+
+    register_weight_transfer()
+    register_weight_transfer()
+    assert WeightTransferEngineFactory._registry["tokcap_shm"]() is TokcapShmWeightTransferEngine
+    trainer = WeightTransferTrainerFactory._registry["tokcap_shm"]()
+    assert trainer is TokcapShmTrainerWeightTransferEngine
