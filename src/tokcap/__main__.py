@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,12 +18,43 @@ EPILOG = "Run `tokcap demo --quick` to see the whole pipeline on this machine in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tokcap`` CLI; return the process exit status."""
+    """Run the ``tokcap`` CLI; return the process exit status.
+
+    Errors end in one line on stderr, never a traceback (``TOKCAP_TRACEBACK=1`` shows it):
+    exit 4 for a file that cannot be read, 3 for data tokcap refuses, 1 otherwise.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "verify":
         from tokcap_core._cli import main as core_main
 
-        return int(core_main(args) or 0)
+        return int(core_main(args, prog="tokcap") or 0)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("tokcap: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("TOKCAP_TRACEBACK"):
+            raise
+        return _one_line_error(args, e)
+
+
+def _one_line_error(args: list[str], error: Exception) -> int:
+    from tokcap_core.errors import TokcapError
+
+    where = f"tokcap {args[0]}" if args else "tokcap"
+    if isinstance(error, TokcapError):
+        print(f"{where}: [{error.code}] {error.message}", file=sys.stderr)
+        return 3
+    if isinstance(error, OSError):
+        print(f"{where}: {error.strerror or error}: {error.filename or ''}", file=sys.stderr)
+        return 4
+    kind = type(error).__name__
+    print(f"{where}: {kind}: {error} (TOKCAP_TRACEBACK=1 shows where)", file=sys.stderr)
+    return 1
+
+
+def _run(args: list[str]) -> int:
     parser = _parser()
     ns = parser.parse_args(args)
     if ns.command == "demo":
@@ -86,8 +118,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/train-<time>)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
-    show = sub.add_parser("show", help="re-print the summary of a saved demo or train run")
-    show.add_argument("run_dir", type=Path)
+    show = sub.add_parser(
+        "show",
+        help="re-print the summary of a saved demo or train run",
+        description="Re-print the summary a demo or train run saved (its summary.json).",
+    )
+    show.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="RUN",
+        help="a run folder (.tokcap/runs/...) or its summary.json",
+    )
     sub.add_parser(
         "verify",
         help="verify a manifest against staged records (forwards to `tokcap-core verify`)",
@@ -154,14 +195,29 @@ def _show(run_dir: Path) -> int:
     path = run_dir / "summary.json" if run_dir.is_dir() else run_dir
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        print(f"tokcap show: cannot read {path}: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"tokcap show: cannot read {path}: {e.strerror}", file=sys.stderr)
         return 4
+    except ValueError as e:
+        print(f"tokcap show: {path} is not JSON ({e}): not a run summary", file=sys.stderr)
+        return 3
     console = summary_console()
-    if summary.get("kind") == "train":
-        print_train_summary(summary, console)
-    else:
-        print_summary(summary, console)
+    # Rendered whole before anything is printed: a file that is not a summary gives one
+    # line, not half a table and a traceback.
+    try:
+        with console.capture() as captured:
+            if isinstance(summary, dict) and summary.get("kind") == "train":
+                print_train_summary(summary, console)
+            else:
+                print_summary(summary, console)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        print(
+            f"tokcap show: {path} is not a tokcap run summary ({type(e).__name__}: {e}); "
+            "pass a run folder or the summary.json a demo or train run saved",
+            file=sys.stderr,
+        )
+        return 3
+    sys.stdout.write(captured.get())
     report = path.parent / "report.html"
     if report.exists():
         console.print(f"report: [bold]{report}[/]")

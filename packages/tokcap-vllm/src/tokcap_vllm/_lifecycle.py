@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from tokcap_core import StagedCall, TokcapError
 from tokcap_core.ids import CallId, RolloutId
+from tokcap_core.states import Sentinel
 
 if TYPE_CHECKING:
     from ._admission import ChatPlan, PriorCall
@@ -55,16 +56,10 @@ __all__ = [
 ]
 
 
-class CallPhase:
+class CallPhase(Sentinel):
     """A captured call's phase (compare with ``is``)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
+    __slots__ = ()
 
 
 PLANNING: Final = CallPhase("PLANNING")

@@ -43,6 +43,7 @@ from tokcap_core import Ledger
 from tokcap_core.ids import CallId, RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Failed
+from tokcap_core.states import Sentinel
 
 from ._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 from ._lifecycle import (
@@ -72,16 +73,10 @@ __all__ = [
 ]
 
 
-class RolloutPhase:
+class RolloutPhase(Sentinel):
     """A rollout's phase in the gate (compare with ``is``)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
+    __slots__ = ()
 
 
 EMPTY: Final = RolloutPhase("EMPTY")
