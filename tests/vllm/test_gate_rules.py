@@ -398,7 +398,9 @@ def test_what_a_rollout_phase_lets_through() -> None:
     book.advance(record, "fail", poison="gate_failed:x")
     book.advance(record, "fail", poison="gate_failed:y")
     assert (record.phase, record.poison) == (UNCAPTURED, "gate_failed:x")
-    assert book.begin(record, kind="chat") is None
+    with pytest.raises(RolloutConflict) as refused:  # a poisoned rollout refuses calls
+        book.begin(record, kind="chat")
+    assert refused.value.code == "rollout_poisoned"
     book.advance(record, "close")
     assert not record.accepting
     with pytest.raises(RolloutConflict):

@@ -169,13 +169,14 @@ class GateTables(RuleBasedStateMachine):
             model = self.model[rid] = ModelRollout()
             self.records[rid] = record
         assert record is self.records[rid]
+        if model.phase is UNCAPTURED:  # a poisoned rollout refuses its later calls
+            with pytest.raises(RolloutConflict) as refused:
+                self.book.begin(record, kind="chat", idempotency_key=key, body_fingerprint=body)
+            assert refused.value.code == "rollout_poisoned"
+            return
         call = self.book.begin(
             record, kind="chat", idempotency_key=key, body_fingerprint=body, request_id=request_id
         )
-        if model.phase is UNCAPTURED:
-            assert call is None
-            return
-        assert call is not None
         assert call.phase is PLANNING
         assert call.rollout is record
         model.live.add(call)
