@@ -51,8 +51,8 @@ __all__ = [
     "CallStateError",
     "Flag",
     "GateCall",
+    "answerable",
     "next_phase",
-    "replayable",
 ]
 
 
@@ -151,7 +151,7 @@ class GateCall:
     prior: PriorCall | None = None
     response_id: str | None = None
     output_fp: str | None = None
-    replay: tuple[dict[str, Any], list[bytes]] | None = None
+    answer: tuple[dict[str, Any], list[bytes]] | None = None
     abandoned: Flag | None = None
     """Set when the call is abandoned: its request, if still running, is then ended (the
     engine stops generating; the harness gets an error, never a completion)."""
@@ -194,6 +194,6 @@ def gone(call: GateCall) -> bool:
     return call.phase is ABANDONED or call.phase is DROPPED
 
 
-def replayable(call: GateCall) -> bool:
-    """Whether a key holder settled with an answer a retry can replay."""
-    return call.replay is not None and (call.phase is COMMITTED or call.phase is FAILED)
+def answerable(call: GateCall) -> bool:
+    """Whether a key holder settled with a recorded answer to send a retry again."""
+    return call.answer is not None and (call.phase is COMMITTED or call.phase is FAILED)

@@ -53,9 +53,9 @@ from ._lifecycle import (
     CallPhase,
     Flag,
     GateCall,
+    answerable,
     gone,
     next_phase,
-    replayable,
 )
 from ._planning import ParentIndex
 
@@ -303,10 +303,11 @@ class RolloutBook:
         return call
 
     def claim(self, call: GateCall) -> GateCall | None:
-        """Hold ``call``'s key and request id; or the call to wait for, or to replay.
+        """Hold ``call``'s key and request id; or the call to wait for, or to answer again.
 
-        Returns None once held; else the holder of the key: the driver replays it if it
-        settled with an answer (`replayable`), or waits for it to settle and asks again.
+        Returns None once held; else the holder of the key: the driver sends its recorded
+        answer again if it settled with one (`answerable`), or waits for it to settle and
+        asks again.
         """
         record = call.rollout
         key = call.idempotency_key
@@ -317,7 +318,7 @@ class RolloutBook:
                     "idempotency_key_reused",
                     "this Idempotency-Key was used with a different request body",
                 )
-            if not holder.final or replayable(holder):
+            if not holder.final or answerable(holder):
                 return holder
         if key is not None:
             record.keys[key] = call
