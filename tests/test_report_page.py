@@ -10,8 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tokcap.demo._checks import Drift
-from tokcap.demo._report import render_report
+from tokcap.demo import Drift, render_report
 from tokcap_core import assemble_receipt, reassemble, verify_manifest
 from tokcap_core.simulate import simulate_rollout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tokcap.demo._plots import group_strips, histogram
+from tokcap.demo import group_strips, histogram
 
 
 def test_group_strips_draw_one_dot_per_value_and_one_mean_per_group() -> None:

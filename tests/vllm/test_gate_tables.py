@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.vllm._rules import Flag, NoLock
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Closed, Failed, Poisoned, Witnesses
 from tokcap_vllm._admission import ChatPlan, PriorCall
@@ -53,30 +54,6 @@ KEYS = (None, "k1", "k2")
 REQUEST_IDS = (None, "q1", "q2")
 OPS = ("admit", "drop", "finish", "respond", "commit", "fail", "abandon")
 MAX_OPEN = 2
-
-
-class Flag:
-    """A plain flag standing in for the driver's ``anyio.Event`` (the rules only set it)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def set(self) -> None:
-        self.count += 1
-
-    def is_set(self) -> bool:
-        return self.count > 0
-
-    async def wait(self) -> None:  # never awaited here: the rules do not wait
-        raise AssertionError("the rules never wait")
-
-
-class NoLock:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
 
 
 # The call table as the module docstring draws it, written out independently.
@@ -192,13 +169,14 @@ class GateTables(RuleBasedStateMachine):
             model = self.model[rid] = ModelRollout()
             self.records[rid] = record
         assert record is self.records[rid]
+        if model.phase is UNCAPTURED:  # a poisoned rollout refuses its later calls
+            with pytest.raises(RolloutConflict) as refused:
+                self.book.begin(record, kind="chat", idempotency_key=key, body_fingerprint=body)
+            assert refused.value.code == "rollout_poisoned"
+            return
         call = self.book.begin(
             record, kind="chat", idempotency_key=key, body_fingerprint=body, request_id=request_id
         )
-        if model.phase is UNCAPTURED:
-            assert call is None
-            return
-        assert call is not None
         assert call.phase is PLANNING
         assert call.rollout is record
         model.live.add(call)

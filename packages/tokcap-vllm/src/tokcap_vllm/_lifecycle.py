@@ -13,7 +13,8 @@ Invariants:
   parent only after its response's last byte (``respond``), and is COMMITTED only once the
   sink acknowledged it and ``Staged`` is in the ledger;
 - a call whose response never completed, or that was still in flight when its rollout
-  closed, is ABANDONED: never a parent, never committed, its staged row (if any) cleared;
+  closed, is ABANDONED: never a parent, never committed, its staged row (if any) cleared,
+  and its request ended (``abandoned`` is set) so the harness never gets a completion;
 - COMMITTED, FAILED, DROPPED and ABANDONED are final: ``settled`` is set exactly once.
 What each step does to its rollout (claims, the live set, the parent index, the rollout's
 phase) is `EFFECTS`, applied by `tokcap_vllm._rollouts.RolloutBook.step`. An operation the
@@ -104,7 +105,7 @@ EFFECTS: Final[Mapping[str, tuple[str, ...]]] = {
     "respond": ("index_parent",),
     "commit": ("leave",),
     "fail": ("leave", "unindex_parent", "uncapture"),
-    "abandon": ("leave", "release_claims"),
+    "abandon": ("leave", "release_claims", "signal_abandoned"),
 }
 
 
@@ -151,6 +152,9 @@ class GateCall:
     response_id: str | None = None
     output_fp: str | None = None
     replay: tuple[dict[str, Any], list[bytes]] | None = None
+    abandoned: Flag | None = None
+    """Set when the call is abandoned: its request, if still running, is then ended (the
+    engine stops generating; the harness gets an error, never a completion)."""
 
     @property
     def rollout_id(self) -> RolloutId:
