@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 RAY_ADDRESS_HELP = (
     "run TransferQueue and the reassembler pool on this existing Ray cluster (host:port of "
     "its GCS, or auto) instead of starting a local one; its nodes need tokcap installed"
 )
+_Options = TypeVar("_Options", bound="DataclassInstance")
+
 EPILOG = "Run `tokcap demo --quick` to see the whole pipeline on this machine in a few minutes."
 
 
@@ -147,25 +154,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _options(cls: type[_Options], ns: argparse.Namespace) -> _Options:
+    """``cls`` from the parsed flags that name its fields (the others keep their defaults)."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in vars(ns).items() if name in names})
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from ._startup import start_up
 
     start_up()  # before vLLM, torch or Ray is imported
     from .demo._cli import DemoOptions, run_demo
 
-    options = DemoOptions(
-        groups=ns.groups,
-        rollouts=ns.rollouts,
-        turns=ns.turns,
-        max_tokens=ns.max_tokens,
-        segments=ns.segments,
-        out=ns.out,
-        quick=ns.quick,
-        seed=ns.seed,
-        ray_address=ns.ray_address,
-        model_family=ns.model_family,
-    )
-    return run_demo(options)
+    return run_demo(_options(DemoOptions, ns))
 
 
 def _train(ns: argparse.Namespace) -> int:
@@ -174,18 +175,7 @@ def _train(ns: argparse.Namespace) -> int:
     start_up()  # before vLLM, torch or Ray is imported
     from .loop._cli import TrainOptions, run_train
 
-    options = TrainOptions(
-        steps=ns.steps,
-        groups=ns.groups,
-        rollouts=ns.rollouts,
-        turns=ns.turns,
-        max_tokens=ns.max_tokens,
-        lr=ns.lr,
-        seed=ns.seed,
-        out=ns.out,
-        ray_address=ns.ray_address,
-    )
-    return run_train(options)
+    return run_train(_options(TrainOptions, ns))
 
 
 def _show(run_dir: Path) -> int:

@@ -36,7 +36,7 @@ from tokcap_vllm._lifecycle import (
     RESPONDED,
     CallStateError,
     GateCall,
-    replayable,
+    answerable,
 )
 from tokcap_vllm._rollouts import (
     CLOSED,
@@ -169,13 +169,14 @@ class GateTables(RuleBasedStateMachine):
             model = self.model[rid] = ModelRollout()
             self.records[rid] = record
         assert record is self.records[rid]
+        if model.phase is UNCAPTURED:  # a poisoned rollout refuses its later calls
+            with pytest.raises(RolloutConflict) as refused:
+                self.book.begin(record, kind="chat", idempotency_key=key, body_fingerprint=body)
+            assert refused.value.code == "rollout_poisoned"
+            return
         call = self.book.begin(
             record, kind="chat", idempotency_key=key, body_fingerprint=body, request_id=request_id
         )
-        if model.phase is UNCAPTURED:
-            assert call is None
-            return
-        assert call is not None
         assert call.phase is PLANNING
         assert call.rollout is record
         model.live.add(call)
@@ -187,7 +188,7 @@ class GateTables(RuleBasedStateMachine):
             if holder.body_fingerprint != body:
                 expect = "idempotency_key_reused"
             elif holder.phase not in FINAL or (
-                holder.replay is not None and holder.phase in (COMMITTED, FAILED)
+                holder.answer is not None and holder.phase in (COMMITTED, FAILED)
             ):
                 expect = holder
         if expect is None and request_id is not None:
@@ -208,7 +209,7 @@ class GateTables(RuleBasedStateMachine):
                 if request_id is not None:
                     model.request_ids[request_id] = call
             else:
-                assert not expect.final or replayable(expect)
+                assert not expect.final or answerable(expect)
 
     @rule(data=st.data())
     def drop(self, data: st.DataObject) -> None:
@@ -273,7 +274,7 @@ class GateTables(RuleBasedStateMachine):
             assert call.call_id is not None
             call.prior = PriorCall(call.call_id, "chat", "prompt+out", array("I", [1, 2, 3]))
         if was is FINISHED and answer:
-            call.replay = ({"type": "http.response.start"}, [b"{}"])
+            call.answer = ({"type": "http.response.start"}, [b"{}"])
         self._step(call, "respond")
         model = self._model_of(call)
         if was is FINISHED and parent and model is not None:

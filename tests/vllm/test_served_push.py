@@ -82,8 +82,8 @@ def gates(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     for i in range(2):
         port = _port()
         command = [cli, "serve", str(tiny_model), "--host", "127.0.0.1", "--port", str(port)]
-        log = (logs / f"gate{i}.log").open("wb")
-        procs.append(subprocess.Popen([*command, *SERVE_ARGS], env=env, stdout=log, stderr=log))
+        with (logs / f"gate{i}.log").open("wb") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([*command, *SERVE_ARGS], env=env, stdout=log, stderr=log))
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for proc, url, i in zip(procs, urls, range(2), strict=True):

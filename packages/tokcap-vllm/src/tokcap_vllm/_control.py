@@ -242,6 +242,11 @@ class ControlPlane:
             if w.content_fingerprint is not None and (w.content is not None or w.tool_calls):
                 raise InvalidBody("bad_body", "give content or content_fingerprint, not both")
             fingerprint = w.content_fingerprint
+            if fingerprint is not None and not _is_fingerprint(fingerprint):
+                raise InvalidBody(
+                    "bad_content_fingerprint",
+                    "content_fingerprint is 64 lowercase hex characters (output_fingerprint)",
+                )
             if w.content is not None or w.tool_calls:
                 with _ledger_errors():
                     fingerprint = output_fingerprint(w.content, w.tool_calls)
@@ -275,6 +280,12 @@ def _ledger_errors() -> Iterator[None]:
         raise BadRequest(e.code, e.message) from e
     except LedgerFileError as e:
         raise ControlUnavailable(e.code, e.message) from e
+
+
+def _is_fingerprint(text: str) -> bool:
+    """Whether ``text`` can be a fingerprint the gate made (hex SHA-256): one that cannot
+    would only ever miss, and poison the rollout at its receipt."""
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def _allow(method: str, allowed: str) -> None:

@@ -10,7 +10,10 @@ every worker. `GUARDED_PATHS` lists them all (a test checks the list against vLL
 routers); a request to one answers 401 unless it carries the control token
 (``Authorization: Bearer``, compared in constant time by `ControlPlane.authorize`).
 
-Authorised weight routes are watched on their way through: their answers move the gate's
+A guarded vLLM route that raises (vLLM's weight routes do, on a failed RPC) is answered
+here with a JSON 500 ``engine_route_failed``, so the connection survives and the client
+reads why. Authorised weight routes are watched on their way through: their answers move
+the gate's
 `ServedWeights` (``_served_weights``), which the gate reads before admitting a captured
 call. tokcap's own weight routes, under ``/tokcap/v1/weights``:
 
@@ -26,6 +29,7 @@ call. tokcap's own weight routes, under ``/tokcap/v1/weights``:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from typing import Any, Final
@@ -98,6 +102,7 @@ ADMIN_PATHS: Final = frozenset(
 GUARDED_PATHS: Final = RL_PATHS | DEV_PATHS | ADMIN_PATHS
 """Every vLLM route that changes or reveals the engine beyond serving: token required."""
 WEIGHTS_PATH: Final = CONTROL_PREFIX + "weights"
+_log = logging.getLogger("tokcap_vllm.gate")
 
 
 class WeightInfo(msgspec.Struct):
@@ -198,6 +203,13 @@ class GuardedRoutes:
 
         try:
             await app(scope, receive, watched)
+        except Exception as e:  # vLLM's weight routes raise on a failed RPC: answer for it here
+            if status:
+                raise
+            _log.exception("tokcap gate: %s failed", path)
+            status = 500
+            message = f"{path} failed: {type(e).__name__}: {e}"[:2000]
+            await send_body(send, 500, error_json("engine_route_failed", message, 500))
         finally:
             ok = 200 <= status < 300
             with anyio.CancelScope(shield=True):

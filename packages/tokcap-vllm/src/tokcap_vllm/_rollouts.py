@@ -20,9 +20,10 @@ Invariants:
   CLOSED rollout keeps only its ledger until released; calls hold their record, never
   its id, so a call of a released rollout can never reach a record reusing the id;
 - the number of open records is bounded (``max_open``);
-- an UNCAPTURED rollout (a call of it failed) serves its later calls uncaptured; a
-  pending *poison* (a failure outside any one call's entries) makes its close
-  ``Poisoned`` instead of ``Closed``;
+- an UNCAPTURED rollout (a call of it failed) refuses its later calls
+  (``rollout_poisoned``); an OPEN rollout none of whose calls was served is forgotten
+  when vLLM refuses a call of it (`forget_unserved`); a pending *poison* (a failure
+  outside any one call's entries) makes its close ``Poisoned`` instead of ``Closed``;
 - a call holds its idempotency key and request id from its claim until it is dropped or
   abandoned; it is *live* until final or contained; it is a parent (in the rollout's
   `ParentIndex`) from ``respond`` until ``fail``;
@@ -41,6 +42,7 @@ from typing import Any, Final
 from tokcap_core import Ledger
 from tokcap_core.ids import CallId, RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
+from tokcap_core.ledger import Admitted, Failed
 from tokcap_core.states import Sentinel
 
 from ._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
@@ -51,9 +53,9 @@ from ._lifecycle import (
     CallPhase,
     Flag,
     GateCall,
+    answerable,
     gone,
     next_phase,
-    replayable,
 )
 from ._planning import ParentIndex
 
@@ -67,6 +69,7 @@ __all__ = [
     "RolloutBook",
     "RolloutPhase",
     "RolloutRecord",
+    "check_not_poisoned",
 ]
 
 
@@ -282,10 +285,10 @@ class RolloutBook:
         idempotency_key: str | None = None,
         body_fingerprint: str = "",
         request_id: str | None = None,
-    ) -> GateCall | None:
-        """A new live call of ``record``; None when the rollout serves uncaptured."""
-        if record.phase is UNCAPTURED:
-            return None
+    ) -> GateCall:
+        """A new live call of ``record``; `RolloutConflict` (``rollout_poisoned``) when the
+        rollout already failed."""
+        check_not_poisoned(record)
         call = GateCall(
             record,
             kind,
@@ -294,15 +297,17 @@ class RolloutBook:
             idempotency_key=idempotency_key,
             body_fingerprint=body_fingerprint,
             request_id=request_id,
+            abandoned=self._flag(),
         )
         record.live.add(call)
         return call
 
     def claim(self, call: GateCall) -> GateCall | None:
-        """Hold ``call``'s key and request id; or the call to wait for, or to replay.
+        """Hold ``call``'s key and request id; or the call to wait for, or to answer again.
 
-        Returns None once held; else the holder of the key: the driver replays it if it
-        settled with an answer (`replayable`), or waits for it to settle and asks again.
+        Returns None once held; else the holder of the key: the driver sends its recorded
+        answer again if it settled with one (`answerable`), or waits for it to settle and
+        asks again.
         """
         record = call.rollout
         key = call.idempotency_key
@@ -313,7 +318,7 @@ class RolloutBook:
                     "idempotency_key_reused",
                     "this Idempotency-Key was used with a different request body",
                 )
-            if not holder.final or replayable(holder):
+            if not holder.final or answerable(holder):
                 return holder
         if key is not None:
             record.keys[key] = call
@@ -367,6 +372,22 @@ class RolloutBook:
                 record.parents.forget(call.prior)
         elif effect == "uncapture":
             self.advance(record, "fail")
+        elif effect == "signal_abandoned" and call.abandoned is not None:
+            call.abandoned.set()
+
+    def forget_unserved(self, record: RolloutRecord) -> bool:
+        """Forget an OPEN record none of whose calls was served (every entry ``Admitted`` or
+        ``Failed(served=False)``) and that has no live call; True if it was forgotten."""
+        if (
+            record.phase is not OPEN
+            or record.poison is not None
+            or record.live
+            or self._open.get(record.rollout_id) is not record
+            or not all(_unserved(entry.event) for entry in record.ledger.entries)
+        ):
+            return False
+        del self._open[record.rollout_id]
+        return True
 
     def contain(self, call: GateCall, reason: str) -> None:
         """A call failed inside the gate: its rollout is poisoned and the call leaves."""
@@ -374,3 +395,18 @@ class RolloutBook:
         call.rollout.live.discard(call)
         call.sink_done.set()
         call.settled.set()
+
+
+def check_not_poisoned(record: RolloutRecord) -> None:
+    """`RolloutConflict` (``rollout_poisoned``) if a call of ``record`` failed: a captured
+    path never answers a call its ledger would not hold."""
+    if record.phase is UNCAPTURED:
+        raise RolloutConflict(
+            "rollout_poisoned",
+            f"{record.rollout_id} failed ({record.poison or 'a call failed'}) and cannot "
+            "verify; its calls are refused: close it and start a new rollout",
+        )
+
+
+def _unserved(event: object) -> bool:
+    return isinstance(event, Admitted) or (isinstance(event, Failed) and not event.served)
