@@ -25,8 +25,9 @@ from tokcap_vllm._admission import (
 )
 from tokcap_vllm._errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
 from tokcap_vllm._host import EngineResult
-from tokcap_vllm._lifecycle import COMMITTED, FAILED, GateCall, answerable, gone
+from tokcap_vllm._lifecycle import COMMITTED, FAILED
 from tokcap_vllm._planning import Observed, ParentIndex, PlannedRequest
+from tokcap_vllm._records import GateCall, answerable, gone
 from tokcap_vllm._render_ids import _served_message, _short_call_id, describe, is_id_tokenizer
 from tokcap_vllm._rollouts import CLOSING, EMPTY, OPEN, UNCAPTURED, RolloutBook
 from tokcap_vllm._routing import route_request

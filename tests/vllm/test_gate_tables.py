@@ -35,9 +35,8 @@ from tokcap_vllm._lifecycle import (
     PLANNING,
     RESPONDED,
     CallStateError,
-    GateCall,
-    answerable,
 )
+from tokcap_vllm._records import GateCall, answerable
 from tokcap_vllm._rollouts import (
     CLOSED,
     CLOSING,
