@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 from collections.abc import Sequence
 
-__all__ = ["ENGINE_ENV", "parse_counts", "set_engine_env"]
+__all__ = ["CPU_ENGINE_ARGS", "ENGINE_ENV", "parse_counts", "set_engine_env", "stop_all"]
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -20,6 +21,10 @@ ENGINE_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
 """What a tiny-model vLLM engine needs on this CPU machine (ENVIRONMENT.md)."""
+
+
+CPU_ENGINE_ARGS = ("--enforce-eager", "--distributed-executor-backend", "uni", "--dtype", "float32")
+"""vLLM options every benchmark's CPU engine starts with (eager, one process, fp32)."""
 
 
 def set_engine_env(**extra: str) -> None:
@@ -36,3 +41,11 @@ def parse_counts(
     for name, default in defaults.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     return parser.parse_args(argv)
+
+
+def stop_all(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60) -> None:
+    """SIGTERM every process, then wait for each (they shut down together, not in turn)."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(timeout_s)

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import set_engine_env  # bench/ is on sys.path
+from _harness import CPU_ENGINE_ARGS, set_engine_env  # bench/ is on sys.path
 
 set_engine_env()
 
@@ -134,21 +134,8 @@ def _measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
 
     model = str(_model_dir(size))
     print(f"[{size}] starting vLLM + gate ...", flush=True)
-    server = InProcessServer(
-        model,
-        vllm_args=[
-            "--enforce-eager",
-            "--distributed-executor-backend",
-            "uni",
-            "--max-model-len",
-            "2048",
-            "--dtype",
-            "float32",
-            "--disable-log-stats",
-            "--max-num-seqs",
-            "64",
-        ],
-    ).start()
+    options = ("--max-model-len", "2048", "--disable-log-stats", "--max-num-seqs", "64")
+    server = InProcessServer(model, vllm_args=[*CPU_ENGINE_ARGS, *options]).start()
     try:
         kw: dict[str, Any] = dict(
             requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens

@@ -50,6 +50,7 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 import torch  # noqa: E402
+from _harness import CPU_ENGINE_ARGS, stop_all  # noqa: E402  (bench/ is on sys.path)
 
 from tokcap.tiny import SMALL_SHAPE  # noqa: E402
 from tokcap.train import Trainer  # noqa: E402
@@ -277,13 +278,9 @@ async def _bench(name: str, engine: Any, model: Any, params: int, pushes: int) -
 
 
 SERVE_ARGS = [
-    "--enforce-eager",
-    "--distributed-executor-backend",
-    "uni",
+    *CPU_ENGINE_ARGS,
     "--max-model-len",
     "1024",
-    "--dtype",
-    "float32",
     "--no-enable-chunked-prefill",
     "--max-num-batched-tokens",
     "2048",
@@ -392,10 +389,7 @@ def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
             copy_s.append(time.perf_counter() - started)
             del copies
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(60)
+        stop_all(procs)
     copy = med(copy_s)
     print(f"{'':30}{'median ms':>10}{'x copy':>9}")
     out: dict[str, Any] = {"model": name, "mb": megabytes, "copy_ms": copy * 1e3}

@@ -192,12 +192,26 @@ def main() -> None:
     parser.add_argument(
         "--all-tests", action="store_true", help="run every engine-free test file per mutant"
     )
+    parser.add_argument(
+        "--rerun",
+        type=Path,
+        default=None,
+        help="an earlier --out file: run only its survivors again, report the whole sample",
+    )
     args = parser.parse_args()
 
     everything = [s for m in MODULES for s in sites_of(m)]
     sample = random.Random(args.seed).sample(everything, min(args.sites, len(everything)))
     print(f"{len(everything)} sites in {len(MODULES)} modules; {len(sample)} sampled", flush=True)
     outcomes = []
+    if args.rerun is not None:
+        earlier = [
+            Outcome(Site(**o["site"]), o["caught"], o["seconds"], o["detail"])
+            for o in json.loads(args.rerun.read_text())
+        ]
+        outcomes = [o for o in earlier if o.caught]
+        sample = [o.site for o in earlier if not o.caught]
+        print(f"{len(outcomes)} caught before; running the {len(sample)} survivors", flush=True)
     with tempfile.TemporaryDirectory(prefix="mutate-gate-") as tmp:
         copy = Path(tmp) / "tokcap_vllm"
         shutil.copytree(PACKAGE, copy)
@@ -211,6 +225,8 @@ def main() -> None:
             raise SystemExit(f"the unmutated copy fails its tests: {tail}")
         for site in sample:
             target = copy / site.module
+            if _operator_nodes(ast.parse(target.read_text()))[site.index].lineno != site.line:
+                raise SystemExit(f"{site.module} changed since the earlier run: {site}")
             target.write_text(mutated_source(site))
             started = time.monotonic()
             tests = _tests_for(site.module, args.all_tests)

@@ -7,5 +7,14 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 
+for arg in "$@"; do
+    if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
+        # Help needs no set-up: the tokcap CLI's parser is stdlib only.
+        echo "bash scripts/demo.sh [OPTIONS]: set up (scripts/setup.sh), then run \`tokcap demo OPTIONS\`."
+        echo
+        PYTHONPATH=src exec python3 -m tokcap demo --help
+    fi
+done
+
 bash scripts/setup.sh
 exec uv run --locked tokcap demo "$@"

@@ -3,26 +3,65 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 RAY_ADDRESS_HELP = (
     "run TransferQueue and the reassembler pool on this existing Ray cluster (host:port of "
     "its GCS, or auto) instead of starting a local one; its nodes need tokcap installed"
 )
+_Options = TypeVar("_Options", bound="DataclassInstance")
+
 EPILOG = "Run `tokcap demo --quick` to see the whole pipeline on this machine in a few minutes."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tokcap`` CLI; return the process exit status."""
+    """Run the ``tokcap`` CLI; return the process exit status.
+
+    Errors end in one line on stderr, never a traceback (``TOKCAP_TRACEBACK=1`` shows it):
+    exit 4 for a file that cannot be read, 3 for data tokcap refuses, 1 otherwise.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "verify":
         from tokcap_core._cli import main as core_main
 
-        return int(core_main(args) or 0)
+        return int(core_main(args, prog="tokcap") or 0)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("tokcap: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("TOKCAP_TRACEBACK"):
+            raise
+        return _one_line_error(args, e)
+
+
+def _one_line_error(args: list[str], error: Exception) -> int:
+    from tokcap_core.errors import TokcapError
+
+    where = f"tokcap {args[0]}" if args else "tokcap"
+    if isinstance(error, TokcapError):
+        print(f"{where}: [{error.code}] {error.message}", file=sys.stderr)
+        return 3
+    if isinstance(error, OSError):
+        print(f"{where}: {error.strerror or error}: {error.filename or ''}", file=sys.stderr)
+        return 4
+    kind = type(error).__name__
+    print(f"{where}: {kind}: {error} (TOKCAP_TRACEBACK=1 shows where)", file=sys.stderr)
+    return 1
+
+
+def _run(args: list[str]) -> int:
     parser = _parser()
     ns = parser.parse_args(args)
     if ns.command == "demo":
@@ -86,8 +125,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/train-<time>)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
-    show = sub.add_parser("show", help="re-print the summary of a saved demo or train run")
-    show.add_argument("run_dir", type=Path)
+    show = sub.add_parser(
+        "show",
+        help="re-print the summary of a saved demo or train run",
+        description="Re-print the summary a demo or train run saved (its summary.json).",
+    )
+    show.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="RUN",
+        help="a run folder (.tokcap/runs/...) or its summary.json",
+    )
     sub.add_parser(
         "verify",
         help="verify a manifest against staged records (forwards to `tokcap-core verify`)",
@@ -106,25 +154,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _options(cls: type[_Options], ns: argparse.Namespace) -> _Options:
+    """``cls`` from the parsed flags that name its fields (the others keep their defaults)."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in vars(ns).items() if name in names})
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from ._startup import start_up
 
     start_up()  # before vLLM, torch or Ray is imported
     from .demo._cli import DemoOptions, run_demo
 
-    options = DemoOptions(
-        groups=ns.groups,
-        rollouts=ns.rollouts,
-        turns=ns.turns,
-        max_tokens=ns.max_tokens,
-        segments=ns.segments,
-        out=ns.out,
-        quick=ns.quick,
-        seed=ns.seed,
-        ray_address=ns.ray_address,
-        model_family=ns.model_family,
-    )
-    return run_demo(options)
+    return run_demo(_options(DemoOptions, ns))
 
 
 def _train(ns: argparse.Namespace) -> int:
@@ -133,18 +175,7 @@ def _train(ns: argparse.Namespace) -> int:
     start_up()  # before vLLM, torch or Ray is imported
     from .loop._cli import TrainOptions, run_train
 
-    options = TrainOptions(
-        steps=ns.steps,
-        groups=ns.groups,
-        rollouts=ns.rollouts,
-        turns=ns.turns,
-        max_tokens=ns.max_tokens,
-        lr=ns.lr,
-        seed=ns.seed,
-        out=ns.out,
-        ray_address=ns.ray_address,
-    )
-    return run_train(options)
+    return run_train(_options(TrainOptions, ns))
 
 
 def _show(run_dir: Path) -> int:
@@ -154,14 +185,29 @@ def _show(run_dir: Path) -> int:
     path = run_dir / "summary.json" if run_dir.is_dir() else run_dir
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        print(f"tokcap show: cannot read {path}: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"tokcap show: cannot read {path}: {e.strerror}", file=sys.stderr)
         return 4
+    except ValueError as e:
+        print(f"tokcap show: {path} is not JSON ({e}): not a run summary", file=sys.stderr)
+        return 3
     console = summary_console()
-    if summary.get("kind") == "train":
-        print_train_summary(summary, console)
-    else:
-        print_summary(summary, console)
+    # Rendered whole before anything is printed: a file that is not a summary gives one
+    # line, not half a table and a traceback.
+    try:
+        with console.capture() as captured:
+            if isinstance(summary, dict) and summary.get("kind") == "train":
+                print_train_summary(summary, console)
+            else:
+                print_summary(summary, console)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        print(
+            f"tokcap show: {path} is not a tokcap run summary ({type(e).__name__}: {e}); "
+            "pass a run folder or the summary.json a demo or train run saved",
+            file=sys.stderr,
+        )
+        return 3
+    sys.stdout.write(captured.get())
     report = path.parent / "report.html"
     if report.exists():
         console.print(f"report: [bold]{report}[/]")

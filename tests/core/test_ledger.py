@@ -545,3 +545,22 @@ def test_a_shortened_history_is_caught_by_the_head_kept_at_close(manifest: Manif
         verify_manifest(shortened, expected_head=manifest.head)
     assert info.value.code == "unexpected_head"
     assert verify_manifest(manifest, expected_head=manifest.head).head == manifest.head
+
+
+@given(simulated_rollouts(max_roots=1))
+def test_staged_for_call_commits_exactly_the_calls_coordinates(rollout: SimulatedRollout) -> None:
+    call = rollout.calls[-1]
+    event = Staged.for_call(call, response_id="resp-1", output_fingerprint="out-1")
+    assert (event.call_id, event.carry_len, event.gen_len) == (
+        call.call_id,
+        call.carry_len,
+        call.gen_len,
+    )
+    assert (event.weight_version, event.weight_version_last, event.finish_reason) == (
+        call.weight_version,
+        call.weight_version_last,
+        call.finish_reason,
+    )
+    assert (event.call_digest, event.chain_hash) == (call.digest, call.chain_hash)
+    assert (event.response_id, event.output_fingerprint) == ("resp-1", "out-1")
+    assert Staged.for_call(call).response_id is None

@@ -147,6 +147,16 @@ def test_retokenizing_would_have_drifted(summary: dict[str, Any]) -> None:
     assert all(r["drift_at"] > 0 for r in drifted)
 
 
+def test_counts_are_ints_and_drifted_tokens_start_at_the_drift(summary: dict[str, Any]) -> None:
+    for bucket in ("failures", "breaks", "splices"):
+        assert all(type(v) is int for v in summary[bucket].values()), bucket
+    assert '"total": 0.0' not in json.dumps(summary)
+    drifted = [r for r in summary["per_rollout"] if r["drift_at"] is not None]
+    # tokens from the first drift on: fewer than the drifted rows' whole length
+    assert 0 < summary["drift"]["tokens_in_drifted"] < summary["tokens"]["total"]
+    assert summary["drift"]["tokens_in_drifted"] >= len(drifted)
+
+
 def test_advantages_respect_the_valid_mask(summary: dict[str, Any]) -> None:
     assert summary["advantages"]["placeholder_rows_nonzero"] == 0
 
@@ -193,6 +203,38 @@ def test_report_renders_in_headless_chromium(demo_run: tuple[Path, str], tmp_pat
     width, height, colours = _png_stats(shot)
     assert (width, height) == (1400, 1800)
     assert colours > 20, "the screenshot is (nearly) one colour"
+
+
+def test_report_picks_any_trajectory_and_shows_plots_in_chromium(
+    demo_run: tuple[Path, str], summary: dict[str, Any], tmp_path: Path
+) -> None:
+    """Loads the page with a trajectory picked (``#tN``, what the picker writes), lets its
+    script run, and reads the DOM back: the picked trajectory alone is shown, every valid
+    row is reachable, the plots are there, prompts start folded."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is missing: bash scripts/setup.sh --with-chromium installs it"
+    report = demo_run[0] / "report.html"
+    count = report.read_text().count('<section class="traj"')
+    assert count == summary["rows"]["valid"]
+    picked = f"t{count - 1}"
+    dom = subprocess.run(
+        [
+            chromium, "--headless", "--no-sandbox", "--disable-gpu",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+            f"{report.as_uri()}#{picked}",
+        ],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    sections = re.findall(r'<section class="traj" id="(t\d+)"( hidden="")?', dom)
+    assert len(sections) == count
+    assert [s for s, hidden in sections if not hidden] == [picked]
+    assert dom.count('<option value="t') == count
+    plots = set(re.findall(r'<svg class="plot" data-plot="(\w+)"', dom))
+    assert plots >= {"reward", "advantage", "length", "logprob"}
+    assert '<details class="prompt">' in dom
+    assert '<details class="prompt" open' not in dom
+    assert "re-tokenised" in dom  # the captured ids beside the re-tokenised ones
 
 
 # ---- Ctrl-C ------------------------------------------------------------------------------

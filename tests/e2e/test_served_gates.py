@@ -21,7 +21,7 @@ import pytest
 from tests.e2e._gates import ServedGate
 from tokcap_core import reassemble
 from tokcap_tq import TQSink, TQSinkConfig
-from tokcap_vllm import ControlPlaneClient
+from tokcap_vllm import ControlPlaneClient, GateFleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,6 +56,7 @@ def gates(
         "--tokcap-training-partition",
         SINK.training_partition,
         "--tokcap-return-token-ids",
+        "--tokcap-require-open",
         "--tokcap-attach-timeout-s",
         "120",
     ]
@@ -98,6 +99,8 @@ def test_a_trainer_in_another_process_reads_the_engines_ids_from_tq(
 
     async def run() -> None:
         rid = "served-tq-1"
+        async with ControlPlaneClient(gate.url, TOKEN) as cp:
+            await cp.open(rid)
         answer = await _chat(f"{gate.url}/tokcap/rollouts/{rid}/v1", "hello there")
         async with ControlPlaneClient(gate.url, TOKEN) as cp:
             health = await cp.health()
@@ -112,5 +115,105 @@ def test_a_trainer_in_another_process_reads_the_engines_ids_from_tq(
             assert list(row.input_ids) == engine_ids
             await sink.clear(list(receipt.sink_keys))
             await cp.release(rid)
+
+    anyio.run(run)
+
+
+async def _play(fleet: GateFleet, rollout_ids: list[str]) -> dict[str, list[int]]:
+    """Open each rollout through the fleet and play one chat on it; the engine's ids."""
+    ids: dict[str, list[int]] = {}
+    for rid in rollout_ids:
+        answer = await _chat(await fleet.open(rid), f"tell me about {rid}")
+        ids[rid] = [*answer.prompt_token_ids, *answer.choices[0].token_ids]
+    return ids
+
+
+async def _train_rows(
+    fleet: GateFleet, sink: TQSink, rids: list[str], heads: dict[str, tuple[int, str]]
+) -> dict[str, Any]:
+    """Receipts from every gate, rows from TQ for the verified ones; everything freed."""
+    receipts = await fleet.fetch_receipts(rids, expected_heads=heads)
+    rows = {}
+    for receipt in receipts:
+        if receipt.status == "verified":
+            (rows[receipt.rollout_id],) = reassemble(
+                receipt, await sink.get(list(receipt.sink_keys)), max_seq_len=1024
+            )
+        await sink.clear(list(receipt.sink_keys))
+    await sink.clear(fleet.orphaned_keys(await sink.staged_keys()))
+    for rid in rids:
+        await fleet.release(rid)
+    return {"receipts": {r.rollout_id: r for r in receipts}, "rows": rows}
+
+
+def test_a_fleet_opens_each_rollout_on_one_gate_and_routes_to_it(
+    gates: list[ServedGate], sink: TQSink
+) -> None:
+    async def run() -> None:
+        rids = [f"fleet-{i}" for i in range(4)]
+        async with GateFleet([g.url for g in gates], TOKEN) as fleet:
+            engine_ids = await _play(fleet, rids)
+            owners = [fleet.gate_url(r) for r in rids]
+            assert owners == [gates[0].url, gates[1].url, gates[0].url, gates[1].url]
+            assert await fleet.open(rids[0]) == f"{gates[0].url}/tokcap/rollouts/{rids[0]}/v1"
+            assert [r.open for r in fleet.report()] == [2, 2]
+            heads = {rid: await fleet.close(rid, reward=1.0) for rid in rids}
+            trained = await _train_rows(fleet, sink, rids, heads)
+            for rid in rids:
+                assert trained["receipts"][rid].status == "verified"
+                assert list(trained["rows"][rid].input_ids) == engine_ids[rid]
+            assert [(r.opened, r.closed, r.released) for r in fleet.report()] == [(2, 2, 2)] * 2
+        for gate in gates:
+            async with ControlPlaneClient(gate.url, TOKEN) as cp:
+                assert await cp.rollouts() == []  # nothing held on either gate
+        assert not [k for k in await sink.staged_keys() if k.startswith("fleet-")]
+
+    anyio.run(run)
+
+
+def test_a_require_open_gate_refuses_rollouts_nobody_opened_there(
+    gates: list[ServedGate], sink: TQSink
+) -> None:
+    async def run() -> None:
+        async with GateFleet([gates[0].url], TOKEN) as fleet:
+            await fleet.open("opened-on-0")
+            for url, rid in ((gates[1].url, "opened-on-0"), (gates[0].url, "never-opened")):
+                with pytest.raises(openai.NotFoundError) as refused:
+                    await _chat(f"{url}/tokcap/rollouts/{rid}/v1", "hi")
+                assert "unknown_rollout" in str(refused.value)
+            await fleet.close("opened-on-0")  # opened, never called: closable, nothing trained
+            (receipt,) = await fleet.fetch_receipts(["opened-on-0"])
+            assert receipt.failure_reason == "no_terminal"
+            await fleet.release("opened-on-0")
+
+    anyio.run(run)
+
+
+def test_a_gate_killed_mid_step_poisons_only_its_own_rollouts(
+    gates: list[ServedGate], sink: TQSink
+) -> None:
+    """Runs last: it kills the second gate."""
+
+    async def run() -> None:
+        rids = [f"kill-{i}" for i in range(4)]
+        async with GateFleet([g.url for g in gates], TOKEN, retries=1) as fleet:
+            engine_ids = await _play(fleet, rids)
+            gates[1].kill()
+            heads = {rid: await fleet.close(rid, reward=1.0) for rid in rids}
+            trained = await _train_rows(fleet, sink, rids, heads)
+            receipts = trained["receipts"]
+            for rid in ("kill-0", "kill-2"):  # the live gate's rollouts train
+                assert receipts[rid].status == "verified"
+                assert list(trained["rows"][rid].input_ids) == engine_ids[rid]
+            for rid in ("kill-1", "kill-3"):
+                assert receipts[rid].status == "poisoned"
+                assert receipts[rid].failure_reason.startswith("gate_unreachable")
+            alive, dead = fleet.report()
+            assert (alive.alive, alive.unreachable, alive.released) == (True, 0, 2)
+            assert (dead.alive, dead.unreachable) == (False, 2)
+            assert fleet.metrics()["fleet/gate1/unreachable"] == 2.0
+        assert not [k for k in await sink.staged_keys() if k.startswith("kill-")]
+        async with ControlPlaneClient(gates[0].url, TOKEN) as cp:
+            assert await cp.rollouts() == []
 
     anyio.run(run)

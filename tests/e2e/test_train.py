@@ -130,18 +130,19 @@ def test_every_receipt_verifies(summary: dict[str, Any], steps: list[dict[str, A
     assert train["receipts_verified"] == train["receipts_total"] == 32 * STEPS
 
 
-def test_the_report_draws_both_curves_without_the_network(train_run: tuple[Path, str]) -> None:
+def test_the_report_draws_its_curves_without_the_network(train_run: tuple[Path, str]) -> None:
     page = (train_run[0] / "report.html").read_text()
     assert "http://" not in page
     assert "https://" not in page
     charts = re.findall(r"<svg.*?</svg>", page, re.S)
-    assert len(charts) == 3  # reward, parity, step time
+    assert len(charts) == 4  # reward, parity, staleness, step time
     for chart in charts:
         xml.dom.minidom.parseString(chart)  # well-formed
     reward, parity = charts[0], charts[1]
     assert reward.count("<circle") == 2 * STEPS  # mean and best, one point per step
     assert parity.count("<circle") == 2 * STEPS  # K3 and mean |Δ|
     assert "K3 bound 1e-9" in parity
+    assert charts[2].count("<circle") == STEPS  # max staleness, one point per step
 
 
 def test_show_reprints_the_training_summary(train_run: tuple[Path, str]) -> None:

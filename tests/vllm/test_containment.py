@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import httpx
+import openai
 import pytest
 
 from tests.vllm._helpers import CONTROL_TOKEN, client, control
@@ -87,12 +88,17 @@ def test_a_ledger_file_that_cannot_be_written_poisons_that_rollout_alone(
                 tg.start_soon(_turns, server, rid, 1)
         await anyio.to_thread.run_sync(server.call, gate.drain)  # every commit is on file
         size = gate.ledger_file.path.stat().st_size  # type: ignore[union-attr]
-        # the victim's first record gets 10 bytes onto the file, then the write fails
-        with _file_size_limit(size + 10):
+        # the victim's first record gets 10 bytes onto the file, then the write fails: the
+        # call is refused (issue #24: never served into a rollout its file cannot record)
+        with _file_size_limit(size + 10), pytest.raises(openai.InternalServerError) as failed:
             await _turns(server, "ct-file-victim", 1)
-        async with anyio.create_task_group() as tg:  # everyone goes on; the victim uncaptured
-            for rid in [*others, "ct-file-victim"]:
+        assert (failed.value.status_code, failed.value.code) == (503, "ledger_write_failed")
+        async with anyio.create_task_group() as tg:  # everyone goes on
+            for rid in others:
                 tg.start_soon(_turns, server, rid, 2)
+        with pytest.raises(openai.ConflictError) as refused:  # the victim's calls are refused
+            await _turns(server, "ct-file-victim", 1)
+        assert refused.value.code == "rollout_poisoned"
         return await _receipts(server, [*others, "ct-file-victim"])
 
     receipts = anyio.run(main)
@@ -102,11 +108,11 @@ def test_a_ledger_file_that_cannot_be_written_poisons_that_rollout_alone(
     for rid in others:
         assert receipts[rid].ok, receipts[rid]
         assert _staged(server, rid) == 3  # one conversation before the fault, one after
-    assert _staged(server, "ct-file-victim") == 1  # in memory; its later calls uncaptured
+    assert _staged(server, "ct-file-victim") == 0  # refused at admission, later calls too
     assert gate.running
     assert _health(server)["status"] == "degraded"  # the victim is not fully on file
     assert gate.metrics()["tokcap/ledger_write_failures"] >= 1
-    assert gate.metrics()["tokcap/calls_uncaptured_after_failure"] >= 2
+    assert gate.metrics()["tokcap/requests_refused/rollout_poisoned"] >= 1
     with httpx.Client(timeout=60) as http:
         assert http.delete(
             f"{server.base_url}/tokcap/v1/rollouts/ct-file-victim", headers=AUTH
@@ -137,11 +143,17 @@ def test_a_ledger_refusing_a_commit_poisons_that_rollout_alone(server: InProcess
         record = gate.registry.join("ct-ref-victim")
         record.ledger = _RefusingLedger("ct-ref-victim")
 
+    async def victim_turns() -> None:  # its first commit is refused, so its next call is
+        with pytest.raises(openai.ConflictError) as refused:
+            await _turns(server, "ct-ref-victim", 3)
+        assert refused.value.code in ("rollout_poisoned", "parent_not_committed")
+
     async def main() -> dict[str, Any]:
         server.call(swap)
         async with anyio.create_task_group() as tg:
-            for rid in [*others, "ct-ref-victim"]:
+            for rid in others:
                 tg.start_soon(_turns, server, rid, 3)
+            tg.start_soon(victim_turns)
         return await _receipts(server, [*others, "ct-ref-victim"])
 
     before = gate.metrics().get("tokcap/contained_failures/injected_refusal", 0.0)

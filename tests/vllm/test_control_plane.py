@@ -23,6 +23,7 @@ from tokcap_vllm import (
     ControlConflict,
     ControlNotFound,
     ControlPlaneClient,
+    ControlRequestError,
     ControlUnreachable,
     InProcessServer,
 )
@@ -120,25 +121,31 @@ def test_close_twice_is_a_conflict_and_changes_nothing(server: InProcessServer) 
     assert manifest.head == head
 
 
-def test_terminal_declared_for_a_missing_call_poisons_the_receipt(server: InProcessServer) -> None:
+def test_a_terminal_naming_no_answered_call_is_refused_and_harms_nothing(
+    server: InProcessServer,
+) -> None:
+    """Q3 (issue #24): a declared terminal that names no call the harness was answered with
+    is 422 ``unknown_terminal`` and leaves the rollout as it was (it would poison it for good)."""
+
     async def main() -> tuple[Any, ...]:
         await _chat(server, "cp-term", turns=2)
         async with control(server) as cp:
-            await cp.declare_terminal("cp-term", call_id="c000009")
+            with pytest.raises(ControlRequestError) as unknown:
+                await cp.declare_terminal("cp-term", call_id="c000009")
+            with pytest.raises(ControlRequestError) as unknown_response:
+                await cp.declare_terminal("cp-term", response_id="chatcmpl-nobody")
+            await cp.declare_terminal("cp-term", call_id="c000001")
             with pytest.raises(ControlConflict) as again:
-                await cp.declare_terminal("cp-term", call_id="c000001")
+                await cp.declare_terminal("cp-term", call_id="c000002")
             head = await cp.close("cp-term", reward=1.0)
             (receipt,) = await cp.fetch_receipts(["cp-term"], expected_heads={"cp-term": head})
-            await _chat(server, "cp-term-ok", turns=2)
-            await cp.declare_terminal("cp-term-ok", call_id="c000001")
-            await cp.close("cp-term-ok")
-            (ok,) = await cp.fetch_receipts(["cp-term-ok"])
-        return again.value, receipt, ok
+        return unknown.value, unknown_response.value, again.value, receipt
 
-    again, receipt, ok = anyio.run(main)
+    unknown, unknown_response, again, receipt = anyio.run(main)
+    assert (unknown.status, unknown.code) == (422, "unknown_terminal")
+    assert (unknown_response.status, unknown_response.code) == (422, "unknown_terminal")
     assert (again.status, again.code) == (409, "terminal_already_declared")
-    assert (receipt.status, receipt.failure_reason) == ("poisoned", "declared_terminal_missing")
-    assert (ok.terminal_call_id, ok.terminal_selection) == ("c000001", "declared")
+    assert (receipt.terminal_call_id, receipt.terminal_selection) == ("c000001", "declared")
 
 
 def test_bad_bodies_ids_and_methods_get_reason_codes(server: InProcessServer) -> None:

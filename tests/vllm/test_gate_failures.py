@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import anyio
 import httpx
+import openai
 import pytest
 
 from tests.vllm._helpers import client, close_and_reassemble, events
@@ -96,9 +97,14 @@ def test_sink_failure_poisons_only_its_rollout(server) -> None:  # type: ignore[
                     {"role": "user", "content": "more"},
                 ]
 
+    async def poisoned_convo() -> None:  # its second call is refused (issue #24, Q1)
+        with pytest.raises(openai.ConflictError) as refused:
+            await convo("fail-1")
+        assert refused.value.code in ("rollout_poisoned", "parent_not_committed")
+
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(convo, "fail-1")
+            tg.start_soon(poisoned_convo)
             tg.start_soon(convo, "fine-1")
 
     anyio.run(main)

@@ -12,6 +12,12 @@ rollout predicts every answer; after every step the invariants hold:
 - one idempotency key is one call (its response id is committed at most once);
 - a closed rollout verifies (no rule here makes a rollout fail).
 
+Issue #24 adds the second hostile pass: request ids the ledger cannot store, the rollout
+header on endpoints the gate does not capture, tool-call arguments nested past Python's
+recursion limit, a close while a stream generates (the stream ends with an error event,
+never ``[DONE]``), a terminal naming no call and a malformed witness fingerprint (refused,
+the rollout unharmed), and requests vLLM itself refuses (nothing left behind).
+
 The CI profile runs a few short programs; ``TOKCAP_GATE_MODEL_EXAMPLES`` and
 ``TOKCAP_GATE_MODEL_STEPS`` make it longer (``bench/soak_gate_model.py``).
 """
@@ -63,6 +69,8 @@ class _Rollout:
     """Idempotency key → the response id every use of it returned."""
     request_ids: set[str] = field(default_factory=set)
     state: str = "open"  # open | closed | released
+    unanswered: bool = False
+    """A call of this life was admitted and left unanswered (its abandon may still be due)."""
 
 
 class GateModel(RuleBasedStateMachine):
@@ -208,6 +216,7 @@ class GateModel(RuleBasedStateMachine):
         with self.http.stream("POST", self._url(rollout_id), json=body) as answer:
             assert answer.status_code == 200
             next(answer.iter_lines())  # leave after the first line: history unchanged
+        life.unanswered = True
 
     @rule(rollout_id=rollouts)
     def declare_terminal(self, rollout_id: str) -> None:
@@ -262,6 +271,107 @@ class GateModel(RuleBasedStateMachine):
         )
         assert 400 <= answer.status_code < 500, answer.text
         assert answer.json()["error"]["code"]
+
+    # ---- hostile clients, part 2 (issue #24) ----------------------------------------
+
+    @rule(rollout_id=rollouts, how=st.sampled_from(["empty", "long", "tab", "non_ascii"]))
+    def bad_request_id(self, rollout_id: str, how: str) -> None:
+        life = self.lives[rollout_id]
+        body = self._body(life)
+        headers = {}
+        if how == "empty":
+            headers = {"x-request-id": ""}
+        elif how == "long":
+            headers = {"x-request-id": "r" * 248}
+        else:
+            body["request_id"] = "a\tb" if how == "tab" else "caf\u00e9"
+        answer = self.http.post(self._url(rollout_id), json=body, headers=headers)
+        assert (answer.status_code, answer.json()["error"]["code"]) == (400, "bad_request_id")
+
+    @rule(rollout_id=rollouts, path=st.sampled_from(["/v1/responses", "/v1/messages"]))
+    def header_on_an_uncaptured_endpoint(self, rollout_id: str, path: str) -> None:
+        answer = self.http.post(
+            path,
+            json={"model": self.server.model, "input": "x", "messages": [], "max_tokens": 2},
+            headers={"x-tokcap-rollout-id": rollout_id},
+        )
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"]["code"] == "uncaptured_endpoint"
+
+    @rule(rollout_id=rollouts)
+    def deep_tool_arguments(self, rollout_id: str) -> None:
+        life = self.lives[rollout_id]
+        body = self._body(life)
+        deep = "[" * 5000 + "]" * 5000
+        body["messages"] = [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "t", "type": "function", "function": {"name": "f", "arguments": deep}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "t", "content": "y"},
+        ]
+        answer = self.http.post(self._url(rollout_id), json=body)
+        expected = (409, "rollout_closed") if life.state == "closed" else (400, "bad_json")
+        assert (answer.status_code, answer.json()["error"]["code"]) == expected
+
+    @rule(rollout_id=rollouts)
+    def close_while_generating(self, rollout_id: str) -> None:
+        life = self.lives[rollout_id]
+        if life.state != "open":
+            return
+        body = self._body(life, stream=True, max_tokens=2000, ignore_eos=True)
+        lines: list[str] = []
+        with self.http.stream("POST", self._url(rollout_id), json=body) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                lines.append(line)
+                if len(lines) == 1:
+                    closed = self.http.post(
+                        f"/tokcap/v1/rollouts/{rollout_id}/close", json={}, headers=AUTH
+                    )
+                    assert closed.status_code == 200, closed.text
+        data = [line for line in lines if line.startswith("data: ")]
+        assert "data: [DONE]" not in data  # never a normal end
+        assert '"rollout_closed"' in data[-1], data[-1]
+        life.state = "closed"
+        receipt = assemble_receipt(
+            verify_manifest(manifest_of(self.server.gate.ledger(rollout_id)))
+        )
+        assert receipt.ok == bool(life.answered), receipt
+
+    @rule(rollout_id=rollouts)
+    def terminal_naming_no_call(self, rollout_id: str) -> None:
+        life = self.lives[rollout_id]
+        answer = self.http.post(
+            f"/tokcap/v1/rollouts/{rollout_id}/terminal", json={"call_id": "c999999"}, headers=AUTH
+        )
+        if life.state == "open" and life.answered:
+            assert answer.status_code == 422, answer.text
+            assert answer.json()["error"]["code"] == "unknown_terminal"
+        else:
+            assert answer.status_code in (404, 409, 422), answer.text
+
+    @rule(rollout_id=rollouts)
+    def close_with_a_malformed_fingerprint(self, rollout_id: str) -> None:
+        answer = self.http.post(
+            f"/tokcap/v1/rollouts/{rollout_id}/close",
+            json={"witnesses": {"content_fingerprint": "not-a-fingerprint"}},
+            headers=AUTH,
+        )
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["error"]["code"] == "bad_content_fingerprint"
+
+    @rule(rollout_id=rollouts)
+    def vllm_refuses(self, rollout_id: str) -> None:
+        life = self.lives[rollout_id]
+        answer = self.http.post(self._url(rollout_id), json=self._body(life, temperature=-1.0))
+        assert 400 <= answer.status_code < 500, answer.text
+        if life.state == "open" and not life.answered and not life.unanswered:  # nothing served
+            assert rollout_id not in self.server.gate.rollouts()
 
     # ---- invariants ------------------------------------------------------------------
 

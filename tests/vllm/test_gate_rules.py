@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.vllm._rules import Flag, NoLock
 from tokcap_core import TokcapError
 from tokcap_vllm._admission import (
     ChatPlan,
@@ -24,7 +25,7 @@ from tokcap_vllm._admission import (
 )
 from tokcap_vllm._errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
 from tokcap_vllm._host import EngineResult
-from tokcap_vllm._lifecycle import COMMITTED, FAILED, GateCall, gone, replayable
+from tokcap_vllm._lifecycle import COMMITTED, FAILED, GateCall, answerable, gone
 from tokcap_vllm._planning import Observed, ParentIndex, PlannedRequest
 from tokcap_vllm._render_ids import _served_message, _short_call_id, describe, is_id_tokenizer
 from tokcap_vllm._rollouts import CLOSING, EMPTY, OPEN, UNCAPTURED, RolloutBook
@@ -33,30 +34,6 @@ from tokcap_vllm._splice import _common_prefix, _ended, _lost, splice_cause
 from tokcap_vllm._staging import staged_call, staged_entry
 
 PREFIX = "/tokcap/rollouts/"
-
-
-class Flag:
-    """A plain flag standing in for the driver's ``anyio.Event`` (the rules only set it)."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def set(self) -> None:
-        self.done = True
-
-    def is_set(self) -> bool:
-        return self.done
-
-    async def wait(self) -> None:
-        raise AssertionError("the rules never wait")
-
-
-class NoLock:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
 
 
 def _book(max_open: int = 4) -> RolloutBook:
@@ -371,7 +348,7 @@ def test_the_open_bound_counts_only_open_records_and_a_dropped_request_leaves_no
     assert book.join("b").phase is EMPTY
 
 
-def test_a_key_holder_is_replayed_waited_for_or_taken_over() -> None:
+def test_a_key_holder_is_answered_again_waited_for_or_taken_over() -> None:
     book = _book()
     record = book.join("k")
     first = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="b")
@@ -386,10 +363,10 @@ def test_a_key_holder_is_replayed_waited_for_or_taken_over() -> None:
         book.claim(other)
     assert e.value.code == "idempotency_key_reused"
     first.phase = COMMITTED
-    assert book.claim(retry) is None  # settled without an answer to replay: taken over
+    assert book.claim(retry) is None  # settled without an answer to send again: taken over
     assert record.keys["key"] is retry
-    retry.phase, retry.replay = FAILED, ({}, [])
-    assert replayable(retry)
+    retry.phase, retry.answer = FAILED, ({}, [])
+    assert answerable(retry)
     late = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="b")
     assert late is not None
     assert book.claim(late) is retry
@@ -421,7 +398,9 @@ def test_what_a_rollout_phase_lets_through() -> None:
     book.advance(record, "fail", poison="gate_failed:x")
     book.advance(record, "fail", poison="gate_failed:y")
     assert (record.phase, record.poison) == (UNCAPTURED, "gate_failed:x")
-    assert book.begin(record, kind="chat") is None
+    with pytest.raises(RolloutConflict) as refused:  # a poisoned rollout refuses calls
+        book.begin(record, kind="chat")
+    assert refused.value.code == "rollout_poisoned"
     book.advance(record, "close")
     assert not record.accepting
     with pytest.raises(RolloutConflict):
@@ -475,3 +454,26 @@ def test_a_tokenizer_is_named_and_recognised_by_what_vllm_marks_it_with() -> Non
     assert is_id_tokenizer(Marked())
     assert describe(Plain()) == "Plain"
     assert describe(Wrapped()) == "Wrapped (Inner v3)"
+
+
+def test_a_parent_whose_call_fails_after_responding_is_a_parent_no_more() -> None:
+    book = _book()
+    record = book.join("pf")
+    calls = []
+    for n in (1, 2):
+        call = book.begin(record, kind="completion")
+        assert call is not None
+        book.advance(record, "append")
+        call.call_id = f"c00000{n}"  # type: ignore[assignment]
+        call.plan = ChatPlan(None, 0, [1], "ab")
+        book.step(call, "admit")
+        book.step(call, "finish")
+        call.prior = _prior(call.call_id, "abx", [1, 2])
+        book.step(call, "respond")
+        calls.append(call)
+    assert [p.call_id for p in record.parents.snapshot()[0]] == ["c000001", "c000002"]
+    assert record.parents.snapshot()[1] == {"c000001": 2, "c000002": 2}
+    book.step(calls[0], "fail")
+    book.step(calls[1], "commit")
+    assert [p.call_id for p in record.parents.snapshot()[0]] == ["c000002"]
+    assert (record.phase, record.live) == (UNCAPTURED, set())

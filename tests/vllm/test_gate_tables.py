@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.vllm._rules import Flag, NoLock
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Closed, Failed, Poisoned, Witnesses
 from tokcap_vllm._admission import ChatPlan, PriorCall
@@ -35,7 +36,7 @@ from tokcap_vllm._lifecycle import (
     RESPONDED,
     CallStateError,
     GateCall,
-    replayable,
+    answerable,
 )
 from tokcap_vllm._rollouts import (
     CLOSED,
@@ -53,30 +54,6 @@ KEYS = (None, "k1", "k2")
 REQUEST_IDS = (None, "q1", "q2")
 OPS = ("admit", "drop", "finish", "respond", "commit", "fail", "abandon")
 MAX_OPEN = 2
-
-
-class Flag:
-    """A plain flag standing in for the driver's ``anyio.Event`` (the rules only set it)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def set(self) -> None:
-        self.count += 1
-
-    def is_set(self) -> bool:
-        return self.count > 0
-
-    async def wait(self) -> None:  # never awaited here: the rules do not wait
-        raise AssertionError("the rules never wait")
-
-
-class NoLock:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
 
 
 # The call table as the module docstring draws it, written out independently.
@@ -192,13 +169,14 @@ class GateTables(RuleBasedStateMachine):
             model = self.model[rid] = ModelRollout()
             self.records[rid] = record
         assert record is self.records[rid]
+        if model.phase is UNCAPTURED:  # a poisoned rollout refuses its later calls
+            with pytest.raises(RolloutConflict) as refused:
+                self.book.begin(record, kind="chat", idempotency_key=key, body_fingerprint=body)
+            assert refused.value.code == "rollout_poisoned"
+            return
         call = self.book.begin(
             record, kind="chat", idempotency_key=key, body_fingerprint=body, request_id=request_id
         )
-        if model.phase is UNCAPTURED:
-            assert call is None
-            return
-        assert call is not None
         assert call.phase is PLANNING
         assert call.rollout is record
         model.live.add(call)
@@ -210,7 +188,7 @@ class GateTables(RuleBasedStateMachine):
             if holder.body_fingerprint != body:
                 expect = "idempotency_key_reused"
             elif holder.phase not in FINAL or (
-                holder.replay is not None and holder.phase in (COMMITTED, FAILED)
+                holder.answer is not None and holder.phase in (COMMITTED, FAILED)
             ):
                 expect = holder
         if expect is None and request_id is not None:
@@ -231,7 +209,7 @@ class GateTables(RuleBasedStateMachine):
                 if request_id is not None:
                     model.request_ids[request_id] = call
             else:
-                assert not expect.final or replayable(expect)
+                assert not expect.final or answerable(expect)
 
     @rule(data=st.data())
     def drop(self, data: st.DataObject) -> None:
@@ -296,7 +274,7 @@ class GateTables(RuleBasedStateMachine):
             assert call.call_id is not None
             call.prior = PriorCall(call.call_id, "chat", "prompt+out", array("I", [1, 2, 3]))
         if was is FINISHED and answer:
-            call.replay = ({"type": "http.response.start"}, [b"{}"])
+            call.answer = ({"type": "http.response.start"}, [b"{}"])
         self._step(call, "respond")
         model = self._model_of(call)
         if was is FINISHED and parent and model is not None:

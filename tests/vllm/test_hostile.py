@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import httpx
+import openai
 import pytest
 
 from tests.vllm._helpers import CONTROL_TOKEN, client, control, events
@@ -101,19 +102,24 @@ def test_release_and_reuse_during_a_stream_never_mixes_rollouts(server: InProces
                 extra_body={"ignore_eos": True},
             )
             chunks = 0
-            async for chunk in stream:
-                old_id = chunk.id
-                chunks += 1
-                if chunks == 10:
-                    await cp.close("hx-reuse", reward=0.0)
-                    await cp.release("hx-reuse")
-                    fresh = await c.chat.completions.create(
-                        model=server.model,
-                        messages=[{"role": "user", "content": "second life"}],
-                        max_tokens=4,
-                        temperature=0.0,
-                    )
-                    new_id = fresh.id
+            ended: openai.APIError | None = None
+            try:  # the stream ends with an error event, never a normal end
+                async for chunk in stream:
+                    old_id = chunk.id
+                    chunks += 1
+                    if chunks == 10:
+                        await cp.close("hx-reuse", reward=0.0)
+                        await cp.release("hx-reuse")
+                        fresh = await c.chat.completions.create(
+                            model=server.model,
+                            messages=[{"role": "user", "content": "second life"}],
+                            max_tokens=4,
+                            temperature=0.0,
+                        )
+                        new_id = fresh.id
+            except openai.APIError as e:
+                ended = e
+            assert "[rollout_closed]" in str(ended)
         return old_id, new_id
 
     old_id, new_id = anyio.run(main)
@@ -223,7 +229,7 @@ def test_a_retry_waiting_on_its_key_while_the_rollout_closes_gets_409(
         return out["first"], out["retry"]
 
     first, retry = anyio.run(main)
-    assert first.status_code == 200  # the stream still reached its harness
+    assert _code(first) == (409, "rollout_closed")  # never a completion (issue #24, B6)
     assert retry.status_code == 409, retry.text
     assert retry.json()["error"]["code"] in ("rollout_closed", "retry_in_flight")
     evs = events(server, "hx-close-retry")

@@ -14,41 +14,9 @@ the control plane) yields a `Stack`. ``examples/custom_trainer.py`` is the worke
 example; `tokcap demo` and `tokcap train` are built on this module.
 """
 
-from ._harness import Rollout, play_rollouts
-from ._stack import (
-    GateEndpoint,
-    Stack,
-    StageHook,
-    in_process_gate,
-    open_stack,
-    services,
-    tq_sink,
-)
-from ._trainer import (
-    Batch,
-    CollectTimings,
-    ControlPlane,
-    Finished,
-    FinishTimings,
-    collect,
-    finish,
-)
+from . import _harness, _stack, _trainer
+from ._harness import *  # noqa: F403
+from ._stack import *  # noqa: F403
+from ._trainer import *  # noqa: F403
 
-__all__ = [
-    "Batch",
-    "CollectTimings",
-    "ControlPlane",
-    "FinishTimings",
-    "Finished",
-    "GateEndpoint",
-    "Rollout",
-    "Stack",
-    "StageHook",
-    "collect",
-    "finish",
-    "in_process_gate",
-    "open_stack",
-    "play_rollouts",
-    "services",
-    "tq_sink",
-]
+__all__ = [*_harness.__all__, *_stack.__all__, *_trainer.__all__]

@@ -1,9 +1,11 @@
 """The ``tokcap demo`` room: the black-box harness, the model families, checks and report.
 
-Public here: the harness's tool list and tool-call helpers (tests reuse them) and the model
-families the demo serves. The command itself is ``tokcap demo`` (`tokcap.__main__`).
+Public here: the harness's tool list and tool-call helpers (tests reuse them), the model
+families the demo serves, and the report's page and plots (`render_report`, `Drift`,
+`group_strips`, `histogram`). The command itself is ``tokcap demo`` (`tokcap.__main__`).
 """
 
+from ._checks import Drift
 from ._families import (
     CHATML_TOOLS_TEMPLATE,
     ENGINE_ARGS,
@@ -14,6 +16,8 @@ from ._families import (
     model_family,
 )
 from ._harness import TOOLS, forced_tool_calls, tool_result
+from ._plots import group_strips, histogram
+from ._report import render_report
 
 __all__ = [
     "CHATML_TOOLS_TEMPLATE",
@@ -21,9 +25,13 @@ __all__ = [
     "FAMILIES",
     "QWEN_VLLM_ARGS",
     "TOOLS",
+    "Drift",
     "ModelFamily",
     "chatml_tool_args",
     "forced_tool_calls",
+    "group_strips",
+    "histogram",
     "model_family",
+    "render_report",
     "tool_result",
 ]

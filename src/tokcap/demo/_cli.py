@@ -34,7 +34,6 @@ class DemoOptions:
     quick: bool = False
     seed: int = 0
     cache: Path = Path(".tokcap")
-    samples: int = 4
     ray_address: str | None = None
     model_family: str = "qwen"
 
@@ -92,7 +91,7 @@ def _run(
                 run.rows, episodes, run.manifests, tokenizer, family.retokenize
             )
             summary = build_summary(run, parity, drift, stages.timings_s)
-            samples = _samples(run, drift, options.samples)
+            samples = _samples(run, drift)
             out.mkdir(parents=True, exist_ok=True)
             page = render_report(summary, samples, tokenizer)
             (out / "report.html").write_text(page, encoding="utf-8")
@@ -117,22 +116,19 @@ def summary_problems(summary: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _samples(run: Any, drift: list[Any], count: int) -> list[Any]:
-    """A few trajectories for the report: one per behaviour of group 0, drifted ones first."""
+def _samples(run: Any, drift: list[Any]) -> list[Any]:
+    """Every valid row for the report, by group then rollout; drifted rows carry their drift."""
     drift_of = {d.rollout_id: d for d in drift}
-    chosen: list[Any] = []
-    seen: set[str] = set()
-    episodes = sorted(
-        run.episodes, key=lambda e: (e.group, drift_of.get(e.rollout_id) is None, e.rollout_id)
+    group_of = {e.rollout_id: e.group for e in run.episodes}
+    rows = sorted(
+        (r for r in run.rows if r.sample_mask),
+        key=lambda r: (group_of.get(r.rollout_id, 0), r.rollout_id, r.segment),
     )
-    for episode in episodes:
-        if episode.behaviour in seen or len(seen) >= count:
-            continue
-        rows = [r for r in run.rows if r.rollout_id == episode.rollout_id and r.sample_mask]
-        if not rows:
-            continue
-        seen.add(episode.behaviour)
-        for row in rows:
-            d = drift_of.get(row.rollout_id) if row.segment == 0 else None
-            chosen.append((row, run.receipts[row.rollout_id], d))
-    return chosen
+    return [
+        (
+            row,
+            run.receipts[row.rollout_id],
+            drift_of.get(row.rollout_id) if row.segment == 0 else None,
+        )
+        for row in rows
+    ]

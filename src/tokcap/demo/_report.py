@@ -1,12 +1,15 @@
 """``report.html``: one self-contained page (inline CSS and JS, no network) about a demo run.
 
-Key figures, then a per-token view of a few trajectories: carried tokens (prompt, tool
-output, template text) in grey, generated tokens in blue shaded by the sampled token's
-probability, a marker where each call starts (amber, with its cause, where the call was
-*spliced*: it kept its parent's exact ids although the template renders the parent's turn
-differently), the receipt's chain with how each prompt was formed and shortened digests
-(the full value on hover, copied on click), and the first position where re-tokenising
-the transcript would have changed the ids.
+Key figures, inline SVG plots (reward, advantage and length per group; the distribution of
+the generated tokens' logprobs), the rollout table, then every trajectory behind a picker
+(``report.html#t3`` opens the fourth), its prompt collapsed, in a per-token view: carried
+tokens (prompt, tool output, template text) in grey, generated tokens in blue shaded by
+the sampled token's probability, a marker where each call starts (amber, with its cause,
+where the call was *spliced*: it kept its parent's exact ids although the template renders
+the parent's turn differently), the receipt's chain with how each prompt was formed and
+shortened digests (the full value on hover, copied on click), and the first position where
+re-tokenising the transcript would have changed the ids, the captured ids beside the
+re-tokenised ones.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tokcap_core import Receipt, TrainingRow
 from tokcap_core.receipts import ReceiptCall
 
 from ._checks import Drift
+from ._plots import group_strips, histogram
 
 __all__ = ["render_report"]
 
@@ -51,10 +55,20 @@ padding:0 4px;margin:0 3px 0 6px;line-height:1.5}.cb.sp{background:#bf8700}
 outline-offset:1px;position:relative}.after{text-decoration:underline wavy rgba(209,36,47,.45)}
 .legend span{margin-right:14px}.sw{display:inline-block;width:14px;height:12px;vertical-align:-1px;
 margin-right:4px;border-radius:2px}.ids .t{font-size:11px}.note{font-size:12.5px;color:var(--mute)}
+.traj[hidden]{display:none}details.prompt>summary{cursor:pointer;color:var(--mute);
+font-size:12px}select{font:inherit;padding:3px 6px;max-width:100%}.plots{display:flex;
+flex-wrap:wrap;gap:12px}.plots svg{background:#fff;border:1px solid var(--line);border-radius:8px}
+svg text{font:11px system-ui,sans-serif;fill:#57606a}
+table.cmp td{font-family:ui-monospace,monospace}
 button{font:inherit;font-size:12px;padding:2px 8px;border:1px solid var(--line);border-radius:6px;
 background:#fff;cursor:pointer}
 """
 _JS = """
+const picker=document.getElementById('picker');
+function pick(id){document.querySelectorAll('section.traj').forEach(s=>{s.hidden=s.id!==id;});
+ if(picker)picker.value=id;}
+if(picker){picker.addEventListener('change',()=>{pick(picker.value);history.replaceState(null,'','#'+picker.value);});
+ const want=location.hash.slice(1);pick(document.getElementById(want)?want:picker.value);}
 document.querySelectorAll('.dg').forEach(e=>e.addEventListener('click',()=>{
  navigator.clipboard&&navigator.clipboard.writeText(e.title);}));
 document.querySelectorAll('button[data-ids]').forEach(b=>b.addEventListener('click',()=>{
@@ -118,8 +132,10 @@ def _tokens(
 ) -> str:
     starts = {s.start: s for s in row.call_spans}
     cut = drift.first_diff if drift is not None else None
-    out: list[str] = []
+    prompt: list[str] = []
+    rest: list[str] = []
     for i, (tid, piece) in enumerate(zip(row.input_ids, pieces, strict=True)):
+        out = prompt if i < row.prompt_len else rest
         span = starts.get(i)
         if span is not None:
             link = links.get(span.call_id)
@@ -153,12 +169,43 @@ def _tokens(
             f'<span class="{" ".join(classes)}"{style} title="{_e(title)}" data-id="{tid}" '
             f'data-s="{_e(text)}">{_e(text)}</span>'
         )
-    return f'<div class="tokens" id="{box_id}">{"".join(out)}</div>'
+    folded = (
+        f'<details class="prompt"><summary>prompt: {len(prompt)} carried tokens (click to '
+        f"expand)</summary>{''.join(prompt)}</details>"
+        if prompt
+        else ""
+    )
+    return f'<div class="tokens" id="{box_id}">{folded}{"".join(rest)}</div>'
+
+
+def _drift_compare(
+    row: TrainingRow, drift: Drift | None, pieces: Sequence[str], retok: Sequence[str]
+) -> str:
+    """At the first drift: the captured ids beside the ids re-tokenising the text gives."""
+    if drift is None or drift.first_diff is None:
+        return ""
+    at = drift.first_diff
+    lo = max(0, at - 3)
+
+    def cells(ids: Sequence[int], text: Sequence[str]) -> str:
+        return "".join(
+            f"<td{' class=drift' if lo + k == at else ''}>{ids[lo + k]}<br>"
+            f"{_e(_token_text(text[lo + k]))}</td>"
+            for k in range(min(9, len(ids) - lo))
+        )
+
+    return (
+        f'<p class="note">At position {at} re-tokenising the transcript stops matching what the '
+        "engine saw. tokcap trains on the captured ids; a trainer working from text would "
+        f'have trained on the second line:</p><table class="cmp"><tr><th>captured</th>'
+        f"{cells(row.input_ids.tolist(), pieces)}</tr><tr><th>re-tokenised</th>"
+        f"{cells(drift.retok_ids, retok)}</tr></table>"
+    )
 
 
 def _trajectory(
     n: int, row: TrainingRow, receipt: Receipt, info: dict[str, Any], pieces: Sequence[str],
-    drift: Drift | None,
+    drift: Drift | None, retok_pieces: Sequence[str],
 ) -> str:  # fmt: skip
     tags = [f'<span class="tag">{_e(info["behaviour"])}</span>']
     tags.append(f'<span class="tag">terminal: {_e(receipt.terminal_selection)}</span>')
@@ -171,15 +218,16 @@ def _trajectory(
     elif drift is not None:
         tags.append('<span class="tag">re-tokenising: identical</span>')
     box = f"tok{n}"
+    compare = _drift_compare(row, drift, pieces, retok_pieces)
     meta = (
         f"{len(row.input_ids)} tokens ({row.num_generated} generated) · reward "
         f"{info['reward']:.3f} · advantage {info['advantage']:+.3f} · ledger head "
         f"{receipt.ledger_head[0]}:{_digest(receipt.ledger_head[1])}"
     )
     return (
-        f'<section class="traj"><h3>{_e(row.key)} {"".join(tags)} '
+        f'<section class="traj" id="t{n}"><h3>{_e(row.key)} {"".join(tags)} '
         f'<button data-ids="{box}">show token ids</button></h3><div class="meta">{meta}</div>'
-        f"{_chain_table(receipt, row.segment)}"
+        f"{_chain_table(receipt, row.segment)}{compare}"
         f"{_tokens(row, pieces, drift, box, {c.call_id: c for c in receipt.segments[row.segment]})}"
         "</section>"
     )
@@ -203,6 +251,35 @@ def _rollout_table(per_rollout: Sequence[dict[str, Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _plots(
+    summary: dict[str, Any], samples: Sequence[tuple[TrainingRow, Receipt, Drift | None]]
+) -> str:
+    per = summary["per_rollout"]
+    groups = sorted({r["group"] for r in per})
+    lengths: dict[int, list[float]] = {g: [] for g in groups}
+    group_of = {r["rollout_id"]: r["group"] for r in per}
+    logprobs: list[float] = []
+    for row, _, _ in samples:
+        if row.segment == 0:
+            lengths[group_of[row.rollout_id]].append(float(len(row.input_ids)))
+        logprobs += [lp for lp, m in zip(row.logprobs.tolist(), row.loss_mask, strict=True) if m]
+
+    def by_group(key: str) -> list[tuple[str, list[float]]]:
+        return [(f"g{g}", [float(r[key]) for r in per if r["group"] == g]) for g in groups]
+
+    return '<div class="plots">' + "".join(
+        (
+            group_strips("reward", "reward per group", by_group("reward")),
+            group_strips("advantage", "advantage per group", by_group("advantage")),
+            group_strips(
+                "length", "trajectory length (tokens) per group",
+                [(f"g{g}", lengths[g]) for g in groups],
+            ),
+            histogram("logprob", "logprob of each generated token", logprobs),
+        )
+    ) + "</div>"  # fmt: skip
+
+
 def render_report(
     summary: dict[str, Any],
     samples: Sequence[tuple[TrainingRow, Receipt, Drift | None]],
@@ -223,9 +300,9 @@ def render_report(
                 "ok" if par["rows_differing"] == 0 else "warn",
             ),
             _card(
-                "trajectories re-tokenising would change",
+                "trajectories kept exact that re-tokenising would have changed",
                 f"{drift['trajectories_drifted']} / {drift['trajectories_checked']}",
-                "warn",
+                "ok",
             ),
         )
     )
@@ -270,16 +347,26 @@ def render_report(
     )
     rollouts = _rollout_table(summary["per_rollout"])
     info = {r["rollout_id"]: r for r in summary["per_rollout"]}
+
+    def decode(ids: Sequence[int]) -> list[str]:
+        return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
     sections = "".join(
         _trajectory(
-            n,
-            row,
-            receipt,
-            info[row.rollout_id],
-            [tokenizer.decode([t], skip_special_tokens=False) for t in row.input_ids],
-            d,
+            n, row, receipt, info[row.rollout_id], decode(row.input_ids.tolist()), d,
+            decode(d.retok_ids) if d is not None and d.first_diff is not None else [],
         )
         for n, (row, receipt, d) in enumerate(samples)
+    )  # fmt: skip
+    picker = (
+        '<p><label>trajectory <select id="picker">'
+        + "".join(
+            f'<option value="t{n}">{_e(row.key)} · group {info[row.rollout_id]["group"]} · '
+            f"{_e(info[row.rollout_id]['behaviour'])}</option>"
+            for n, (row, _, _) in enumerate(samples)
+        )
+        + f"</select></label> <span class=note>{len(samples)} trajectories: every valid row "
+        "of the run</span></p>"
     )
     legend = (
         '<div class="legend note">'
@@ -300,5 +387,6 @@ def render_report(
         f"{cfg['groups']} groups x {cfg['rollouts']} rollouts x {cfg['turns']} turns · segments="
         f"{_e(cfg['segments'])} · tiny random model (its text is gibberish; its tokens are exact)"
         f"</div><div class=cards>{cards}</div><h2>Figures</h2><div class=grid>{tables}</div>"
-        f"<h2>Rollouts</h2>{rollouts}<h2>Trajectories</h2>{legend}{sections}</main><script>{_JS}</script></body></html>"
+        f"<h2>Plots</h2>{_plots(summary, samples)}"
+        f"<h2>Rollouts</h2>{rollouts}<h2>Trajectories</h2>{picker}{legend}{sections}</main><script>{_JS}</script></body></html>"
     )

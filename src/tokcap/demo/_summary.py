@@ -93,13 +93,16 @@ def build_summary(
             m: sum(1 for r in receipts if r.ok and r.terminal_selection == m)
             for m in TERMINAL_SELECTIONS
         },
+        # Counts are ints in summary.json (the metrics helpers return floats for gauges).
         "failures": {
-            k.removeprefix("failures/"): v
+            k.removeprefix("failures/"): int(v)
             for k, v in failure_counts(r.failure_reason for r in receipts).items()
         },
-        "breaks": {k.removeprefix("breaks/"): v for k, v in break_cause_counts(receipts).items()},
+        "breaks": {
+            k.removeprefix("breaks/"): int(v) for k, v in break_cause_counts(receipts).items()
+        },
         "splices": {
-            k.removeprefix("splices/"): v for k, v in splice_cause_counts(receipts).items()
+            k.removeprefix("splices/"): int(v) for k, v in splice_cause_counts(receipts).items()
         },
         "behaviours": {
             b: {"rollouts": n, "what": BEHAVIOUR_NOTES[b]} for b, n in behaviours.items()
@@ -113,7 +116,11 @@ def build_summary(
         "drift": {
             "trajectories_checked": len(drift),
             "trajectories_drifted": sum(d.first_diff is not None for d in drift),
-            "tokens_in_drifted": sum(d.row_len for d in drift if d.first_diff is not None),
+            # Tokens from the first drift on: those a trainer working from text would have
+            # got wrong or shifted (the ones before it match the captured ids).
+            "tokens_in_drifted": sum(
+                d.row_len - d.first_diff for d in drift if d.first_diff is not None
+            ),
         },
         "advantages": {
             "estimator": "grpo (valid mask = sample_mask)",

@@ -2,7 +2,8 @@
 
 Key figures, then the reward curve (mean and best rollout per step), the parity curve
 (K3 and mean |Δ| of the trainer's pre-update logprobs against the engine's, log scale,
-with the 1e-9 bound), the step time by stage, a few sampled answers and the step table.
+with the 1e-9 bound), the staleness per step, the step time by stage, a few sampled
+answers and the step table.
 """
 
 from __future__ import annotations
@@ -199,6 +200,11 @@ def render_train_report(summary: dict[str, Any]) -> str:
         log=True,
         bound=("K3 bound 1e-9", train["parity_k3_limit"]),
     )
+    staleness = [s["staleness_max"] for s in steps]
+    staleness_chart = svg_chart(
+        [("max staleness", [None if v is None else float(v) for v in staleness], "#ea580c")],
+        y_range=(0.0, float(max([1, *(v for v in staleness if v is not None)]))),
+    )
     rows = "".join(
         f"<tr><td>{s['step']}</td><td>{s['reward_mean']:.3f}</td><td>{s['parity']['k3']:.1e}"
         f"</td><td>{s['parity']['mean_abs']:.1e}</td><td>{s['parity']['max_abs']:.1e}</td>"
@@ -231,6 +237,10 @@ def render_train_report(summary: dict[str, Any]) -> str:
 captured, against the logprobs the engine sampled them with. After every full weight push
 both hold the same fp32 weights, so K3 stays near 1e-14; a push that did not land shows up
 here first.</p>
+<h2>Staleness: weight versions between sampling and training</h2>
+<div class="chart">{staleness_chart}</div>
+<p class="note">For each step, the largest gap between the weight version a row was sampled
+with and the version the trainer updated: 0 is on-policy.</p>
 <h2>Step time by stage</h2><div class="chart">{_stacked_bars(steps)}</div>
 {_legend(list(_COLORS.items()))}
 <h2>Sampled answers (first rollout)</h2>

@@ -12,11 +12,13 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 __all__ = [
     "STAMP",
+    "TINY_LAYERS",
     "hash_recipe",
     "library_versions",
     "read_stamp",
@@ -27,6 +29,17 @@ __all__ = [
 ]
 
 STAMP = "tokcap-tiny.json"
+
+TINY_LAYERS: Final[Mapping[str, Any]] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,  # CPU attention needs a head_dim of 32, 64, 80, ...
+    "max_position_embeddings": 32768,
+}
+"""The layer shape every tiny family shares (each adds its own rope, tying, experts)."""
 
 
 def library_versions() -> dict[str, str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from ._cache import (
+    TINY_LAYERS,
     hash_recipe,
     library_versions,
     save_seeded_model,
@@ -180,13 +181,7 @@ def _special_ids(tokenizer_file: Path) -> dict[str, int]:
 def _config_args() -> dict[str, Any]:
     """Architecture settings; vocabulary and special ids come from the tokenizer file."""
     return {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "max_position_embeddings": 32768,
+        **TINY_LAYERS,
         "rope_theta": 1000000.0,
         "sliding_window": None,
         "tie_word_embeddings": False,

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ._cache import (
     STAMP,
+    TINY_LAYERS,
     hash_recipe,
     library_versions,
     read_stamp,
@@ -196,13 +197,7 @@ def _tokenizer_recipe(corpus: list[Path], vocab_size: int) -> dict[str, Any]:
 def _config_args(kind: ModelKind) -> dict[str, Any]:
     """Architecture settings; vocabulary and special ids come from the tokenizer at build time."""
     args: dict[str, Any] = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "max_position_embeddings": 32768,
+        **TINY_LAYERS,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
     }

@@ -37,6 +37,8 @@ ZERO_HASH: Final = "0" * 64
 _LITTLE: Final = sys.byteorder == "little"
 _U64: Final = struct.Struct("<Q")
 _F64: Final = struct.Struct("<d")
+_ABSENT: Final = b"\x00"  # the presence byte of an optional field
+_PRESENT: Final = b"\x01"
 
 
 class Canon:
@@ -74,21 +76,13 @@ class Canon:
 
     def opt_text(self, value: str | None) -> Canon:
         """Append an optional string: presence byte, then the string."""
-        if value is None:
-            self._parts.append(b"\x00")
-        else:
-            self._parts.append(b"\x01")
-            self.text(value)
-        return self
+        self._parts.append(_ABSENT if value is None else _PRESENT)
+        return self if value is None else self.text(value)
 
     def opt_f64(self, value: float | None) -> Canon:
         """Append an optional scalar float: presence byte, then f64."""
-        if value is None:
-            self._parts.append(b"\x00")
-        else:
-            self._parts.append(b"\x01")
-            self._parts.append(_F64.pack(value))
-        return self
+        self._parts.append(_ABSENT if value is None else _PRESENT)
+        return self if value is None else self.f64(value)
 
     def raw_hash(self, hex_digest: str) -> Canon:
         """Append a 32-byte hash given as 64 hex characters."""

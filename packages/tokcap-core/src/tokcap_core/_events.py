@@ -14,7 +14,7 @@ from typing import ClassVar, Final, Literal, TypeAlias
 
 from ._digest import Canon
 from ._errors import LedgerProtocolError
-from ._staged import FINISH_REASONS
+from ._staged import FINISH_REASONS, StagedCall
 from .ids import validate_call_id
 
 __all__ = [
@@ -170,6 +170,28 @@ class Staged:
         _check_hash("chain_hash", self.chain_hash)
         _check_label("response_id", self.response_id, optional=True)
         _check_label("output_fingerprint", self.output_fingerprint, optional=True)
+
+    @classmethod
+    def for_call(
+        cls,
+        call: StagedCall,
+        *,
+        response_id: str | None = None,
+        output_fingerprint: str | None = None,
+    ) -> Staged:
+        """The ``Staged`` that commits ``call``: its lengths, versions, digest and chain hash."""
+        return cls(
+            call_id=call.call_id,
+            carry_len=call.carry_len,
+            gen_len=call.gen_len,
+            weight_version=call.weight_version,
+            weight_version_last=call.weight_version_last,
+            finish_reason=call.finish_reason,
+            call_digest=call.digest,
+            chain_hash=call.chain_hash,
+            response_id=response_id,
+            output_fingerprint=output_fingerprint,
+        )
 
     def write(self, canon: Canon) -> None:
         """Write this event's canonical fields."""

@@ -20,8 +20,8 @@ from typing import Final
 from ._digest import LEDGER_DOMAIN, Canon, chain_hash, genesis_hash
 from ._errors import LedgerProtocolError, VerificationError
 from ._events import Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared
-from ._sentinel import Sentinel
 from .ids import call_id_for, validate_rollout_id
+from .states import Sentinel
 
 __all__ = [
     "ADMITTED",

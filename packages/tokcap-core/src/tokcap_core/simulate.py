@@ -171,18 +171,7 @@ def stage_call(
     if callable(output_fingerprint):
         output_fingerprint = output_fingerprint(call.digest)
     ledger.append(
-        Staged(
-            call_id=call_id,
-            carry_len=call.carry_len,
-            gen_len=call.gen_len,
-            weight_version=call.weight_version,
-            weight_version_last=call.weight_version_last,
-            finish_reason=call.finish_reason,
-            call_digest=call.digest,
-            chain_hash=call.chain_hash,
-            response_id=response_id,
-            output_fingerprint=output_fingerprint,
-        )
+        Staged.for_call(call, response_id=response_id, output_fingerprint=output_fingerprint)
     )
     return call
 

@@ -10,9 +10,13 @@ reference the conformance tests hold every other sink to). The contract:
 - training rows: ``publish`` / ``fetch`` / ``clear_rows``, keyed by `training_key`, same rules;
 - ``staged_keys`` / ``row_keys``: every key held, for leak checks (async on every sink).
 
-`SinkPlugin` is how a served gate opens a sink it was named without importing its package:
-the sink's package registers one under the entry-point group `SINK_PLUGIN_GROUP`
-(``tokcap.sinks``), named as the gate's ``--tokcap-sink`` value.
+`SinkPlugin` is how a served gate opens a sink it was named without importing its
+package: adapters never depend on each other, yet ``tokcap-vllm serve --tokcap-sink tq`` must stage
+into TransferQueue. The sink's package registers a `SinkPlugin` under the entry-point
+group `SINK_PLUGIN_GROUP` (``tokcap.sinks``), named as the gate's ``--tokcap-sink`` value;
+the gate finds it with `importlib.metadata.entry_points` and knows nothing else about it.
+A plugin sink is read by other processes (a trainer, a reassembler pool), so a gate
+requires its control token whenever one is used.
 """
 
 from __future__ import annotations
@@ -87,6 +91,37 @@ class ManifestSource(Protocol):
         ...
 
 
+SINK_PLUGIN_GROUP: Final = "tokcap.sinks"
+"""The entry-point group sink plugins are registered under (name = the sink's name)."""
+
+
+class SinkPlugin(Protocol):
+    """A sink a served gate can open by name.
+
+    ``config_types`` are config classes (attrs or dataclasses, validating in their
+    constructor with `ConfigError` ``bad_<field>``) whose fields become the gate's
+    options (``--tokcap-<field>``, ``TOKCAP_<FIELD>``); `sink` and `attach` get one
+    instance of each, in that order.
+    """
+
+    @property
+    def config_types(self) -> tuple[type[Any], ...]:
+        """The config classes whose fields are this sink's options."""
+        ...
+
+    def sink(self, configs: Sequence[Any]) -> TokenSink:
+        """The sink (cheap: no connection is made until `attach`)."""
+        ...
+
+    def attach(self, configs: Sequence[Any]) -> AbstractAsyncContextManager[None]:
+        """Connect to the running sink for the gate's lifetime (never start or own it).
+
+        Entered once before the gate serves; waiting for the sink is bounded and logged;
+        failing to attach raises (the server does not start).
+        """
+        ...
+
+
 class MemorySink:
     """An in-process `TokenSink` (dicts); the reference for sink conformance tests."""
 
@@ -147,34 +182,3 @@ def _load(table: Mapping[_K, _T], keys: Sequence[_K]) -> list[_T]:
             "missing_rows", f"{len(missing)} of {len(keys)} keys are not in the sink", missing
         )
     return [table[k] for k in keys]
-
-
-SINK_PLUGIN_GROUP: Final = "tokcap.sinks"
-"""The entry-point group sink plugins are registered under (name = the sink's name)."""
-
-
-class SinkPlugin(Protocol):
-    """A sink a served gate can open by name.
-
-    ``config_types`` are config classes (attrs or dataclasses, validating in their
-    constructor with `ConfigError` ``bad_<field>``) whose fields become the gate's
-    options (``--tokcap-<field>``, ``TOKCAP_<FIELD>``); `sink` and `attach` get one
-    instance of each, in that order.
-    """
-
-    @property
-    def config_types(self) -> tuple[type[Any], ...]:
-        """The config classes whose fields are this sink's options."""
-        ...
-
-    def sink(self, configs: Sequence[Any]) -> TokenSink:
-        """The sink (cheap: no connection is made until `attach`)."""
-        ...
-
-    def attach(self, configs: Sequence[Any]) -> AbstractAsyncContextManager[None]:
-        """Connect to the running sink for the gate's lifetime (never start or own it).
-
-        Entered once before the gate serves; waiting for the sink is bounded and logged;
-        failing to attach raises (the server does not start).
-        """
-        ...

@@ -22,8 +22,8 @@ from typing import Final, TypeVar
 
 from ._errors import SlotError
 from ._renamed import renamed_names
-from ._sentinel import Sentinel
 from .ids import StagingKey, TrainingKey
+from .states import Sentinel
 
 __all__ = ["READY", "RESERVED", "ClearPlan", "GroupSlots", "Slot", "SlotState"]
 

@@ -16,6 +16,7 @@ __all__ = [
     "Head",
     "HeadResponse",
     "Health",
+    "OpenResponse",
     "ReleaseResponse",
     "RolloutItem",
     "RolloutPage",
@@ -68,6 +69,13 @@ class HeadResponse(msgspec.Struct):
 
     rollout_id: str
     head: Head
+
+
+class OpenResponse(msgspec.Struct):
+    """The answer to ``POST …/open``."""
+
+    rollout_id: str
+    opened: bool
 
 
 class ReleaseResponse(msgspec.Struct):

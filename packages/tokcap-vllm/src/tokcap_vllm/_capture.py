@@ -5,7 +5,7 @@
 next one attaches is the rollout's `tokcap_vllm._planning.ParentIndex`.
 
 Per captured request: `enter` joins the rollout, holds the call's idempotency key and
-request id (or finds the earlier call to replay), plans it against the parent index and
+request id (or finds the earlier call to answer again), plans it against the parent index and
 appends ``Admitted``; the engine runs on the admitted ids (`CaptureHost`);
 `engine_finished` starts the sink write at once; `respond` (just before the response's
 last byte) makes the call a parent and schedules its commit, which appends ``Staged`` once
@@ -43,14 +43,14 @@ from tokcap_core.sink import TokenSink
 
 from ._admission import ChatPlan
 from ._config import GateConfig
-from ._errors import RolloutConflict, WeightsUnavailable
+from ._errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from ._hooks import GateHooks
 from ._host import EngineResult
-from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING, GateCall, replayable
+from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING, GateCall, answerable
 from ._metrics import GateMetrics
 from ._persist import LedgerFileError
 from ._planning import Observed, ParentIndex, PlannedRequest
-from ._rollouts import RolloutBook, RolloutRecord
+from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
 
@@ -89,18 +89,18 @@ class CapturePath:
         idempotency_key: str | None = None,
         body_fingerprint: str = "",
         request_id: str | None = None,
-    ) -> GateCall | None:
-        """Admit a captured request: the ADMITTED call, the earlier call to replay, or None.
+    ) -> GateCall:
+        """Admit a captured request: the ADMITTED call, or the earlier call to answer again.
 
-        None: the rollout already failed, and serves its later calls uncaptured. A settled
-        call: a retry under its idempotency key (replay its answer). One key is one call: a
+        A rollout that already failed refuses it (``rollout_poisoned``). A settled call: a
+        retry under its idempotency key (its answer is sent again). One key is one call: a
         retry waits for the holder (bounded) and takes the key over if it never completed;
         a different body is refused (``idempotency_key_reused``), a request id another call
         of the rollout used too (``duplicate_request_id``). ``request`` binds the body to
-        the tokenizer (after the claim, so a retry replays without re-planning). A request
+        the tokenizer (after the claim, so a retry is answered again without re-planning). A request
         refused on the way leaves nothing behind.
         """
-        record = self.book.join(rollout_id)
+        record = self.book.join(rollout_id, require_open=self.config.require_open)
         call = self.book.begin(
             record,
             kind=kind,
@@ -108,9 +108,6 @@ class CapturePath:
             body_fingerprint=body_fingerprint,
             request_id=request_id,
         )
-        if call is None:
-            self.telemetry.uncaptured_after_failure.inc()
-            return None
         try:
             earlier = await self._claim(call)
             if earlier is not None:
@@ -126,7 +123,7 @@ class CapturePath:
     async def _claim(self, call: GateCall) -> GateCall | None:
         while True:
             holder = self.book.claim(call)
-            if holder is None or replayable(holder):
+            if holder is None or answerable(holder):
                 return holder
             with anyio.move_on_after(self.config.parent_commit_timeout_s):
                 await holder.settled.wait()
@@ -138,7 +135,9 @@ class CapturePath:
 
     async def _admit(self, call: GateCall, request: PlannedRequest) -> None:
         """Plan in a worker thread under the rollout's lock; if the parent has not committed
-        yet, release the lock, await it (bounded) and plan again."""
+        yet, release the lock, await it (bounded) and plan again. If the ledger file could
+        not record the admission, the call is abandoned and refused (`CallNotServed`
+        ``ledger_write_failed``): it would be served into a rollout that cannot verify."""
         record = call.rollout
         call.request = request
         while True:
@@ -150,13 +149,19 @@ class CapturePath:
                 parent = record.calls.get(CallId(made.parent_id)) if made.parent_id else None
                 if parent is None or parent.phase is COMMITTED:
                     self._admitted(call, made, parent)
-                    return
+                    break
             with anyio.move_on_after(self.config.parent_commit_timeout_s):
                 await parent.settled.wait()
             if parent.phase is not COMMITTED:
                 raise RolloutConflict(
                     "parent_not_committed", f"parent {parent.call_id} did not commit"
                 )
+        if record.phase is UNCAPTURED:  # its Admitted could not be written to the file
+            await self.abandon(call, "ledger_write_failed")
+            raise CallNotServed(
+                "ledger_write_failed",
+                f"the gate's ledger file could not record this call ({record.poison})",
+            )
 
     def _check_weights(self) -> None:
         state = self.weights
@@ -244,7 +249,7 @@ class CapturePath:
         except Exception:  # containment: the harness still gets its answer
             _log.exception("tokcap gate: indexing call %s failed", call.call_id)
         else:
-            call.output_fp, call.replay = learned.output_fp, seen.replay
+            call.output_fp, call.answer = learned.output_fp, seen.answer
             call.prior = learned.prior if call.staged is not None else None
         self.book.step(call, "respond")
         if self.tg is None:
@@ -252,6 +257,43 @@ class CapturePath:
             self._settle(call)
             return
         self.tg.start_soon(self._guarded, self._commit, call)
+
+    def completion_refusal(self, call: GateCall) -> GateError | None:
+        """Why ``call``'s response must not complete (None: the ledger will hold it as served).
+
+        Asked just before the response's last byte (or a stream's ``[DONE]``): a call
+        abandoned while it generated (its rollout closed) is ``rollout_closed``; one whose
+        engine output cannot be staged (aborted by a weight push or vLLM's ``/pause``, or a
+        capture failure) is `CallNotServed`. The harness then gets that error and the call
+        is abandoned (``Failed(served=False)``, off-chain). A sink write that fails once the
+        staged call is built does not refuse: the call is served, ``Failed(served=True)``.
+        """
+        if call.phase is ABANDONED:
+            return RolloutConflict(
+                "rollout_closed", f"{call.rollout_id} was closed while this call was generating"
+            )
+        if call.phase is FINISHED and call.staged is not None:
+            return None
+        if call.result is not None and call.result.finish_reason == "abort":
+            return CallNotServed(
+                "call_aborted", "the engine aborted this call (a weight push or a pause); retry it"
+            )
+        return CallNotServed(
+            "capture_failed", f"this call could not be captured ({call.stage_error}); retry it"
+        )
+
+    def forget_if_unserved(self, call: GateCall) -> None:
+        """After vLLM refused ``call`` itself (its own 4xx): forget the rollout if none of its
+        calls was served, so requests vLLM refuses leave no rollout behind, like those the
+        gate refuses (the observers hear a release: the ledger file records one)."""
+        record = call.rollout
+        if not self.book.forget_unserved(record):
+            return
+        for hook in self.observers:
+            try:
+                hook.on_release(record.rollout_id)
+            except Exception as e:  # memory holds; the file keeps the stale entries
+                _log.warning("tokcap gate: forgetting %s was not persisted: %s", call.rollout_id, e)
 
     async def _commit(self, call: GateCall) -> None:
         await call.sink_done.wait()
@@ -357,6 +399,8 @@ class CapturePath:
 
 
 def check_accepting(record: RolloutRecord) -> None:
-    """`RolloutConflict` (``rollout_closed``) unless ``record`` admits new calls."""
+    """`RolloutConflict` (``rollout_closed``, ``rollout_poisoned``) unless ``record`` admits
+    new calls."""
     if not record.accepting:
         raise RolloutConflict("rollout_closed", f"{record.rollout_id} is closed")
+    check_not_poisoned(record)

@@ -5,6 +5,8 @@ Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``)
 - ``GET  health`` (503 while the gate is not serving) · ``GET metrics`` (Prometheus text)
 - ``GET  rollouts?state=open|closed&limit=N&after=ID`` (ascending ids, paged)
 - ``GET  rollouts/{id}/manifest`` — exactly ``encode_manifest`` bytes
+- ``POST rollouts/{id}/open`` — hold a rollout before its first call (a gate run with
+  ``require_open`` refuses calls of rollouts nobody opened: 404 ``unknown_rollout``)
 - ``POST rollouts/{id}/terminal`` `TerminalBody` · ``POST rollouts/{id}/close`` `CloseBody`
   — both answer the ledger head; close answers once the head is durable
 - ``DELETE rollouts/{id}`` — the gate forgets a closed rollout (sink keys are the trainer's)
@@ -41,6 +43,7 @@ from ._api import (
     Head,
     HeadResponse,
     Health,
+    OpenResponse,
     ReleaseResponse,
     RolloutItem,
     RolloutPage,
@@ -162,6 +165,12 @@ class ControlPlane:
             if action == "terminal":
                 _allow(method, "POST")
                 return self._terminal(rollout_id, await _body(receive, TerminalBody))
+            if action == "open":
+                _allow(method, "POST")
+                await read_body(receive, _MAX_BODY)
+                with _ledger_errors():
+                    self.gate.open(rollout_id)
+                return _json(OpenResponse(rollout_id=rollout_id, opened=True))
             if action == "close":
                 _allow(method, "POST")
                 return await self._close(rollout_id, await _body(receive, CloseBody))
@@ -233,6 +242,11 @@ class ControlPlane:
             if w.content_fingerprint is not None and (w.content is not None or w.tool_calls):
                 raise InvalidBody("bad_body", "give content or content_fingerprint, not both")
             fingerprint = w.content_fingerprint
+            if fingerprint is not None and not _is_fingerprint(fingerprint):
+                raise InvalidBody(
+                    "bad_content_fingerprint",
+                    "content_fingerprint is 64 lowercase hex characters (output_fingerprint)",
+                )
             if w.content is not None or w.tool_calls:
                 with _ledger_errors():
                     fingerprint = output_fingerprint(w.content, w.tool_calls)
@@ -266,6 +280,12 @@ def _ledger_errors() -> Iterator[None]:
         raise BadRequest(e.code, e.message) from e
     except LedgerFileError as e:
         raise ControlUnavailable(e.code, e.message) from e
+
+
+def _is_fingerprint(text: str) -> bool:
+    """Whether ``text`` can be a fingerprint the gate made (hex SHA-256): one that cannot
+    would only ever miss, and poison the rollout at its receipt."""
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def _allow(method: str, allowed: str) -> None:

@@ -9,6 +9,7 @@ from tokcap_core import TokcapError
 
 __all__ = [
     "BadRequest",
+    "CallNotServed",
     "ControlAuthError",
     "ControlConflict",
     "ControlNotFound",
@@ -101,6 +102,15 @@ class TooManyRollouts(GateError, RuntimeError):
 class WeightsUnavailable(GateError, RuntimeError):
     """A weight push failed after generation paused, so the engine may hold half-updated
     weights: captured calls are refused (``weights_unavailable``) until a full push succeeds."""
+
+    status = 503
+
+
+class CallNotServed(GateError, RuntimeError):
+    """The engine's output for this call cannot be held as served, so the harness gets this
+    error instead of a completion: ``call_aborted`` (the engine aborted the request: a
+    weight push or vLLM's ``/pause`` in abort mode; retry it), ``capture_failed``, or
+    ``ledger_write_failed`` (the ledger file cannot record it)."""
 
     status = 503
 

@@ -29,8 +29,9 @@ from tokcap_core.sink import TokenSink
 
 from ._capture import CapturePath
 from ._config import GateConfig
+from ._errors import InvalidBody
 from ._hooks import GateHooks
-from ._lifecycle import FINISHED, RESPONDED
+from ._lifecycle import COMMITTED, FAILED, FINISHED, RESPONDED
 from ._metrics import GateMetrics
 from ._persist import LedgerFile
 from ._rollouts import RolloutBook, RolloutRecord
@@ -169,16 +170,36 @@ class Gate:
 
     # ---- control operations ------------------------------------------------------------
 
+    def open(self, rollout_id: str) -> None:
+        """Open a rollout before its first call (what ``GateConfig.require_open`` asks for);
+        opening an open rollout again changes nothing."""
+        self.registry.open(rollout_id)
+
     def declare_terminal(
         self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
     ) -> Entry:
-        """Name the rollout's terminal call (by call id or by response id)."""
+        """Name the rollout's terminal call (by call id or by response id).
+
+        The call must be one the harness was answered with (`InvalidBody`
+        ``unknown_terminal`` otherwise, and the rollout is left as it was): a declared
+        terminal that names nothing would poison the rollout for good at its receipt.
+        """
         if (call_id is None) == (response_id is None):
             raise ValueError("give exactly one of call_id, response_id")
         record = self.registry.open_record(rollout_id)
         if call_id is not None:
-            return self._append(record, TerminalDeclared(by="call_id", value=call_id))
-        return self._append(record, TerminalDeclared(by="response_id", value=response_id or ""))
+            event = TerminalDeclared(by="call_id", value=call_id)
+        else:
+            event = TerminalDeclared(by="response_id", value=response_id or "")
+        if not any(
+            c.phase in (RESPONDED, COMMITTED, FAILED)
+            and (c.call_id == call_id if call_id is not None else c.response_id == response_id)
+            for c in record.calls.values()
+        ):
+            raise InvalidBody(
+                "unknown_terminal", f"{rollout_id} has no answered call {event.value!r}"
+            )
+        return self._append(record, event)
 
     async def close(
         self, rollout_id: str, reward: float | None, witnesses: Witnesses | None = None

@@ -21,7 +21,8 @@ class GateHooks:
         """One staging write finished (``error`` is None when the sink acknowledged it)."""
 
     def on_release(self, rollout_id: str) -> None:
-        """The gate forgot a closed rollout."""
+        """The gate forgot a rollout: a closed one released, or one none of whose calls was
+        served (vLLM refused them)."""
 
     async def on_close(self, rollout_id: str) -> None:
         """A rollout closed; return once its entries are durable (the close waits for it)."""

@@ -13,7 +13,8 @@ Invariants:
   parent only after its response's last byte (``respond``), and is COMMITTED only once the
   sink acknowledged it and ``Staged`` is in the ledger;
 - a call whose response never completed, or that was still in flight when its rollout
-  closed, is ABANDONED: never a parent, never committed, its staged row (if any) cleared;
+  closed, is ABANDONED: never a parent, never committed, its staged row (if any) cleared,
+  and its request ended (``abandoned`` is set) so the harness never gets a completion;
 - COMMITTED, FAILED, DROPPED and ABANDONED are final: ``settled`` is set exactly once.
 What each step does to its rollout (claims, the live set, the parent index, the rollout's
 phase) is `EFFECTS`, applied by `tokcap_vllm._rollouts.RolloutBook.step`. An operation the
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from tokcap_core import StagedCall, TokcapError
 from tokcap_core.ids import CallId, RolloutId
+from tokcap_core.states import Sentinel
 
 if TYPE_CHECKING:
     from ._admission import ChatPlan, PriorCall
@@ -49,21 +51,15 @@ __all__ = [
     "CallStateError",
     "Flag",
     "GateCall",
+    "answerable",
     "next_phase",
-    "replayable",
 ]
 
 
-class CallPhase:
+class CallPhase(Sentinel):
     """A captured call's phase (compare with ``is``)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
+    __slots__ = ()
 
 
 PLANNING: Final = CallPhase("PLANNING")
@@ -109,7 +105,7 @@ EFFECTS: Final[Mapping[str, tuple[str, ...]]] = {
     "respond": ("index_parent",),
     "commit": ("leave",),
     "fail": ("leave", "unindex_parent", "uncapture"),
-    "abandon": ("leave", "release_claims"),
+    "abandon": ("leave", "release_claims", "signal_abandoned"),
 }
 
 
@@ -155,7 +151,10 @@ class GateCall:
     prior: PriorCall | None = None
     response_id: str | None = None
     output_fp: str | None = None
-    replay: tuple[dict[str, Any], list[bytes]] | None = None
+    answer: tuple[dict[str, Any], list[bytes]] | None = None
+    abandoned: Flag | None = None
+    """Set when the call is abandoned: its request, if still running, is then ended (the
+    engine stops generating; the harness gets an error, never a completion)."""
 
     @property
     def rollout_id(self) -> RolloutId:
@@ -195,6 +194,6 @@ def gone(call: GateCall) -> bool:
     return call.phase is ABANDONED or call.phase is DROPPED
 
 
-def replayable(call: GateCall) -> bool:
-    """Whether a key holder settled with an answer a retry can replay."""
-    return call.replay is not None and (call.phase is COMMITTED or call.phase is FAILED)
+def answerable(call: GateCall) -> bool:
+    """Whether a key holder settled with a recorded answer to send a retry again."""
+    return call.answer is not None and (call.phase is COMMITTED or call.phase is FAILED)

@@ -75,11 +75,6 @@ class GateMetrics(GateHooks):
             buckets=_STAGE_BUCKETS,
             registry=r,
         )
-        self.uncaptured_after_failure = Counter(
-            "tokcap_calls_uncaptured_after_failure",
-            "Calls of an already poisoned rollout, served without capture.",
-            registry=r,
-        )
         self.orphan_clears = Counter(
             "tokcap_orphan_clears",
             "Staged rows of abandoned calls cleared by the gate, by outcome.",

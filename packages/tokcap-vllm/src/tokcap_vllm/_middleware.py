@@ -33,7 +33,7 @@ from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
 from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
-from ._lifecycle import GateCall
+from ._lifecycle import ABANDONED, Flag, GateCall
 from ._planning import Observed
 from ._render import RequestRenderer
 from ._renderers import request_renderer
@@ -181,14 +181,11 @@ class GateMiddleware:
                 body_fingerprint=hashlib.sha256(body).hexdigest(),
                 request_id=_request_id(scope, parsed.request_id, kind),
             )
-            replay_receive = _replaying(body, receive)
-            if call is None:  # the rollout already failed: served, not captured
-                await self.app(scope, replay_receive, send)
-                return
             if call.final:  # a retry under the key of a call that settled: its answer again
-                await _replay(send, call)
+                await _answer_again(send, call)
                 return
-            await self._generate(scope, replay_receive, watched_send, call)
+            body_again = _receive_body_again(body, receive, call.abandoned)
+            await self._generate(scope, body_again, watched_send, call)
         except (GateError, RecursionError) as e:
             if not started:
                 await self._refuse(send, _typed(e))
@@ -215,40 +212,89 @@ class GateMiddleware:
             on_finish=lambda result: capture.engine_finished(call, result),
         )
         observer = ResponseObserver(keep=call.idempotency_key is not None)
+        held: list[Message] = []  # a plain answer is held until the gate says it may complete
+        ended = False  # the harness's response is over (complete, or ended with an error)
+
+        async def end_with(error: GateError) -> None:
+            nonlocal ended
+            ended = True
+            self.gate.telemetry.refused.labels(error.code).inc()
+            status = type(error).status
+            if observer.streaming:  # the stream is under way: an error event, then the end
+                event = b"data: " + error_json(error.code, error.message, status) + b"\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+            else:
+                await send_body(send, status, error_json(error.code, error.message, status))
 
         async def watch(message: Message) -> None:
+            nonlocal ended
+            if ended:
+                return
             if message["type"] == "http.response.start":
                 observer.on_start(dict(message))
+                if not observer.streaming and observer.status == 200:
+                    held.append(message)
+                    return
             elif message["type"] == "http.response.body":
+                last = not message.get("more_body", False)
                 observer.on_body(message.get("body", b""))
-                if not message.get("more_body", False):
+                if held and not last:
+                    held.append(message)
+                    return
+                if (last or observer.stream_done) and not observer.done:
                     observer.finish()
-                    _respond(capture, call, observer)
+                    if observer.status == 200:
+                        refusal = capture.completion_refusal(call)
+                        if refusal is not None:
+                            if call.in_flight:
+                                await _unserved(capture, call, observer)
+                            await end_with(refusal)
+                            return
+                        _respond(capture, call, observer)
+                    elif call.in_flight:  # vLLM's own error: settled before the client reads it
+                        await _unserved(capture, call, observer)
+                ended = last
+            for pending in held:
+                await send(pending)
+            held.clear()
             await send(message)
 
         token = CURRENT_TICKET.set(ticket)
         try:
             await self.app(scope, receive, watch)
+            if call.phase is ABANDONED and not ended:  # closed while generating: vLLM stopped
+                refusal = capture.completion_refusal(call)
+                assert refusal is not None  # an abandoned call is never served
+                await end_with(refusal)
         finally:
             CURRENT_TICKET.reset(token)
             if call.in_flight:
-                if observer.status not in (0, 200):
-                    detail = f"http_{observer.status}"
-                elif observer.done:
-                    detail = "no_final_output"
-                else:
-                    detail = "client_disconnected"
-                await capture.abandon(call, detail)
+                await _unserved(capture, call, observer)
+
+
+async def _unserved(capture: CapturePath, call: GateCall, observer: ResponseObserver) -> None:
+    """The call's response ended without being served: abandon it, saying why."""
+    if observer.status not in (0, 200):
+        detail = f"http_{observer.status}"
+    elif not observer.done:
+        detail = "client_disconnected"
+    elif call.result is not None and call.result.finish_reason == "abort":
+        detail = "engine_aborted"
+    else:
+        detail = call.stage_error or "no_final_output"
+    await capture.abandon(call, detail)
+    if 400 <= observer.status < 500:  # vLLM refused the request itself
+        capture.forget_if_unserved(call)
 
 
 def _respond(capture: CapturePath, call: GateCall, observer: ResponseObserver) -> None:
     """The last byte is about to go out: hand the gate what the harness received."""
     if observer.status != 200 or call.result is None or not call.in_flight:
         return
-    replay = None
+    answer = None
     if observer.chunks is not None and observer.start is not None:
-        replay = (observer.start, observer.chunks)
-    seen = Observed(observer.response_id, observer.content, observer.tool_calls(), replay)
+        answer = (observer.start, observer.chunks)
+    seen = Observed(observer.response_id, observer.content, observer.tool_calls(), answer)
     capture.respond(call, seen)
 
 
@@ -274,23 +320,42 @@ def _one_header(scope: Scope, name: str) -> str | None:
     return values[0] if values else None
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
+def _receive_body_again(body: bytes, receive: Receive, abandoned: Flag | None) -> Receive:
+    """The request's body once, then the client's messages; an ``http.disconnect`` as soon
+    as the gate abandons the call, so vLLM ends the request (and aborts it in the engine)
+    exactly as if the client had left."""
     sent = False
 
-    async def replay() -> Message:
+    async def receive_again() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        if abandoned is None:
+            return await receive()
+        message: Message = {"type": "http.disconnect"}
+        async with anyio.create_task_group() as tg:
 
-    return replay
+            async def from_client() -> None:
+                nonlocal message
+                message = await receive()
+                tg.cancel_scope.cancel()
+
+            async def on_abandon() -> None:
+                await abandoned.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(from_client)
+            tg.start_soon(on_abandon)
+        return message
+
+    return receive_again
 
 
-async def _replay(send: Send, earlier: GateCall) -> None:
+async def _answer_again(send: Send, earlier: GateCall) -> None:
     """Send the recorded answer of the call that holds the idempotency key."""
-    assert earlier.replay is not None
-    start, chunks = earlier.replay
+    assert earlier.answer is not None
+    start, chunks = earlier.answer
     await send(start)
     for i, chunk in enumerate(chunks):
         await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})

@@ -205,6 +205,9 @@ class LedgerFile(GateHooks):
         """What the start cut off a damaged file, and where the original is kept (or None)."""
         self.broken: str | None = None
         """Why the file can no longer be appended to (a failed write could not be cut back)."""
+        self.last_write_failed: str | None = None
+        """Why the latest write failed, until a write succeeds again: the file cannot grow
+        now, so every rollout that writes is poisoned, whatever rollouts are held."""
         self._fd = fd
         self._size = size
         self._muted: dict[str, tuple[str, int]] = {}
@@ -225,10 +228,15 @@ class LedgerFile(GateHooks):
 
     @property
     def problem(self) -> str | None:
-        """What health reports: the file is broken, a held rollout is not fully on file, or
-        the start recovered a damaged file (None: all is well)."""
+        """What health reports: the file is broken, its latest write failed, a held rollout
+        is not fully on file, or the start recovered a damaged file (None: all is well)."""
         if self.broken is not None:
             return self.broken
+        if self.last_write_failed is not None:
+            return (
+                f"ledger_write_failed: {self.last_write_failed}; rollouts that write now are "
+                "poisoned (the problem clears at the next write that succeeds)"
+            )
         if self._muted:
             return (
                 f"ledger_write_failed: {len(self._muted)} held rollout(s) are not fully on "
@@ -298,6 +306,7 @@ class LedgerFile(GateHooks):
             _write_all(self._fd, record)
         except OSError as e:
             self._write_failed(e, rollout_id, seq)
+        self.last_write_failed = None
         self._size += len(record)
         if self._pending is not None:
             self._pending.append(record)
@@ -308,6 +317,7 @@ class LedgerFile(GateHooks):
         name = errno.errorcode.get(error.errno or 0, str(error.errno))
         reason = f"a ledger-file write failed ({name})"
         self.write_failures += 1
+        self.last_write_failed = reason
         if rollout_id is not None:
             self._muted[rollout_id] = (reason, seq)
         try:

@@ -5,6 +5,7 @@ the `RolloutBook` what happened and applies what it answers (the flags and locks
 driver waits on are made by factories it passes in). A rollout::
 
     EMPTY --append--> OPEN --fail--> UNCAPTURED
+    EMPTY --open--> OPEN (opened explicitly: held and closable before its first call)
     OPEN --close--> CLOSING --closed--> CLOSED (its ledger kept until released)
     UNCAPTURED --close--> CLOSING_UNCAPTURED --closed--> CLOSED
     CLOSING --fail--> CLOSING_UNCAPTURED
@@ -19,9 +20,10 @@ Invariants:
   CLOSED rollout keeps only its ledger until released; calls hold their record, never
   its id, so a call of a released rollout can never reach a record reusing the id;
 - the number of open records is bounded (``max_open``);
-- an UNCAPTURED rollout (a call of it failed) serves its later calls uncaptured; a
-  pending *poison* (a failure outside any one call's entries) makes its close
-  ``Poisoned`` instead of ``Closed``;
+- an UNCAPTURED rollout (a call of it failed) refuses its later calls
+  (``rollout_poisoned``); an OPEN rollout none of whose calls was served is forgotten
+  when vLLM refuses a call of it (`forget_unserved`); a pending *poison* (a failure
+  outside any one call's entries) makes its close ``Poisoned`` instead of ``Closed``;
 - a call holds its idempotency key and request id from its claim until it is dropped or
   abandoned; it is *live* until final or contained; it is a parent (in the rollout's
   `ParentIndex`) from ``respond`` until ``fail``;
@@ -40,6 +42,8 @@ from typing import Any, Final
 from tokcap_core import Ledger
 from tokcap_core.ids import CallId, RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
+from tokcap_core.ledger import Admitted, Failed
+from tokcap_core.states import Sentinel
 
 from ._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 from ._lifecycle import (
@@ -49,9 +53,9 @@ from ._lifecycle import (
     CallPhase,
     Flag,
     GateCall,
+    answerable,
     gone,
     next_phase,
-    replayable,
 )
 from ._planning import ParentIndex
 
@@ -65,19 +69,14 @@ __all__ = [
     "RolloutBook",
     "RolloutPhase",
     "RolloutRecord",
+    "check_not_poisoned",
 ]
 
 
-class RolloutPhase:
+class RolloutPhase(Sentinel):
     """A rollout's phase in the gate (compare with ``is``)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
+    __slots__ = ()
 
 
 EMPTY: Final = RolloutPhase("EMPTY")
@@ -87,11 +86,15 @@ CLOSING: Final = RolloutPhase("CLOSING")
 CLOSING_UNCAPTURED: Final = RolloutPhase("CLOSING_UNCAPTURED")
 CLOSED: Final = RolloutPhase("CLOSED")
 
-# An explicitly opened rollout is one more row: EMPTY: {"open": OPEN, ...} (held, closable).
 _TRANSITIONS: Final[Mapping[RolloutPhase, Mapping[str, RolloutPhase]]] = {
-    EMPTY: {"append": OPEN, "fail": UNCAPTURED},
-    OPEN: {"append": OPEN, "fail": UNCAPTURED, "close": CLOSING},
-    UNCAPTURED: {"append": UNCAPTURED, "fail": UNCAPTURED, "close": CLOSING_UNCAPTURED},
+    EMPTY: {"append": OPEN, "fail": UNCAPTURED, "open": OPEN},
+    OPEN: {"append": OPEN, "fail": UNCAPTURED, "close": CLOSING, "open": OPEN},
+    UNCAPTURED: {
+        "append": UNCAPTURED,
+        "fail": UNCAPTURED,
+        "close": CLOSING_UNCAPTURED,
+        "open": UNCAPTURED,
+    },
     CLOSING: {"append": CLOSING, "fail": CLOSING_UNCAPTURED, "closed": CLOSED, "reopen": OPEN},
     CLOSING_UNCAPTURED: {
         "append": CLOSING_UNCAPTURED,
@@ -105,9 +108,9 @@ _REFUSALS: Final[Mapping[RolloutPhase, Mapping[str, str]]] = {
     EMPTY: dict.fromkeys(("close", "closed", "reopen"), "not_open"),
     OPEN: dict.fromkeys(("closed", "reopen"), "not_closing"),
     UNCAPTURED: dict.fromkeys(("closed", "reopen"), "not_closing"),
-    CLOSING: {"close": "rollout_closed"},
-    CLOSING_UNCAPTURED: {"close": "rollout_closed"},
-    CLOSED: dict.fromkeys(("append", "close", "closed", "reopen"), "rollout_closed"),
+    CLOSING: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSING_UNCAPTURED: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSED: dict.fromkeys(("append", "close", "closed", "reopen", "open"), "rollout_closed"),
 }
 _CLOSING: Final = frozenset({CLOSING, CLOSING_UNCAPTURED})
 _HELD: Final = frozenset({OPEN, UNCAPTURED, CLOSING, CLOSING_UNCAPTURED})
@@ -164,16 +167,22 @@ class RolloutBook:
 
     # ---- rollouts ----------------------------------------------------------------------
 
-    def join(self, rollout_id: str) -> RolloutRecord:
+    def join(self, rollout_id: str, *, require_open: bool = False) -> RolloutRecord:
         """The open record a new request joins, made on first use.
 
         `RolloutConflict` (409) if the id names a closed (or closing) rollout;
-        `TooManyRollouts` (503) when ``max_open`` records are open already.
+        `TooManyRollouts` (503) when ``max_open`` records are open already; with
+        ``require_open``, `RolloutNotFound` (``unknown_rollout``) unless it was opened.
         """
         rid = validate_rollout_id(rollout_id)
         if rid in self._closed:
             raise RolloutConflict("rollout_closed", f"{rid} is closed; start a new rollout id")
         record = self._open.get(rid)
+        if require_open and (record is None or record.phase is EMPTY):
+            raise RolloutNotFound(
+                "unknown_rollout",
+                f"{rid} was not opened on this gate (POST /tokcap/v1/rollouts/{rid}/open)",
+            )
         if record is None:
             if len(self._open) >= self.max_open:
                 raise TooManyRollouts(
@@ -183,6 +192,12 @@ class RolloutBook:
             record = self._open[rid] = RolloutRecord(rid, Ledger(rid), self._lock())
         elif record.phase in _CLOSING:
             raise RolloutConflict("rollout_closed", f"{rid} is closing")
+        return record
+
+    def open(self, rollout_id: str) -> RolloutRecord:
+        """Open a rollout explicitly (made if new; opening it again changes nothing)."""
+        record = self.join(rollout_id)
+        self.advance(record, "open")
         return record
 
     def open_record(self, rollout_id: str) -> RolloutRecord:
@@ -270,10 +285,10 @@ class RolloutBook:
         idempotency_key: str | None = None,
         body_fingerprint: str = "",
         request_id: str | None = None,
-    ) -> GateCall | None:
-        """A new live call of ``record``; None when the rollout serves uncaptured."""
-        if record.phase is UNCAPTURED:
-            return None
+    ) -> GateCall:
+        """A new live call of ``record``; `RolloutConflict` (``rollout_poisoned``) when the
+        rollout already failed."""
+        check_not_poisoned(record)
         call = GateCall(
             record,
             kind,
@@ -282,15 +297,17 @@ class RolloutBook:
             idempotency_key=idempotency_key,
             body_fingerprint=body_fingerprint,
             request_id=request_id,
+            abandoned=self._flag(),
         )
         record.live.add(call)
         return call
 
     def claim(self, call: GateCall) -> GateCall | None:
-        """Hold ``call``'s key and request id; or the call to wait for, or to replay.
+        """Hold ``call``'s key and request id; or the call to wait for, or to answer again.
 
-        Returns None once held; else the holder of the key: the driver replays it if it
-        settled with an answer (`replayable`), or waits for it to settle and asks again.
+        Returns None once held; else the holder of the key: the driver sends its recorded
+        answer again if it settled with one (`answerable`), or waits for it to settle and
+        asks again.
         """
         record = call.rollout
         key = call.idempotency_key
@@ -301,7 +318,7 @@ class RolloutBook:
                     "idempotency_key_reused",
                     "this Idempotency-Key was used with a different request body",
                 )
-            if not holder.final or replayable(holder):
+            if not holder.final or answerable(holder):
                 return holder
         if key is not None:
             record.keys[key] = call
@@ -355,6 +372,22 @@ class RolloutBook:
                 record.parents.forget(call.prior)
         elif effect == "uncapture":
             self.advance(record, "fail")
+        elif effect == "signal_abandoned" and call.abandoned is not None:
+            call.abandoned.set()
+
+    def forget_unserved(self, record: RolloutRecord) -> bool:
+        """Forget an OPEN record none of whose calls was served (every entry ``Admitted`` or
+        ``Failed(served=False)``) and that has no live call; True if it was forgotten."""
+        if (
+            record.phase is not OPEN
+            or record.poison is not None
+            or record.live
+            or self._open.get(record.rollout_id) is not record
+            or not all(_unserved(entry.event) for entry in record.ledger.entries)
+        ):
+            return False
+        del self._open[record.rollout_id]
+        return True
 
     def contain(self, call: GateCall, reason: str) -> None:
         """A call failed inside the gate: its rollout is poisoned and the call leaves."""
@@ -362,3 +395,18 @@ class RolloutBook:
         call.rollout.live.discard(call)
         call.sink_done.set()
         call.settled.set()
+
+
+def check_not_poisoned(record: RolloutRecord) -> None:
+    """`RolloutConflict` (``rollout_poisoned``) if a call of ``record`` failed: a captured
+    path never answers a call its ledger would not hold."""
+    if record.phase is UNCAPTURED:
+        raise RolloutConflict(
+            "rollout_poisoned",
+            f"{record.rollout_id} failed ({record.poison or 'a call failed'}) and cannot "
+            "verify; its calls are refused: close it and start a new rollout",
+        )
+
+
+def _unserved(event: object) -> bool:
+    return isinstance(event, Admitted) or (isinstance(event, Failed) and not event.served)

@@ -53,15 +53,4 @@ def staged_call(call: GateCall, result: EngineResult, capture_routes: bool) -> S
 
 def staged_entry(staged: StagedCall, response_id: str | None, output_fp: str | None) -> Staged:
     """The ``Staged`` event that commits ``staged`` (the sink acknowledged its row)."""
-    return Staged(
-        call_id=staged.call_id,
-        carry_len=staged.carry_len,
-        gen_len=staged.gen_len,
-        weight_version=staged.weight_version,
-        weight_version_last=staged.weight_version_last,
-        finish_reason=staged.finish_reason,
-        call_digest=staged.digest,
-        chain_hash=staged.chain_hash,
-        response_id=response_id,
-        output_fingerprint=output_fp,
-    )
+    return Staged.for_call(staged, response_id=response_id, output_fingerprint=output_fp)

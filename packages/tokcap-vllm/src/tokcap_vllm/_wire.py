@@ -162,6 +162,8 @@ class ResponseObserver:
         self.tools: dict[int, dict[str, str]] = {}
         self._buffer = b""
         self.done = False
+        self.stream_done = False
+        """A stream sent its ``data: [DONE]`` event (the harness reads it as a normal end)."""
 
     def on_start(self, message: dict[str, Any]) -> None:
         """Record the status and whether the body is a server-sent-event stream."""
@@ -180,7 +182,11 @@ class ResponseObserver:
             *events, self._buffer = self._buffer.split(b"\n\n")
             for event in events:
                 for line in event.split(b"\n"):
-                    if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line[6:].strip() == b"[DONE]":
+                        self.stream_done = True
+                    else:
                         self._take(line[6:], delta=True)
 
     def finish(self) -> None:

@@ -3,6 +3,7 @@ control-plane client's, the ledger file's and the weight push's."""
 
 from ._errors import (
     BadRequest,
+    CallNotServed,
     ControlAuthError,
     ControlConflict,
     ControlNotFound,
@@ -28,6 +29,7 @@ from ._weight_state import WeightPushError, WeightSyncError
 
 __all__ = [
     "BadRequest",
+    "CallNotServed",
     "CallStateError",
     "ControlAuthError",
     "ControlConflict",

@@ -1,0 +1,113 @@
+"""`GateFleet` over real gates' control planes, without engines.
+
+Each gate is a real `Gate` behind its real `ControlPlane` (ASGI, over httpx); the only
+stand-in is the transport that sends each URL to its gate, and that refuses connections
+to a gate marked down (a dead gate; the e2e tests kill a real one).
+"""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import pytest
+
+from tokcap_vllm import ControlNotFound, Gate, GateConfig, GateFleet
+from tokcap_vllm.errors import RolloutNotFound
+from tokcap_vllm.extend import ControlPlane
+
+TOKEN = "fleet-unit-token"
+URLS = ["http://gate-a:8000", "http://gate-b:8000"]
+
+
+class Hosts(httpx.AsyncBaseTransport):
+    """Routes each request to its gate's control plane; a host in ``down`` refuses."""
+
+    def __init__(self, gates: dict[str, Gate]) -> None:
+        env = {"TOKCAP_CONTROL_TOKEN": TOKEN}
+        self.apps = {
+            url.removeprefix("http://"): httpx.ASGITransport(ControlPlane(gate, environ=env))
+            for url, gate in gates.items()
+        }
+        self.down: set[str] = set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = f"{request.url.host}:{request.url.port}"
+        if host in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.apps[host].handle_async_request(request)
+
+
+def _fleet() -> tuple[GateFleet, dict[str, Gate], Hosts]:
+    gates = {url: Gate(GateConfig(require_open=True)) for url in URLS}
+    hosts = Hosts(gates)
+    return GateFleet(URLS, TOKEN, transport=hosts, backoff_s=0.0), gates, hosts
+
+
+def test_rollouts_go_to_the_least_loaded_gate_and_stay_there() -> None:
+    async def run() -> None:
+        fleet, gates, _ = _fleet()
+        async with fleet:
+            urls = [await fleet.open(f"r{i}") for i in range(4)]
+            assert urls[0] == "http://gate-a:8000/tokcap/rollouts/r0/v1"
+            assert [fleet.gate_url(f"r{i}") for i in range(4)] == [*URLS, *URLS]
+            assert await fleet.open("r0") == urls[0]  # stable for the rollout's life
+            await fleet.close("r0", reward=1.0)
+            await fleet.open("r4")  # gate-a has one open rollout now, gate-b two
+            assert fleet.gate_url("r4") == URLS[0]
+            # opened there (where a captured call joins its rollout), and nowhere else
+            assert gates[URLS[1]].registry.join("r1", require_open=True) is not None
+            with pytest.raises(RolloutNotFound):
+                gates[URLS[0]].registry.join("r1", require_open=True)
+            with pytest.raises(ControlNotFound):
+                fleet.base_url("never-opened")
+
+    anyio.run(run)
+
+
+def test_receipts_come_from_each_rollouts_own_gate() -> None:
+    async def run() -> None:
+        fleet, _, _ = _fleet()
+        async with fleet:
+            rids = [f"q{i}" for i in range(4)]
+            for rid in rids:
+                await fleet.open(rid)
+            heads = {rid: await fleet.close(rid, reward=0.5) for rid in rids}
+            receipts = await fleet.fetch_receipts(rids, expected_heads=heads)
+            assert [r.rollout_id for r in receipts] == rids
+            assert {r.failure_reason for r in receipts} == {"no_terminal"}  # opened, no calls
+            for rid in rids:
+                await fleet.release(rid)
+            assert [(r.opened, r.closed, r.released) for r in fleet.report()] == [(2, 2, 2)] * 2
+
+    anyio.run(run)
+
+
+def test_a_gate_that_stops_answering_poisons_only_its_open_rollouts() -> None:
+    async def run() -> None:
+        fleet, _, hosts = _fleet()
+        async with fleet:
+            rids = [f"k{i}" for i in range(4)]
+            for rid in rids:
+                await fleet.open(rid)
+            hosts.down.add("gate-b:8000")
+            heads = {rid: await fleet.close(rid) for rid in rids}
+            receipts = {
+                r.rollout_id: r for r in await fleet.fetch_receipts(rids, expected_heads=heads)
+            }
+            assert receipts["k0"].failure_reason == receipts["k2"].failure_reason == "no_terminal"
+            assert receipts["k1"].failure_reason == "gate_unreachable:ConnectError"
+            assert receipts["k3"].failure_reason == "gate_unreachable:ConnectError"
+            assert set(fleet.lost()) == {"k1", "k3"}
+            assert fleet.orphaned_keys(["k1/c000001", "k0/c000001", "k3/c000002"]) == [
+                "k1/c000001",
+                "k3/c000002",
+            ]
+            a, b = fleet.report()
+            assert (a.alive, a.unreachable, b.alive, b.unreachable) == (True, 0, False, 2)
+            await fleet.open("k5")  # new rollouts go to the gates that answer
+            assert fleet.gate_url("k5") == URLS[0]
+            for rid in rids:
+                await fleet.release(rid)
+            assert fleet.lost() == {}
+
+    anyio.run(run)
