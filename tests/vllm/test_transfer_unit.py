@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -170,3 +172,59 @@ def test_the_backend_registers_once_however_often_the_plugin_runs() -> None:
     assert WeightTransferEngineFactory._registry["tokcap_shm"]() is TokcapShmWeightTransferEngine
     trainer = WeightTransferTrainerFactory._registry["tokcap_shm"]()
     assert trainer is TokcapShmTrainerWeightTransferEngine
+
+
+def _guard() -> tuple[Any, Any]:
+    from tokcap_core import CaptureConfig
+    from tokcap_vllm import Gate, GateConfig
+    from tokcap_vllm._control import ControlPlane
+    from tokcap_vllm._guarded_routes import GuardedRoutes
+
+    gate = Gate(GateConfig(capture=CaptureConfig(control_token="secret-token")))
+    return gate, GuardedRoutes(gate, ControlPlane(gate))
+
+
+async def _call(guard: Any, path: str, token: str | None, app: Any) -> tuple[int, bytes]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    scope = {"type": "http", "path": path, "method": "POST", "headers": headers}
+    await guard(scope, receive, send, app)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], body
+
+
+def test_a_guarded_route_without_the_token_never_reaches_vllm() -> None:
+    called: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        called.append(scope["path"])
+
+    _, guard = _guard()
+    for token in (None, "wrong"):
+        status, body = anyio.run(_call, guard, "/collective_rpc", token, app)
+        assert status == 401
+        assert b"unauthorized" in body
+    assert called == []
+
+
+def test_a_vllm_weight_route_that_raises_is_answered_and_fails_the_weights() -> None:
+    """vLLM's weight routes raise on a failed RPC; answered here, the client's connection
+    survives (it carries the empty finish that clears vLLM's flag) and the gate knows."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("Worker failed with error 'a push carries every tensor'")
+
+    _gate, guard = _guard()
+    status, body = anyio.run(_call, guard, "/finish_weight_update", "secret-token", app)
+    assert status == 500
+    assert b"engine_route_failed" in body
+    assert b"a push carries every tensor" in body
+    assert guard.weights.state.phase is WeightPhase.FAILED
+    assert guard.weights.state.error == "finish_failed"
