@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -109,14 +110,16 @@ def main() -> None:
     token = os.environ["TOKCAP_CONTROL_TOKEN"]
     with contextlib.ExitStack() as stack:
         deadline = time.monotonic() + args.wait_s
-        while True:  # the Ray head may still be starting
+        host, _, port = args.ray_address.rpartition(":")
+        while True:  # the Ray head may still be starting (ray.init would wait for minutes)
             try:
-                stack.enter_context(connect_tq(args.ray_address))
+                socket.create_connection((host, int(port)), timeout=2.0).close()
                 break
-            except ConnectionError:
+            except OSError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(2.0)
+        stack.enter_context(connect_tq(args.ray_address))
         print(json.dumps(anyio.run(main_async, args, token)), flush=True)
 
 

@@ -64,6 +64,8 @@ def test_the_readme_commands_train_through_two_served_gates(tmp_path: Path) -> N
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_TMPDIR": ray_dir,
         "TQ_NUM_THREADS": "2",
+        # A raylet gives up when its metrics agent is slow to start (seen on a loaded box).
+        "RAY_agent_register_timeout_ms": "120000",
     }
     run = subprocess.Popen(
         ["bash", "-c", script],

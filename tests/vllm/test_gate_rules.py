@@ -25,8 +25,9 @@ from tokcap_vllm._admission import (
 )
 from tokcap_vllm._errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
 from tokcap_vllm._host import EngineResult
-from tokcap_vllm._lifecycle import COMMITTED, FAILED, GateCall, gone, replayable
+from tokcap_vllm._lifecycle import COMMITTED, FAILED
 from tokcap_vllm._planning import Observed, ParentIndex, PlannedRequest
+from tokcap_vllm._records import GateCall, answerable, gone
 from tokcap_vllm._render_ids import _served_message, _short_call_id, describe, is_id_tokenizer
 from tokcap_vllm._rollouts import CLOSING, EMPTY, OPEN, UNCAPTURED, RolloutBook
 from tokcap_vllm._routing import route_request
@@ -348,7 +349,7 @@ def test_the_open_bound_counts_only_open_records_and_a_dropped_request_leaves_no
     assert book.join("b").phase is EMPTY
 
 
-def test_a_key_holder_is_replayed_waited_for_or_taken_over() -> None:
+def test_a_key_holder_is_answered_again_waited_for_or_taken_over() -> None:
     book = _book()
     record = book.join("k")
     first = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="b")
@@ -363,10 +364,10 @@ def test_a_key_holder_is_replayed_waited_for_or_taken_over() -> None:
         book.claim(other)
     assert e.value.code == "idempotency_key_reused"
     first.phase = COMMITTED
-    assert book.claim(retry) is None  # settled without an answer to replay: taken over
+    assert book.claim(retry) is None  # settled without an answer to send again: taken over
     assert record.keys["key"] is retry
-    retry.phase, retry.replay = FAILED, ({}, [])
-    assert replayable(retry)
+    retry.phase, retry.answer = FAILED, ({}, [])
+    assert answerable(retry)
     late = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="b")
     assert late is not None
     assert book.claim(late) is retry

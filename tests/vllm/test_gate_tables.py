@@ -35,9 +35,8 @@ from tokcap_vllm._lifecycle import (
     PLANNING,
     RESPONDED,
     CallStateError,
-    GateCall,
-    replayable,
 )
+from tokcap_vllm._records import GateCall, answerable
 from tokcap_vllm._rollouts import (
     CLOSED,
     CLOSING,
@@ -188,7 +187,7 @@ class GateTables(RuleBasedStateMachine):
             if holder.body_fingerprint != body:
                 expect = "idempotency_key_reused"
             elif holder.phase not in FINAL or (
-                holder.replay is not None and holder.phase in (COMMITTED, FAILED)
+                holder.answer is not None and holder.phase in (COMMITTED, FAILED)
             ):
                 expect = holder
         if expect is None and request_id is not None:
@@ -209,7 +208,7 @@ class GateTables(RuleBasedStateMachine):
                 if request_id is not None:
                     model.request_ids[request_id] = call
             else:
-                assert not expect.final or replayable(expect)
+                assert not expect.final or answerable(expect)
 
     @rule(data=st.data())
     def drop(self, data: st.DataObject) -> None:
@@ -274,7 +273,7 @@ class GateTables(RuleBasedStateMachine):
             assert call.call_id is not None
             call.prior = PriorCall(call.call_id, "chat", "prompt+out", array("I", [1, 2, 3]))
         if was is FINISHED and answer:
-            call.replay = ({"type": "http.response.start"}, [b"{}"])
+            call.answer = ({"type": "http.response.start"}, [b"{}"])
         self._step(call, "respond")
         model = self._model_of(call)
         if was is FINISHED and parent and model is not None:

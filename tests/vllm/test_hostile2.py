@@ -137,14 +137,21 @@ def _deep_tool_message(depth: int) -> dict[str, Any]:
 def test_b3_tool_call_arguments_nested_deep_are_a_typed_400(
     server: InProcessServer, depth: int
 ) -> None:
+    """Past Python's recursion limit: 400 ``bad_json``. At 990 the limit is reached or not
+    depending on the stack the decode runs on: then the call is captured and verifies."""
     messages = [
         {"role": "user", "content": "call f"},
         _deep_tool_message(depth),
         {"role": "tool", "tool_call_id": "t1", "content": "done"},
     ]
     body = {"model": server.model, "messages": messages, "max_tokens": 3}
-    assert _code(_post(server, "hx2-b3", body)) == (400, "bad_json")
-    assert not _held(server, "hx2-b3")
+    rollout_id = f"hx2-b3-{depth}"
+    answer = _post(server, rollout_id, body)
+    if depth < 1000 and answer.status_code == 200:
+        assert _verified(server, rollout_id)
+    else:
+        assert _code(answer) == (400, "bad_json")
+        assert not _held(server, rollout_id)
     _assert_serving(server, f"hx2-b3-after-{depth}")
 
 
@@ -152,7 +159,7 @@ def test_b9_a_close_witness_nested_deep_is_a_typed_400_and_harms_nothing(
     server: InProcessServer,
 ) -> None:
     assert _post(server, "hx2-b9", _body(server, "a")).status_code == 200
-    deep = _deep_tool_message(990)["tool_calls"]
+    deep = _deep_tool_message(2_000)["tool_calls"]
     answer = _control(
         server, "POST", "hx2-b9/close", {"reward": 1.0, "witnesses": {"tool_calls": deep}}
     )

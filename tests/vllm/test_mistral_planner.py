@@ -405,3 +405,10 @@ def test_a_tokenizer_that_cannot_plan_follow_ups_is_refused_naming_it(tmp_path: 
     assert e.value.code == "tokenizer_unsupported"
     assert "MarkedTokenizer (Tekkenizer v3)" in e.value.message
     assert type(e.value).status == 400
+
+
+def test_the_renderer_splices_unless_the_gate_is_configured_to_break(tmp_path: Path) -> None:
+    tokenizer = _vllm_tokenizer("tekken", tmp_path)
+    assert request_renderer(tokenizer, None, GateConfig(), 4096).splice  # type: ignore[attr-defined]
+    breaking = request_renderer(tokenizer, None, GateConfig(on_render_mismatch="break"), 4096)
+    assert not breaking.splice  # type: ignore[attr-defined]

@@ -221,6 +221,8 @@ class _GateProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--tokcap-sink",
+            "memory",  # a served gate names its sink; this test reads manifests only
             *VLLM_ARGS,
         ]
         self._log = log.open("ab")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -78,6 +79,8 @@ def _join(attach: TQAttachConfig) -> None:
     while True:
         try:
             if not ray.is_initialized():
+                if not _listening(attach.ray_address):
+                    raise ConnectionRefusedError("nothing listens there yet")
                 ray.init(address=attach.ray_address, log_to_driver=False, configure_logging=False)
             if _tq_running() and _configured():
                 tq.init()  # the controller exists: this attaches a client, starts nothing
@@ -107,6 +110,19 @@ def _join(attach: TQAttachConfig) -> None:
                 attach.attach_timeout_s,
             )
         time.sleep(min(_RETRY_S, max(0.0, deadline - now)))
+
+
+def _listening(address: str) -> bool:
+    """Whether the GCS port accepts connections: ``ray.init`` on a cluster that is not up
+    retries inside itself for minutes, past any deadline of ours."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():  # "auto", "ray://...": Ray resolves it
+        return True
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_RETRY_S):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _configured() -> bool:

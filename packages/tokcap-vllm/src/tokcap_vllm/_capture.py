@@ -5,7 +5,7 @@
 next one attaches is the rollout's `tokcap_vllm._planning.ParentIndex`.
 
 Per captured request: `enter` joins the rollout, holds the call's idempotency key and
-request id (or finds the earlier call to replay), plans it against the parent index and
+request id (or finds the earlier call to answer again), plans it against the parent index and
 appends ``Admitted``; the engine runs on the admitted ids (`CaptureHost`);
 `engine_finished` starts the sink write at once; `respond` (just before the response's
 last byte) makes the call a parent and schedules its commit, which appends ``Staged`` once
@@ -46,10 +46,11 @@ from ._config import GateConfig
 from ._errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from ._hooks import GateHooks
 from ._host import EngineResult
-from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING, GateCall, replayable
+from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING
 from ._metrics import GateMetrics
 from ._persist import LedgerFileError
 from ._planning import Observed, ParentIndex, PlannedRequest
+from ._records import GateCall, answerable
 from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
@@ -90,14 +91,14 @@ class CapturePath:
         body_fingerprint: str = "",
         request_id: str | None = None,
     ) -> GateCall:
-        """Admit a captured request: the ADMITTED call, or the earlier call to replay.
+        """Admit a captured request: the ADMITTED call, or the earlier call to answer again.
 
         A rollout that already failed refuses it (``rollout_poisoned``). A settled call: a
-        retry under its idempotency key (replay its answer). One key is one call: a
+        retry under its idempotency key (its answer is sent again). One key is one call: a
         retry waits for the holder (bounded) and takes the key over if it never completed;
         a different body is refused (``idempotency_key_reused``), a request id another call
         of the rollout used too (``duplicate_request_id``). ``request`` binds the body to
-        the tokenizer (after the claim, so a retry replays without re-planning). A request
+        the tokenizer (after the claim, so a retry is answered again without re-planning). A request
         refused on the way leaves nothing behind.
         """
         record = self.book.join(rollout_id, require_open=self.config.require_open)
@@ -123,7 +124,7 @@ class CapturePath:
     async def _claim(self, call: GateCall) -> GateCall | None:
         while True:
             holder = self.book.claim(call)
-            if holder is None or replayable(holder):
+            if holder is None or answerable(holder):
                 return holder
             with anyio.move_on_after(self.config.parent_commit_timeout_s):
                 await holder.settled.wait()
@@ -249,7 +250,7 @@ class CapturePath:
         except Exception:  # containment: the harness still gets its answer
             _log.exception("tokcap gate: indexing call %s failed", call.call_id)
         else:
-            call.output_fp, call.replay = learned.output_fp, seen.replay
+            call.output_fp, call.answer = learned.output_fp, seen.answer
             call.prior = learned.prior if call.staged is not None else None
         self.book.step(call, "respond")
         if self.tg is None:

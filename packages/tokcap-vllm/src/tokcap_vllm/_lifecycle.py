@@ -24,18 +24,10 @@ table does not allow raises `CallStateError` and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+from typing import Final, TypeVar
 
-from tokcap_core import StagedCall, TokcapError
-from tokcap_core.ids import CallId, RolloutId
+from tokcap_core import TokcapError
 from tokcap_core.states import Sentinel
-
-if TYPE_CHECKING:
-    from ._admission import ChatPlan, PriorCall
-    from ._host import EngineResult
-    from ._planning import PlannedRequest
-    from ._rollouts import RolloutRecord
 
 __all__ = [
     "ABANDONED",
@@ -44,15 +36,13 @@ __all__ = [
     "DROPPED",
     "EFFECTS",
     "FAILED",
+    "FINAL",
     "FINISHED",
     "PLANNING",
     "RESPONDED",
     "CallPhase",
     "CallStateError",
-    "Flag",
-    "GateCall",
     "next_phase",
-    "replayable",
 ]
 
 
@@ -71,7 +61,7 @@ FAILED: Final = CallPhase("FAILED")
 DROPPED: Final = CallPhase("DROPPED")
 ABANDONED: Final = CallPhase("ABANDONED")
 
-_FINAL: Final = frozenset({COMMITTED, FAILED, DROPPED, ABANDONED})
+FINAL: Final = frozenset({COMMITTED, FAILED, DROPPED, ABANDONED})
 TRANSITIONS: Final[Mapping[CallPhase, Mapping[str, CallPhase]]] = {
     PLANNING: {"admit": ADMITTED, "drop": DROPPED},
     ADMITTED: {"finish": FINISHED, "abandon": ABANDONED},
@@ -114,64 +104,6 @@ class CallStateError(TokcapError, RuntimeError):
     contained)."""
 
 
-class Flag(Protocol):
-    """What the driver waits on (an ``anyio.Event``); the rules only set it."""
-
-    def set(self) -> None: ...
-
-    def is_set(self) -> bool: ...
-
-    async def wait(self) -> None: ...
-
-
-@dataclass(slots=True, eq=False)
-class GateCall:
-    """The gate's working record of one captured request, from its body to its commit.
-
-    ``rollout`` is the record the call joined (never looked up again by id, so a released
-    and reused rollout id can never receive this call). Tokens live here until the ledger
-    commits the call; the sink holds them from ``finish`` on.
-    """
-
-    rollout: RolloutRecord
-    kind: str
-    sink_done: Flag
-    settled: Flag
-    idempotency_key: str | None = None
-    body_fingerprint: str = ""
-    request_id: str | None = None
-    phase: CallPhase = PLANNING
-    call_id: CallId | None = None
-    request: PlannedRequest | None = None
-    plan: ChatPlan | None = None
-    parent: GateCall | None = None
-    result: EngineResult | None = None
-    staged: StagedCall | None = None
-    stage_error: str | None = None
-    prior: PriorCall | None = None
-    response_id: str | None = None
-    output_fp: str | None = None
-    replay: tuple[dict[str, Any], list[bytes]] | None = None
-    abandoned: Flag | None = None
-    """Set when the call is abandoned: its request, if still running, is then ended (the
-    engine stops generating; the harness gets an error, never a completion)."""
-
-    @property
-    def rollout_id(self) -> RolloutId:
-        """The id of the rollout this call belongs to."""
-        return self.rollout.rollout_id
-
-    @property
-    def final(self) -> bool:
-        """Whether the call reached a final phase (its ``settled`` flag is set)."""
-        return self.phase in _FINAL
-
-    @property
-    def in_flight(self) -> bool:
-        """Admitted and not yet responded: still generating or still sending its response."""
-        return self.phase is ADMITTED or self.phase is FINISHED
-
-
 _Phase = TypeVar("_Phase")
 
 
@@ -187,13 +119,3 @@ def next_phase(
     if nxt is None:
         raise CallStateError(refusals[phase].get(op, "unknown_op"), f"{op} in phase {phase}")
     return nxt
-
-
-def gone(call: GateCall) -> bool:
-    """Whether a call left without an answer (dropped or abandoned): its key is free."""
-    return call.phase is ABANDONED or call.phase is DROPPED
-
-
-def replayable(call: GateCall) -> bool:
-    """Whether a key holder settled with an answer a retry can replay."""
-    return call.replay is not None and (call.phase is COMMITTED or call.phase is FAILED)

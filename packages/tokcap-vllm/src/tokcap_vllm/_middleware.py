@@ -33,8 +33,9 @@ from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
 from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
-from ._lifecycle import ABANDONED, Flag, GateCall
+from ._lifecycle import ABANDONED
 from ._planning import Observed
+from ._records import Flag, GateCall
 from ._render import RequestRenderer
 from ._renderers import request_renderer
 from ._routing import route_request
@@ -182,10 +183,10 @@ class GateMiddleware:
                 request_id=_request_id(scope, parsed.request_id, kind),
             )
             if call.final:  # a retry under the key of a call that settled: its answer again
-                await _replay(send, call)
+                await _answer_again(send, call)
                 return
-            replay_receive = _replaying(body, receive, call.abandoned)
-            await self._generate(scope, replay_receive, watched_send, call)
+            body_again = _receive_body_again(body, receive, call.abandoned)
+            await self._generate(scope, body_again, watched_send, call)
         except (GateError, RecursionError) as e:
             if not started:
                 await self._refuse(send, _typed(e))
@@ -291,10 +292,10 @@ def _respond(capture: CapturePath, call: GateCall, observer: ResponseObserver) -
     """The last byte is about to go out: hand the gate what the harness received."""
     if observer.status != 200 or call.result is None or not call.in_flight:
         return
-    replay = None
+    answer = None
     if observer.chunks is not None and observer.start is not None:
-        replay = (observer.start, observer.chunks)
-    seen = Observed(observer.response_id, observer.content, observer.tool_calls(), replay)
+        answer = (observer.start, observer.chunks)
+    seen = Observed(observer.response_id, observer.content, observer.tool_calls(), answer)
     capture.respond(call, seen)
 
 
@@ -320,13 +321,13 @@ def _one_header(scope: Scope, name: str) -> str | None:
     return values[0] if values else None
 
 
-def _replaying(body: bytes, receive: Receive, abandoned: Flag | None) -> Receive:
+def _receive_body_again(body: bytes, receive: Receive, abandoned: Flag | None) -> Receive:
     """The request's body once, then the client's messages; an ``http.disconnect`` as soon
     as the gate abandons the call, so vLLM ends the request (and aborts it in the engine)
     exactly as if the client had left."""
     sent = False
 
-    async def replay() -> Message:
+    async def receive_again() -> Message:
         nonlocal sent
         if not sent:
             sent = True
@@ -349,13 +350,13 @@ def _replaying(body: bytes, receive: Receive, abandoned: Flag | None) -> Receive
             tg.start_soon(on_abandon)
         return message
 
-    return replay
+    return receive_again
 
 
-async def _replay(send: Send, earlier: GateCall) -> None:
+async def _answer_again(send: Send, earlier: GateCall) -> None:
     """Send the recorded answer of the call that holds the idempotency key."""
-    assert earlier.replay is not None
-    start, chunks = earlier.replay
+    assert earlier.answer is not None
+    start, chunks = earlier.answer
     await send(start)
     for i, chunk in enumerate(chunks):
         await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})

@@ -51,7 +51,7 @@ class Observed:
     response_id: str | None
     content: str | None
     tool_calls: list[dict[str, Any]] | None
-    replay: tuple[dict[str, Any], list[bytes]] | None = None
+    answer: tuple[dict[str, Any], list[bytes]] | None = None
     """The recorded answer, for a retry under the same idempotency key."""
 
 

@@ -36,28 +36,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tokcap_core import Ledger
-from tokcap_core.ids import CallId, RolloutId, validate_rollout_id
+from tokcap_core.ids import RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Failed
-from tokcap_core.states import Sentinel
 
 from ._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
-from ._lifecycle import (
-    EFFECTS,
-    REFUSALS,
-    TRANSITIONS,
-    CallPhase,
+from ._lifecycle import EFFECTS, REFUSALS, TRANSITIONS, CallPhase, next_phase
+from ._records import (
+    CLOSED,
+    CLOSING,
+    CLOSING_UNCAPTURED,
+    EMPTY,
+    IN_CLOSE,
+    OPEN,
+    UNCAPTURED,
     Flag,
     GateCall,
+    RolloutPhase,
+    RolloutRecord,
+    answerable,
     gone,
-    next_phase,
-    replayable,
 )
-from ._planning import ParentIndex
 
 __all__ = [
     "CLOSED",
@@ -72,19 +74,6 @@ __all__ = [
     "check_not_poisoned",
 ]
 
-
-class RolloutPhase(Sentinel):
-    """A rollout's phase in the gate (compare with ``is``)."""
-
-    __slots__ = ()
-
-
-EMPTY: Final = RolloutPhase("EMPTY")
-OPEN: Final = RolloutPhase("OPEN")
-UNCAPTURED: Final = RolloutPhase("UNCAPTURED")
-CLOSING: Final = RolloutPhase("CLOSING")
-CLOSING_UNCAPTURED: Final = RolloutPhase("CLOSING_UNCAPTURED")
-CLOSED: Final = RolloutPhase("CLOSED")
 
 _TRANSITIONS: Final[Mapping[RolloutPhase, Mapping[str, RolloutPhase]]] = {
     EMPTY: {"append": OPEN, "fail": UNCAPTURED, "open": OPEN},
@@ -112,41 +101,6 @@ _REFUSALS: Final[Mapping[RolloutPhase, Mapping[str, str]]] = {
     CLOSING_UNCAPTURED: dict.fromkeys(("close", "open"), "rollout_closed"),
     CLOSED: dict.fromkeys(("append", "close", "closed", "reopen", "open"), "rollout_closed"),
 }
-_CLOSING: Final = frozenset({CLOSING, CLOSING_UNCAPTURED})
-_HELD: Final = frozenset({OPEN, UNCAPTURED, CLOSING, CLOSING_UNCAPTURED})
-"""Phases in which a rollout is listed, counted and has a ledger to serve."""
-
-
-@dataclass(slots=True, eq=False)
-class RolloutRecord:
-    """An open rollout: its ledger, its calls and its parent index."""
-
-    rollout_id: RolloutId
-    ledger: Ledger
-    lock: AbstractAsyncContextManager[Any]
-    """The driver's lock around planning (opaque here)."""
-    phase: RolloutPhase = EMPTY
-    poison: str | None = None
-    """Pending: the close appends ``Poisoned(poison)`` instead of ``Closed``."""
-    calls: dict[CallId, GateCall] = field(default_factory=dict)
-    """Admitted calls, by call id."""
-    live: set[GateCall] = field(default_factory=set)
-    """Calls not yet final nor contained (PLANNING ones included)."""
-    parents: ParentIndex = field(default_factory=ParentIndex)
-    keys: dict[str, GateCall] = field(default_factory=dict)
-    """Idempotency key → the call that holds it."""
-    request_ids: dict[str, GateCall] = field(default_factory=dict)
-    """Request id → the call that used it (ids name responses, so they are unique)."""
-
-    @property
-    def accepting(self) -> bool:
-        """Whether new calls may be admitted (open in the ledger and not closing)."""
-        return self.phase not in _CLOSING and self.ledger.status is LEDGER_OPEN
-
-    @property
-    def held(self) -> bool:
-        """Whether the rollout is listed and has a ledger to serve (not EMPTY, not gone)."""
-        return self.phase in _HELD
 
 
 class RolloutBook:
@@ -190,7 +144,7 @@ class RolloutBook:
                     f"{self.max_open} rollouts are open; close some before starting more",
                 )
             record = self._open[rid] = RolloutRecord(rid, Ledger(rid), self._lock())
-        elif record.phase in _CLOSING:
+        elif record.phase in IN_CLOSE:
             raise RolloutConflict("rollout_closed", f"{rid} is closing")
         return record
 
@@ -208,7 +162,7 @@ class RolloutBook:
             if rid in self._closed:
                 raise RolloutConflict("rollout_closed", f"{rid} is closed")
             raise RolloutNotFound("unknown_rollout", f"no open rollout {rid}")
-        if record.phase in _CLOSING:
+        if record.phase in IN_CLOSE:
             raise RolloutConflict("rollout_closed", f"{rid} is closing")
         return record
 
@@ -303,10 +257,11 @@ class RolloutBook:
         return call
 
     def claim(self, call: GateCall) -> GateCall | None:
-        """Hold ``call``'s key and request id; or the call to wait for, or to replay.
+        """Hold ``call``'s key and request id; or the call to wait for, or to answer again.
 
-        Returns None once held; else the holder of the key: the driver replays it if it
-        settled with an answer (`replayable`), or waits for it to settle and asks again.
+        Returns None once held; else the holder of the key: the driver sends its recorded
+        answer again if it settled with one (`answerable`), or waits for it to settle and
+        asks again.
         """
         record = call.rollout
         key = call.idempotency_key
@@ -317,7 +272,7 @@ class RolloutBook:
                     "idempotency_key_reused",
                     "this Idempotency-Key was used with a different request body",
                 )
-            if not holder.final or replayable(holder):
+            if not holder.final or answerable(holder):
                 return holder
         if key is not None:
             record.keys[key] = call

@@ -8,7 +8,7 @@ from tokcap_core import StagedCall, TokcapError
 from tokcap_core.ledger import Staged
 
 from ._host import EngineResult
-from ._lifecycle import GateCall
+from ._records import GateCall
 
 __all__ = ["staged_call", "staged_entry"]
 

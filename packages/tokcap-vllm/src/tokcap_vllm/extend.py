@@ -6,9 +6,9 @@ from ._control import ControlPlane
 from ._gate import GateHealth
 from ._hooks import GateHooks
 from ._host import CaptureHost, EngineResult
-from ._lifecycle import GateCall
 from ._metrics import GateMetrics
 from ._middleware import default_gate
+from ._records import GateCall
 from ._vllm import INSTALL_HINT, require_vllm
 
 __all__ = [
