@@ -23,13 +23,26 @@ from pathlib import Path
 
 import httpx
 
-from tokcap_tq import TQSinkConfig
-from tokcap_vllm import GateFleet
+from tokcap_tq import TQSink, TQSinkConfig
+from tokcap_vllm import ControlPlaneClient, ControlPlaneError, GateFleet
 
-__all__ = ["FleetEndpoint", "ServedGate", "free_port", "served_gate_options", "served_gates"]
+__all__ = [
+    "FleetEndpoint",
+    "ServedGate",
+    "free_port",
+    "reclaim_rollouts",
+    "served_gate_options",
+    "served_gates",
+]
 
-SERVED_ENV = {"VLLM_SERVER_DEV_MODE": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-"""What every served gate's environment adds: vLLM's RL routes (the weight pushes)."""
+SERVED_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+}
+"""What every served gate's environment adds: vLLM's RL routes (the weight pushes) and its
+engine core in its own process, as the served weight-push tests run it (a trainer process
+started by ``tokcap`` has set the in-process default, 0, that its children would inherit)."""
 
 
 def free_port() -> int:
@@ -180,3 +193,30 @@ class FleetEndpoint:
     def rollout_url(self, rollout_id: str) -> str:
         """The OpenAI base URL of an opened rollout, on its gate."""
         return self.fleet.base_url(rollout_id)
+
+
+async def reclaim_rollouts(urls: Sequence[str], token: str, sink: TQSink) -> dict[str, int]:
+    """What a restarted trainer does first: every rollout the gates at ``urls`` still hold
+    (left by a trainer that died: open, or closed and never released) is closed if open
+    and released, and the rows it staged in ``sink`` are cleared; nothing is held forever.
+
+    Returns ``{url: rollouts reclaimed}``. The dead trainer's rewards are gone, so none of
+    these rollouts trains.
+    """
+    reclaimed: dict[str, int] = {}
+    ids: set[str] = set()
+    for url in urls:
+        async with ControlPlaneClient(url, token) as gate:
+            items = await gate.rollouts()
+            for item in items:
+                if item.state == "open":
+                    # closed meanwhile, or already forgotten: the release settles it
+                    with contextlib.suppress(ControlPlaneError):
+                        await gate.close(item.rollout_id)
+                await gate.release(item.rollout_id)
+                ids.add(item.rollout_id)
+            reclaimed[url.rstrip("/")] = len(items)
+    stale = [k for k in await sink.staged_keys() if k.split("/", 1)[0] in ids]
+    if stale:
+        await sink.clear(stale)
+    return reclaimed

@@ -26,7 +26,14 @@ from tokcap_vllm import GateFleet
 from tokcap_vllm.weights import FleetWeightSync
 
 from .._stages import Stages
-from ..compose import FleetEndpoint, open_stack, served_gate_options, served_gates, services
+from ..compose import (
+    FleetEndpoint,
+    open_stack,
+    reclaim_rollouts,
+    served_gate_options,
+    served_gates,
+    services,
+)
 from ..demo import QWEN_VLLM_ARGS
 from ._step import (
     Observer,
@@ -107,6 +114,9 @@ async def _drive(
         GateFleet(urls, token) as fleet,
         FleetWeightSync([(url, token) for url in urls]) as weights,
     ):
+        if config.gate_urls:  # gates that outlive trainers: take back what a dead one held
+            reclaimed = await reclaim_rollouts(urls, token, sink)
+            stages.log(f"reclaimed rollouts a previous trainer left: {reclaimed}")
         endpoint = FleetEndpoint(fleet, str(config.model), urls)
         async with open_stack(
             [endpoint],
