@@ -42,6 +42,7 @@ from ._step import (
     StepRecord,
     TrainRun,
     load_policy,
+    new_trainer,
     train_steps,
 )
 
@@ -100,10 +101,6 @@ async def _drive(
     on_step: Callable[[StepRecord], None] | None,
     observe: Observer | None,
 ) -> None:
-    import torch
-
-    from ..train import TrainConfig, Trainer
-
     config = run.config
     policy: list[Any] = []
 
@@ -133,12 +130,7 @@ async def _drive(
             if len(set(start.gate_versions)) != 1:
                 raise ConfigError("bad_gates", f"gates at different versions: {start}")
             run.params = sum(p.numel() for p in model.parameters())
-            trainer = Trainer(
-                model,
-                torch.optim.AdamW(model.parameters(), lr=config.lr),
-                config=TrainConfig(temperature=1.0, pad_token_id=model.config.pad_token_id or 0),
-                version=start.gate_versions[0],
-            )
+            trainer = new_trainer(model, config.lr, start.gate_versions[0])
             pushed = [start.gate_versions[0]]
 
             async def push(trainer: Any) -> Pushed:

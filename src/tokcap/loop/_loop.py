@@ -47,6 +47,7 @@ from ._step import (
     StepRecord,
     TrainRun,
     load_policy,
+    new_trainer,
     train_steps,
 )
 
@@ -109,10 +110,6 @@ async def _drive(
     on_step: Callable[[StepRecord], None] | None,
     observe: Observer | None,
 ) -> None:
-    import torch
-
-    from ..train import TrainConfig, Trainer
-
     config = run.config
     policy: list[Any] = []
 
@@ -136,12 +133,7 @@ async def _drive(
             return Pushed(await anyio.to_thread.run_sync(_push, server, sync, trainer))
 
         run.params = sum(p.numel() for p in model.parameters())
-        trainer = Trainer(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=config.lr),
-            config=TrainConfig(temperature=1.0, pad_token_id=model.config.pad_token_id or 0),
-            version=sync.state.version,
-        )
+        trainer = new_trainer(model, config.lr, sync.state.version)
         async with anyio.create_task_group() as background:
             loop = StepContext(
                 run=run,

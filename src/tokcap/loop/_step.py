@@ -34,6 +34,7 @@ __all__ = [
     "StepRecord",
     "TrainRun",
     "load_policy",
+    "new_trainer",
     "run_step",
     "train_steps",
 ]
@@ -297,6 +298,20 @@ def load_policy(model: Path, seed: int) -> Any:
     policy = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     policy.train(False)  # eval mode: no dropout
     return policy
+
+
+def new_trainer(model: Any, lr: float, version: int) -> Any:
+    """A `tokcap.train.Trainer` of ``model`` (AdamW at ``lr``, temperature 1) at ``version``."""
+    import torch
+
+    from ..train import TrainConfig, Trainer
+
+    return Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=lr),
+        config=TrainConfig(temperature=1.0, pad_token_id=model.config.pad_token_id or 0),
+        version=version,
+    )
 
 
 async def train_steps(
