@@ -125,6 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/train-<time>)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
+    train.add_argument(
+        "--gates", type=_positive, default=0,
+        help="start N gates, each its own `tokcap-vllm serve` process on the run's Ray "
+        "(default: one gate in this process)",
+    )  # fmt: skip
+    train.add_argument(
+        "--gate", dest="gate_urls", action="append", default=[], metavar="URL",
+        help="a gate someone else started with --tokcap-sink tq on --ray-address's cluster "
+        "(repeat; its token in TOKCAP_CONTROL_TOKEN)",
+    )  # fmt: skip
     show = sub.add_parser(
         "show",
         help="re-print the summary of a saved demo or train run",

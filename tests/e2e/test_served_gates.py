@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.e2e._gates import ServedGate
+from tokcap.compose import reclaim_rollouts
 from tokcap_core import reassemble
 from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import ControlPlaneClient, GateFleet
@@ -185,6 +186,39 @@ def test_a_require_open_gate_refuses_rollouts_nobody_opened_there(
             (receipt,) = await fleet.fetch_receipts(["opened-on-0"])
             assert receipt.failure_reason == "no_terminal"
             await fleet.release("opened-on-0")
+
+    anyio.run(run)
+
+
+def test_a_restarted_trainer_reclaims_what_the_dead_one_left_on_every_gate(
+    gates: list[ServedGate], sink: TQSink
+) -> None:
+    """A trainer dies mid-step (its fleet client dropped with rollouts open, one closed and
+    never released); the next trainer's `reclaim_rollouts` leaves nothing held."""
+    urls = [g.url for g in gates]
+
+    async def dead_trainer() -> None:
+        async with GateFleet(urls, TOKEN) as fleet:  # its connections end; its work stays
+            await _play(fleet, [f"dead-{i}" for i in range(4)])
+            await fleet.close("dead-0", reward=1.0)
+
+    async def run() -> None:
+        await dead_trainer()
+        held = []
+        for url in urls:
+            async with ControlPlaneClient(url, TOKEN) as cp:
+                held.append(sorted((r.rollout_id, r.state) for r in await cp.rollouts()))
+        assert held == [
+            [("dead-0", "closed"), ("dead-2", "open")],
+            [("dead-1", "open"), ("dead-3", "open")],
+        ]
+        assert [k for k in await sink.staged_keys() if k.startswith("dead-")]
+        assert await reclaim_rollouts(urls, TOKEN, sink) == {urls[0]: 2, urls[1]: 2}
+        for url in urls:
+            async with ControlPlaneClient(url, TOKEN) as cp:
+                assert await cp.rollouts() == []
+        assert not [k for k in await sink.staged_keys() if k.startswith("dead-")]
+        assert await reclaim_rollouts(urls, TOKEN, sink) == {urls[0]: 0, urls[1]: 0}
 
     anyio.run(run)
 

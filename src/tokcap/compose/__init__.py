@@ -12,11 +12,16 @@ The stack (after `tokcap.prepare_environment` at start-up): `tq_sink`, `in_proce
 and `services` (Ray, TransferQueue, the gate's engine), then `open_stack` (the pool and
 the control plane) yields a `Stack`. ``examples/custom_trainer.py`` is the worked
 example; `tokcap demo` and `tokcap train` are built on this module.
+
+Gates as their own processes: `served_gates` starts N ``tokcap-vllm serve`` gates with
+`served_gate_options` (TransferQueue on the run's Ray, weight pushes from the trainer);
+`FleetEndpoint` plays rollouts on a `tokcap_vllm.GateFleet` over them.
 """
 
-from . import _harness, _stack, _trainer
+from . import _harness, _served, _stack, _trainer
 from ._harness import *  # noqa: F403
+from ._served import *  # noqa: F403
 from ._stack import *  # noqa: F403
 from ._trainer import *  # noqa: F403
 
-__all__ = [*_harness.__all__, *_stack.__all__, *_trainer.__all__]
+__all__ = [*_harness.__all__, *_served.__all__, *_stack.__all__, *_trainer.__all__]

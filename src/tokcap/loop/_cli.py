@@ -39,6 +39,8 @@ class TrainOptions:
     out: Path | None = None
     cache: Path = Path(".tokcap")
     ray_address: str | None = None
+    gates: int = 0
+    gate_urls: tuple[str, ...] | list[str] = ()
 
 
 def run_train(options: TrainOptions, console: Console | None = None) -> int:
@@ -78,6 +80,8 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
             lr=options.lr,
             seed=options.seed,
             ray_address=options.ray_address,
+            gates=options.gates,
+            gate_urls=tuple(options.gate_urls),
         )
 
         def progress(record: StepRecord) -> None:

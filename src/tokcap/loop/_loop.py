@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -39,7 +38,18 @@ from tokcap_vllm import InProcessServer, WeightSync
 from .._stages import Stages
 from ..compose import in_process_gate, open_stack, services, tq_sink
 from ..demo import QWEN_VLLM_ARGS
-from ._step import LoopConfig, Observer, StepContext, StepRecord, TrainRun, run_step
+from ._fleet import run_fleet
+from ._step import (
+    LoopConfig,
+    Observer,
+    Pushed,
+    StepContext,
+    StepRecord,
+    TrainRun,
+    load_policy,
+    new_trainer,
+    train_steps,
+)
 
 __all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "run_loop"]
 
@@ -71,6 +81,9 @@ def run_loop(
         segments="terminal", max_seq_len=config.max_seq_len, min_valid_fraction=0.5
     ).with_derived(environ=os.environ)
     sink = tq_sink(config.tag)
+    if config.gates or config.gate_urls:
+        run_fleet(run, sink, capture, stages, on_step, observe)
+        return run
     server = in_process_gate(
         str(config.model), capture=capture, sink=sink, vllm_args=TRAIN_VLLM_ARGS
     )
@@ -79,17 +92,6 @@ def run_loop(
     ):
         anyio.run(_drive, run, server, sink, capture, stages, on_step, observe)
     return run
-
-
-def load_policy(model: Path, seed: int) -> Any:
-    """The trainer's copy of the engine's model: fp32, eval mode (no dropout)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    policy = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    policy.train(False)  # eval mode: no dropout
-    return policy
 
 
 async def _watched_sync(server: InProcessServer) -> WeightSync:
@@ -108,10 +110,6 @@ async def _drive(
     on_step: Callable[[StepRecord], None] | None,
     observe: Observer | None,
 ) -> None:
-    import torch
-
-    from ..train import TrainConfig, Trainer
-
     config = run.config
     policy: list[Any] = []
 
@@ -130,27 +128,27 @@ async def _drive(
     ) as stack:
         (model,) = policy
         sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
+
+        async def push(trainer: Any) -> Pushed:
+            return Pushed(await anyio.to_thread.run_sync(_push, server, sync, trainer))
+
         run.params = sum(p.numel() for p in model.parameters())
-        trainer = Trainer(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=config.lr),
-            config=TrainConfig(temperature=1.0, pad_token_id=model.config.pad_token_id or 0),
-            version=sync.state.version,
-        )
+        trainer = new_trainer(model, config.lr, sync.state.version)
         async with anyio.create_task_group() as background:
             loop = StepContext(
                 run=run,
-                server=server,
                 stack=stack,
                 trainer=trainer,
-                sync=sync,
+                push=push,
+                fleet=None,
                 background=background,
                 observe=observe,
             )
-            with stages.stage(f"train ({config.steps} steps)", total=config.steps) as advance:
-                for step in range(config.steps):
-                    record = await run_step(loop, step)
-                    run.steps.append(record)
-                    if on_step is not None:
-                        on_step(record)
-                    advance(1)
+            await train_steps(loop, stages, on_step)
+
+
+def _push(server: InProcessServer, sync: WeightSync, trainer: Any) -> str:
+    """Push the trainer's weights if its version moved; the engine's version label after."""
+    if trainer.version > sync.state.version:
+        server.call(sync.push, trainer.weights(), trainer.version, timeout=600)
+    return str(server.call(server.engine_client.get_weight_version))

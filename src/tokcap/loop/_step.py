@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +20,24 @@ import openai
 from anyio.abc import TaskGroup
 
 from tokcap_core import ConfigError
-from tokcap_vllm import InProcessServer, WeightSync
+from tokcap_vllm import GateFleet
 
+from .._stages import Stages
 from ..compose import Batch, Finished, GateEndpoint, Stack, play_rollouts
 from ._task import WITNESSES, DigitsEpisode, group_prompt, play_digits
 
-__all__ = ["LoopConfig", "Observer", "StepContext", "StepRecord", "TrainRun", "run_step"]
+__all__ = [
+    "LoopConfig",
+    "Observer",
+    "Pushed",
+    "StepContext",
+    "StepRecord",
+    "TrainRun",
+    "load_policy",
+    "new_trainer",
+    "run_step",
+    "train_steps",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +58,10 @@ class LoopConfig:
     max_seq_len: int = 4096
     ray_address: str | None = None
     """An existing Ray cluster to run TransferQueue and the pool on (None: start one here)."""
+    gates: int = 0
+    """Start this many ``tokcap-vllm serve`` gates (0: one gate in this process)."""
+    gate_urls: tuple[str, ...] = ()
+    """Gates someone else started (``--tokcap-sink tq`` on ``ray_address``'s cluster)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups", "rollouts", "turns", "max_tokens", "workers"):
@@ -54,6 +70,12 @@ class LoopConfig:
                 raise ConfigError(f"bad_{name}", f"{name} must be an int >= 1: {value!r}")
         if self.rollouts < 2:
             raise ConfigError("bad_rollouts", "GRPO needs >= 2 rollouts per group")
+        if type(self.gates) is not int or self.gates < 0:
+            raise ConfigError("bad_gates", f"gates must be an int >= 0: {self.gates!r}")
+        if self.gate_urls and (self.gates or not self.ray_address):
+            raise ConfigError(
+                "bad_gates", "--gate URL needs --ray-address and no --gates (they are started)"
+            )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError("bad_lr", f"lr must be finite and > 0: {self.lr!r}")
 
@@ -78,6 +100,8 @@ class StepRecord:
     rows_placeholder: int
     receipts_verified: int
     receipts_total: int
+    gate_versions: tuple[int, ...]
+    """Each served gate's weight version after the push (empty: the in-process gate)."""
     groups_accepted: int
     tokens: int
     loss: float
@@ -100,6 +124,7 @@ class StepRecord:
             "rows_placeholder": self.rows_placeholder,
             "receipts_verified": self.receipts_verified,
             "receipts_total": self.receipts_total,
+            **({"gate_versions": list(self.gate_versions)} if self.gate_versions else {}),
             "groups_accepted": self.groups_accepted,
             "tokens": self.tokens,
             "loss": self.loss,
@@ -118,6 +143,11 @@ class TrainRun:
     steps: list[StepRecord] = field(default_factory=list)
     samples: list[tuple[int, str, float]] = field(default_factory=list)
     """``(step, answer, reward)``: the first rollout's answer of some steps, for the report."""
+    gates: list[dict[str, Any]] = field(default_factory=list)
+    """Served gates only: ``url``, ``pid`` (None: started elsewhere), ``rollouts``,
+    ``calls``, ``weight_version`` (``summary.json``'s ``gates``)."""
+    gate_calls: dict[str, int] = field(default_factory=dict)
+    """Captured calls per gate URL (those its receipts name)."""
 
 
 Observer = Callable[[int, list[DigitsEpisode], Any, Any], None]
@@ -143,16 +173,25 @@ class _Clock:
             self.add(name, time.perf_counter() - start)
 
 
+@dataclass(frozen=True, slots=True)
+class Pushed:
+    """After a push: the engine's version label, and each served gate's version."""
+
+    label: str
+    gate_versions: tuple[int, ...] = ()
+
+
 @dataclass(slots=True, kw_only=True)
 class StepContext:
     """What every step uses."""
 
     run: TrainRun
-    server: InProcessServer
-    """The in-process gate: its engine takes the weight pushes."""
     stack: Stack
     trainer: Any
-    sync: WeightSync
+    push: Callable[[Any], Awaitable[Pushed]]
+    """``push(trainer)``: its weights into every engine if its version moved."""
+    fleet: GateFleet | None
+    """Served gates: each rollout is opened through the fleet before it plays."""
     background: TaskGroup
     """Where each step's `finish` runs, overlapping the next step."""
     observe: Observer | None = None
@@ -174,6 +213,9 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         for i in range(config.rollouts)
     ]
     with clock.time("generate"):
+        if loop.fleet is not None:
+            for episode in episodes:
+                await loop.fleet.open(episode.rollout_id)
         await _play(stack.gate, episodes, config, step)
     if step % 5 == 0 or step == config.steps - 1:
         loop.run.samples.append((step, " | ".join(episodes[0].contents), episodes[0].reward))
@@ -199,6 +241,10 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
     clock.add("close", batch.timings.close_s)
     clock.add("fetch_receipts", batch.timings.receipts_s)
     clock.add("reassemble", batch.timings.reassemble_s + batch.timings.rows_s)
+    if loop.fleet is not None:
+        for receipt in batch.receipts.values():
+            url = loop.fleet.gate_url(receipt.rollout_id)
+            loop.run.gate_calls[url] = loop.run.gate_calls.get(url, 0) + len(receipt.sink_keys)
     if loop.observe is not None:
         observed = time.perf_counter()
         loop.observe(step, episodes, batch, loop.trainer)
@@ -206,7 +252,7 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
     with clock.time("train"):
         report = await anyio.to_thread.run_sync(loop.trainer.step, batch.rows, batch.advantages)
     with clock.time("push"):
-        label = await anyio.to_thread.run_sync(_push, loop.server, loop.sync, loop.trainer)
+        pushed = await loop.push(loop.trainer)
     clock.seconds["total"] = time.perf_counter() - started
     loop.background.start_soon(_finish, loop, batch, clock)
     versions = [
@@ -227,12 +273,13 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         },
         sampled_version=max(versions) if versions else None,
         weight_version=report.version,
-        engine_version=label,
+        engine_version=pushed.label,
         staleness_max=report.staleness_max,
         rows_valid=report.rows_valid,
         rows_placeholder=report.rows_placeholder,
         receipts_verified=batch.receipts_verified,
         receipts_total=len(batch.receipts),
+        gate_versions=pushed.gate_versions,
         groups_accepted=len(batch.accepted),
         tokens=report.tokens,
         loss=report.loss,
@@ -242,17 +289,49 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
     )
 
 
+def load_policy(model: Path, seed: int) -> Any:
+    """The trainer's copy of the engine's model: fp32, eval mode (no dropout)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    policy.train(False)  # eval mode: no dropout
+    return policy
+
+
+def new_trainer(model: Any, lr: float, version: int) -> Any:
+    """A `tokcap.train.Trainer` of ``model`` (AdamW at ``lr``, temperature 1) at ``version``."""
+    import torch
+
+    from ..train import TrainConfig, Trainer
+
+    return Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=lr),
+        config=TrainConfig(temperature=1.0, pad_token_id=model.config.pad_token_id or 0),
+        version=version,
+    )
+
+
+async def train_steps(
+    loop: StepContext, stages: Stages, on_step: Callable[[StepRecord], None] | None
+) -> None:
+    """Run every step of ``loop``, recording each one."""
+    steps = loop.run.config.steps
+    with stages.stage(f"train ({steps} steps)", total=steps) as advance:
+        for step in range(steps):
+            record = await run_step(loop, step)
+            loop.run.steps.append(record)
+            if on_step is not None:
+                on_step(record)
+            advance(1)
+
+
 async def _finish(loop: StepContext, batch: Batch, clock: _Clock) -> None:
     """Free the step's rows and release its rollouts (while the next step generates)."""
     with clock.time("finish"):
         await loop.stack.finish(batch)
-
-
-def _push(server: InProcessServer, sync: WeightSync, trainer: Any) -> str:
-    """Push the trainer's weights if its version moved; the engine's version label after."""
-    if trainer.version > sync.state.version:
-        server.call(sync.push, trainer.weights(), trainer.version, timeout=600)
-    return str(server.call(server.engine_client.get_weight_version))
 
 
 async def _play(

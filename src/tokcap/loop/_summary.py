@@ -77,6 +77,7 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
             "stage_seconds": {k: round(v, 3) for k, v in stage_s.items()},
             "stage_shares": {k: round(v / all_stages, 4) for k, v in stage_s.items()},
         },
+        "gates": run.gates,
         "samples": [
             {"step": step, "answer": answer, "reward": round(reward, 4)}
             for step, answer, reward in run.samples
@@ -106,9 +107,14 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
             if s["sampled_version"] != previous["weight_version"]:
                 problems.append(f"{at}: rows sampled by version {s['sampled_version']}, not "
                                 f"the one pushed after step {previous['step']}")  # fmt: skip
+        if any(v != s["weight_version"] for v in s.get("gate_versions", [])):
+            problems.append(f"{at}: gates at versions {s['gate_versions']} after the push")
         if s["staleness_max"] not in (0, None):
             problems.append(f"{at}: stale rows (staleness {s['staleness_max']})")
         previous = s
+    for gate in summary.get("gates", []):
+        if gate["rollouts"] == 0:
+            problems.append(f"gate {gate['url']} served no rollout")
     return problems
 
 
@@ -139,6 +145,16 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
             f"{s['seconds']['total']:.1f}",
         )
     console.print(table)
+    if summary.get("gates"):
+        fleet = Table(title="gates (tokcap-vllm serve)", box=box.SIMPLE_HEAVY)
+        for name in ("gate", "pid", "rollouts", "calls", "weight version"):
+            fleet.add_column(name, justify="right")
+        for g in summary["gates"]:
+            fleet.add_row(
+                g["url"], str(g["pid"] or "-"), str(g["rollouts"]), str(g["calls"]),
+                str(g["weight_version"]),
+            )  # fmt: skip
+        console.print(fleet)
     shares = ", ".join(f"{k} {v:.0%}" for k, v in train["stage_shares"].items())
     ok = train["parity_k3_max"] <= train["parity_k3_limit"]
     console.print(

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import anyio
 import attrs
 
-from tokcap_core import Receipt
+from tokcap_core import Manifest, Receipt
 from tokcap_core.ids import StagingKey, validate_rollout_id
 from tokcap_core.ledger import genesis_hash
 from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
@@ -168,6 +168,10 @@ class GateFleet:
             )
         except ControlUnreachable as e:
             return self._lost_head(gate, rollout_id, e)
+
+    async def manifest(self, rollout_id: str) -> Manifest:
+        """`ControlPlaneClient.manifest` on the owning gate."""
+        return await self._gate_of(rollout_id).client.manifest(rollout_id)
 
     async def close(self, rollout_id: str, **witnesses: Any) -> tuple[int, str]:
         """`ControlPlaneClient.close` on the owning gate; keep the head for `fetch_receipts`.

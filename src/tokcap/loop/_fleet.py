@@ -1,0 +1,175 @@
+"""``tokcap train --gates N`` / ``--gate URL``: the loop through gates in other processes.
+
+The run starts Ray + TransferQueue as the in-process loop does (`tokcap.compose.services`),
+then N ``tokcap-vllm serve`` gates (`tokcap.compose.served_gates`: the real CLI, staging
+into that TransferQueue, ``--tokcap-require-open``, weight pushes through vLLM's
+weight-transfer API), or takes gates someone else started. Each step opens every rollout
+through a `tokcap_vllm.GateFleet` (the gate with the fewest open rollouts), plays it on
+that gate's URL, and the fleet routes closes, receipts and releases; the trainer pushes
+through `tokcap_vllm.FleetWeightSync` and reads every gate's version after each push.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tokcap_core import CaptureConfig, ConfigError
+from tokcap_tq import TQSink
+from tokcap_vllm import GateFleet
+from tokcap_vllm.weights import FleetWeightSync
+
+from .._stages import Stages
+from ..compose import (
+    FleetEndpoint,
+    open_stack,
+    reclaim_rollouts,
+    served_gate_options,
+    served_gates,
+    services,
+)
+from ..demo import QWEN_VLLM_ARGS
+from ._step import (
+    Observer,
+    Pushed,
+    StepContext,
+    StepRecord,
+    TrainRun,
+    load_policy,
+    new_trainer,
+    train_steps,
+)
+
+__all__ = ["run_fleet"]
+
+TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
+
+
+def run_fleet(
+    run: TrainRun,
+    sink: TQSink,
+    capture: CaptureConfig,
+    stages: Stages,
+    on_step: Callable[[StepRecord], None] | None,
+    observe: Observer | None,
+) -> None:
+    """Start the services and the gates (or take ``config.gate_urls``), train, stop."""
+    config = run.config
+    token = os.environ.get(TOKEN_ENV) or capture.control_token
+    if config.gate_urls and not os.environ.get(TOKEN_ENV):
+        raise ConfigError("token_env_missing", f"--gate URL needs the gates' token in {TOKEN_ENV}")
+    assert token is not None
+    with (
+        services(None, workers=config.workers, ray_address=config.ray_address, stage=stages.stage),
+        tempfile.TemporaryDirectory(prefix="tokcap-gates-") as logs,
+        contextlib.ExitStack() as gates,
+    ):
+        urls: list[str] = list(config.gate_urls)
+        pids: list[int | None] = [None] * len(urls)
+        if config.gates:
+            import ray
+
+            options = [*served_gate_options(sink.config, ray.get_runtime_context().gcs_address)]
+            with stages.stage(f"start {config.gates} tokcap-vllm serve gates"):
+                started = gates.enter_context(
+                    served_gates(
+                        config.model,
+                        config.gates,
+                        [*options, *QWEN_VLLM_ARGS],
+                        token=token,
+                        log_dir=Path(logs),
+                    )
+                )
+            urls, pids = [g.url for g in started], [g.pid for g in started]
+        anyio.run(_drive, run, urls, pids, token, sink, capture, stages, on_step, observe)
+
+
+async def _drive(
+    run: TrainRun,
+    urls: list[str],
+    pids: list[int | None],
+    token: str,
+    sink: TQSink,
+    capture: CaptureConfig,
+    stages: Stages,
+    on_step: Callable[[StepRecord], None] | None,
+    observe: Observer | None,
+) -> None:
+    config = run.config
+    policy: list[Any] = []
+
+    async def load() -> None:
+        policy.append(await anyio.to_thread.run_sync(load_policy, config.model, config.seed))
+
+    async with (
+        GateFleet(urls, token) as fleet,
+        FleetWeightSync([(url, token) for url in urls]) as weights,
+    ):
+        if config.gate_urls:  # gates that outlive trainers: take back what a dead one held
+            reclaimed = await reclaim_rollouts(urls, token, sink)
+            stages.log(f"reclaimed rollouts a previous trainer left: {reclaimed}")
+        endpoint = FleetEndpoint(fleet, str(config.model), urls)
+        async with open_stack(
+            [endpoint],
+            sink=sink,
+            capture=capture,
+            workers=config.workers,
+            control=fleet,
+            alongside=[load],
+            stage=stages.stage,
+            label="Ray pool, trainer",
+        ) as stack:
+            (model,) = policy
+            start = await _pushed(weights)
+            if len(set(start.gate_versions)) != 1:
+                raise ConfigError("bad_gates", f"gates at different versions: {start}")
+            run.params = sum(p.numel() for p in model.parameters())
+            trainer = new_trainer(model, config.lr, start.gate_versions[0])
+            pushed = [start.gate_versions[0]]
+
+            async def push(trainer: Any) -> Pushed:
+                if trainer.version > pushed[-1]:
+                    await weights.push(trainer.weights(), trainer.version)
+                    pushed.append(trainer.version)
+                return await _pushed(weights)
+
+            async with anyio.create_task_group() as background:
+                loop = StepContext(
+                    run=run,
+                    stack=stack,
+                    trainer=trainer,
+                    push=push,
+                    fleet=fleet,
+                    background=background,
+                    observe=observe,
+                )
+                await train_steps(loop, stages, on_step)
+            final = await _pushed(weights)
+            run.gates = [
+                {
+                    "url": report.url,
+                    "pid": pid,
+                    "rollouts": report.opened,
+                    "calls": run.gate_calls.get(report.url, 0),
+                    "weight_version": version,
+                }
+                for report, pid, version in zip(
+                    fleet.report(), pids, final.gate_versions, strict=True
+                )
+            ]
+
+
+async def _pushed(weights: FleetWeightSync) -> Pushed:
+    """Every gate's version now; the label is the engines' one label (else all of them)."""
+    infos = await weights.infos()
+    labels = sorted({info.engine_version for info in infos})
+    return Pushed(
+        labels[0] if len(labels) == 1 else "|".join(labels),
+        tuple(info.version for info in infos),
+    )
