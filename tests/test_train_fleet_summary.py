@@ -7,9 +7,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tokcap.loop._report import render_train_report
-from tokcap.loop._step import LoopConfig, StepRecord, TrainRun
-from tokcap.loop._summary import build_train_summary, print_train_summary, train_problems
+from tokcap.loop import (
+    LoopConfig,
+    StepRecord,
+    TrainRun,
+    build_train_summary,
+    print_train_summary,
+    render_train_report,
+    train_problems,
+)
 
 
 def _record(step: int, gate_versions: tuple[int, ...]) -> StepRecord:
