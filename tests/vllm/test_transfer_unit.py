@@ -228,3 +228,46 @@ def test_a_vllm_weight_route_that_raises_is_answered_and_fails_the_weights() -> 
     assert b"a push carries every tensor" in body
     assert guard.weights.state.phase is WeightPhase.FAILED
     assert guard.weights.state.error == "finish_failed"
+
+
+def test_the_tracker_moves_before_a_weight_routes_answer_leaves() -> None:
+    """A client sends its next route as soon as it reads an answer; the tracker must already
+    hold that answer's effect (else a finish can overtake its update's count and the gate
+    stays PUSHING: CI once failed on exactly that)."""
+    from types import SimpleNamespace
+
+    label = ["3"]
+
+    async def get_weight_version() -> str:
+        return label[0]
+
+    engine = SimpleNamespace(get_weight_version=get_weight_version)
+    vllm_app = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
+    _gate, guard = _guard()
+    seen: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/finish_weight_update":
+            label[0] = "7"
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def drive() -> None:
+        for path in ("/start_weight_update", "/update_weights", "/finish_weight_update"):
+            async def send(message: dict[str, Any], path: str = path) -> None:
+                if message["type"] == "http.response.start":
+                    seen[path] = guard.weights.state
+
+            headers = [(b"authorization", b"Bearer secret-token")]
+            scope = {"type": "http", "path": path, "method": "POST", "headers": headers}
+            scope["app"] = vllm_app
+            await guard(scope, _empty_receive, send, app)
+
+    anyio.run(drive)
+    assert seen["/start_weight_update"].phase is WeightPhase.PUSHING
+    finished = seen["/finish_weight_update"]
+    assert (finished.phase, finished.version) == (WeightPhase.READY, 7)
+
+
+async def _empty_receive() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}

@@ -193,27 +193,33 @@ class GuardedRoutes:
     # ---- vLLM's routes, watched ------------------------------------------------------
 
     async def _vllm(self, path: str, scope: Scope, receive: Receive, send: Send, app: App) -> None:
-        status = 0
+        """Run vLLM's route; the tracker moves *before* the answer leaves, so a client's next
+        route (sent as soon as it reads this answer) always sees this one's effect."""
+        observed = False
+
+        async def observe(status: int) -> None:
+            nonlocal observed
+            if not observed:
+                observed = True
+                with anyio.CancelScope(shield=True):
+                    await self._observe(path, 200 <= status < 300, scope)
 
         async def watched(message: Message) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                await observe(int(message["status"]))
             await send(message)
 
         try:
             await app(scope, receive, watched)
         except Exception as e:  # vLLM's weight routes raise on a failed RPC: answer for it here
-            if status:
+            if observed:
                 raise
             _log.exception("tokcap gate: %s failed", path)
-            status = 500
+            await observe(500)
             message = f"{path} failed: {type(e).__name__}: {e}"[:2000]
             await send_body(send, 500, error_json("engine_route_failed", message, 500))
         finally:
-            ok = 200 <= status < 300
-            with anyio.CancelScope(shield=True):
-                await self._observe(path, ok, scope)
+            await observe(0)  # cancelled or ended without an answer: counts as failed
 
     async def _observe(self, path: str, ok: bool, scope: Scope) -> None:
         weights = self.weights
