@@ -254,6 +254,7 @@ def test_the_tracker_moves_before_a_weight_routes_answer_leaves() -> None:
 
     async def drive() -> None:
         for path in ("/start_weight_update", "/update_weights", "/finish_weight_update"):
+
             async def send(message: dict[str, Any], path: str = path) -> None:
                 if message["type"] == "http.response.start":
                     seen[path] = guard.weights.state
