@@ -40,10 +40,10 @@ from ._fleet import FleetGateReport, GateFleet
 from ._gate import Gate
 from ._inproc import InProcessServer
 from ._middleware import GateMiddleware, install_gate
-from ._persist import LedgerFileError
 from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
 from ._weights import WeightSync
 from ._worker import WeightSyncWorker
+from .persist import LedgerFileError
 
 __all__ = [
     "CONTROL_TOKEN_ENV",

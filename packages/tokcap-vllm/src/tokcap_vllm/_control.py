@@ -36,7 +36,6 @@ from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId
 from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 
-from ._admission import output_fingerprint
 from ._api import (
     CONTROL_PREFIX,
     CloseBody,
@@ -64,9 +63,10 @@ from ._errors import (
 )
 from ._gate import Gate
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ._persist import LedgerFileError
 from ._routing import parse_rollout_id
 from ._served import describe_sink
+from .fingerprints import output_fingerprint
+from .persist import LedgerFileError
 
 __all__ = ["ControlPlane"]
 
