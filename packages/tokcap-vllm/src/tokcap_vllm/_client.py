@@ -56,6 +56,7 @@ from ._errors import (
     ControlRequestError,
     ControlUnreachable,
 )
+from ._http import AsyncClosing, bearer_http
 
 __all__ = ["MANIFEST_FAILURE_BUCKET", "ControlPlaneClient"]
 
@@ -74,7 +75,7 @@ def _error(status: int, body: bytes, what: str) -> ControlPlaneError:
     return error_of_status(status, code, message)
 
 
-class ControlPlaneClient:
+class ControlPlaneClient(AsyncClosing):
     """Typed async client of ``/tokcap/v1``; use as ``async with ControlPlaneClient(...) as c``.
 
     ``token`` goes into the ``authorization`` header only (never into ``repr`` or errors).
@@ -98,21 +99,10 @@ class ControlPlaneClient:
         self.backoff_s = backoff_s
         self.max_manifest_bytes = max_manifest_bytes
         self.max_concurrency = max_concurrency
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url + CONTROL_PREFIX,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-            transport=transport,
-        )
+        self._http = bearer_http(self.base_url + CONTROL_PREFIX, token, timeout_s, transport)
 
     def __repr__(self) -> str:
         return f"ControlPlaneClient({self.base_url!r})"
-
-    async def __aenter__(self) -> ControlPlaneClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -31,6 +31,7 @@ from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
 from ._client import ControlPlaneClient, poisoned_receipt
 from ._closes import CloseResult, RolloutClose, release_all
 from ._errors import ControlNotFound, ControlPlaneError, ControlUnreachable
+from ._http import AsyncClosing
 
 __all__ = ["FleetGateReport", "GateFleet"]
 
@@ -64,7 +65,7 @@ class _Gate:
     unreachable: int = 0
 
 
-class GateFleet:
+class GateFleet(AsyncClosing):
     """Typed async client over gates at ``urls``; use as ``async with GateFleet(...)``.
 
     ``token`` is the fleet's control token (every gate's); ``path_prefix`` is the gates'
@@ -90,12 +91,6 @@ class GateFleet:
 
     def __repr__(self) -> str:
         return f"GateFleet({[g.url for g in self._gates]!r})"
-
-    async def __aenter__(self) -> GateFleet:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close every gate's connection pool."""
