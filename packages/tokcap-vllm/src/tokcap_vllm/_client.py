@@ -33,10 +33,19 @@ from tokcap_core import (
 from tokcap_core.errors import ManifestError
 from tokcap_core.ids import StagingKey, staging_key, validate_rollout_id
 from tokcap_core.ledger import MAX_MANIFEST_BYTES, Admitted, genesis_hash
-from tokcap_core.reasons import MANIFEST_INVALID, make_reason
+from tokcap_core.reasons import make_reason
 
-from ._api import (
+from ._closes import CloseResult, RolloutClose, error_of_status, release_all
+from ._errors import (
+    ControlNotFound,
+    ControlPlaneError,
+    ControlRequestError,
+    ControlUnreachable,
+)
+from ._http import AsyncClosing, bearer_http
+from .api import (
     CONTROL_PREFIX,
+    MANIFEST_FAILURE_BUCKET,
     MAX_CLOSE_BATCH,
     CloseBody,
     CloseManyBody,
@@ -49,19 +58,9 @@ from ._api import (
     TerminalBody,
     WitnessBody,
 )
-from ._closes import CloseResult, RolloutClose, error_of_status, release_all
-from ._errors import (
-    ControlNotFound,
-    ControlPlaneError,
-    ControlRequestError,
-    ControlUnreachable,
-)
-from ._http import AsyncClosing, bearer_http
 
-__all__ = ["MANIFEST_FAILURE_BUCKET", "ControlPlaneClient"]
+__all__ = ["ControlPlaneClient"]
 
-MANIFEST_FAILURE_BUCKET = MANIFEST_INVALID
-"""The failure bucket of a receipt whose manifest was missing or did not verify."""
 
 _RESPONSE_LIMIT = 64 * 1024 * 1024
 

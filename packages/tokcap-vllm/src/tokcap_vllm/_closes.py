@@ -16,7 +16,6 @@ from typing import Any
 import anyio
 import attrs
 
-from ._api import CloseManyItem, CloseOutcome, WitnessBody
 from ._errors import (
     ControlAuthError,
     ControlConflict,
@@ -25,6 +24,7 @@ from ._errors import (
     ControlRequestError,
     ControlUnreachable,
 )
+from .api import CloseManyItem, CloseOutcome, WitnessBody
 
 __all__ = ["CloseResult", "RolloutClose", "error_of_status", "release_all"]
 

@@ -40,7 +40,24 @@ from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId
 from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 
-from ._api import (
+from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
+from ._errors import (
+    BadRequest,
+    ControlUnavailable,
+    GateError,
+    InvalidBody,
+    MethodNotAllowed,
+    RolloutConflict,
+    RolloutNotFound,
+    TooLarge,
+    Unauthorized,
+)
+from ._gate import Gate
+from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ._routing import parse_rollout_id
+from ._served import describe_sink
+from ._wire import decode_json
+from .api import (
     CONTROL_PREFIX,
     MAX_CLOSE_BATCH,
     CloseBody,
@@ -59,23 +76,6 @@ from ._api import (
     WitnessBody,
     error_json,
 )
-from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
-from ._errors import (
-    BadRequest,
-    ControlUnavailable,
-    GateError,
-    InvalidBody,
-    MethodNotAllowed,
-    RolloutConflict,
-    RolloutNotFound,
-    TooLarge,
-    Unauthorized,
-)
-from ._gate import Gate
-from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ._routing import parse_rollout_id
-from ._served import describe_sink
-from ._wire import decode_json
 from .fingerprints import output_fingerprint
 from .persist import LedgerFileError
 

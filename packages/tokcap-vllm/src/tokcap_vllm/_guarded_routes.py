@@ -37,7 +37,6 @@ from typing import Any, Final
 import anyio
 import msgspec
 
-from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, read_body, send_body
 from ._control import ControlPlane
 from ._errors import BadRequest, GateError, InvalidBody, MethodNotAllowed, RolloutNotFound, TooLarge
@@ -45,6 +44,7 @@ from ._gate import Gate
 from ._served_weights import ServedWeights
 from ._shm import PUSH_PREFIX, SHM_DIR
 from ._spec import engine_spec
+from .api import CONTROL_PREFIX, error_json
 
 __all__ = [
     "GUARDED_PATHS",

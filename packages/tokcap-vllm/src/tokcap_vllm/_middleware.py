@@ -25,7 +25,6 @@ from contextlib import AbstractAsyncContextManager
 
 import anyio
 
-from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
 from ._capture import CapturePath
 from ._control import ControlPlane
@@ -39,6 +38,7 @@ from ._records import Flag, GateCall
 from ._routing import route_request
 from ._served import served_gate
 from ._wire import ResponseObserver, check_request_id, decode_body
+from .api import CONTROL_PREFIX, error_json
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
