@@ -42,7 +42,6 @@ from tokcap_core.reasons import (
 from tokcap_core.sink import TokenSink
 
 from ._config import GateConfig
-from ._errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from ._hooks import GateHooks
 from ._host import EngineResult
 from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING
@@ -52,6 +51,7 @@ from ._records import GateCall, answerable
 from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
+from .errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from .persist import LedgerFileError
 
 __all__ = ["CapturePath", "check_accepting"]

@@ -36,12 +36,6 @@ from tokcap_core.ledger import MAX_MANIFEST_BYTES, Admitted, genesis_hash
 from tokcap_core.reasons import make_reason
 
 from ._closes import CloseResult, RolloutClose, error_of_status, release_all
-from ._errors import (
-    ControlNotFound,
-    ControlPlaneError,
-    ControlRequestError,
-    ControlUnreachable,
-)
 from ._http import AsyncClosing, bearer_http
 from .api import (
     CONTROL_PREFIX,
@@ -57,6 +51,12 @@ from .api import (
     RolloutPage,
     TerminalBody,
     WitnessBody,
+)
+from .errors import (
+    ControlNotFound,
+    ControlPlaneError,
+    ControlRequestError,
+    ControlUnreachable,
 )
 
 __all__ = ["ControlPlaneClient"]

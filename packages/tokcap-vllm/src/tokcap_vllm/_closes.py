@@ -16,7 +16,8 @@ from typing import Any
 import anyio
 import attrs
 
-from ._errors import (
+from .api import CloseManyItem, CloseOutcome, WitnessBody
+from .errors import (
     ControlAuthError,
     ControlConflict,
     ControlNotFound,
@@ -24,7 +25,6 @@ from ._errors import (
     ControlRequestError,
     ControlUnreachable,
 )
-from .api import CloseManyItem, CloseOutcome, WitnessBody
 
 __all__ = ["CloseResult", "RolloutClose", "error_of_status", "release_all"]
 

@@ -41,17 +41,6 @@ from tokcap_core.ids import RolloutId
 from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 
 from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
-from ._errors import (
-    BadRequest,
-    ControlUnavailable,
-    GateError,
-    InvalidBody,
-    MethodNotAllowed,
-    RolloutConflict,
-    RolloutNotFound,
-    TooLarge,
-    Unauthorized,
-)
 from ._gate import Gate
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ._routing import parse_rollout_id
@@ -75,6 +64,17 @@ from .api import (
     TerminalBody,
     WitnessBody,
     error_json,
+)
+from .errors import (
+    BadRequest,
+    ControlUnavailable,
+    GateError,
+    InvalidBody,
+    MethodNotAllowed,
+    RolloutConflict,
+    RolloutNotFound,
+    TooLarge,
+    Unauthorized,
 )
 from .fingerprints import output_fingerprint
 from .persist import LedgerFileError

@@ -30,8 +30,8 @@ from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
 
 from ._client import ControlPlaneClient, poisoned_receipt
 from ._closes import CloseResult, RolloutClose, release_all
-from ._errors import ControlNotFound, ControlPlaneError, ControlUnreachable
 from ._http import AsyncClosing
+from .errors import ControlNotFound, ControlPlaneError, ControlUnreachable
 
 __all__ = ["FleetGateReport", "GateFleet"]
 

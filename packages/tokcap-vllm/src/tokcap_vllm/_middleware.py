@@ -28,7 +28,6 @@ import anyio
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
 from ._capture import CapturePath
 from ._control import ControlPlane
-from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
 from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
@@ -39,6 +38,7 @@ from ._routing import route_request
 from ._served import served_gate
 from ._wire import ResponseObserver, check_request_id, decode_body
 from .api import CONTROL_PREFIX, error_json
+from .errors import BadRequest, GateError, Unsupported
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 

@@ -6,7 +6,7 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
-from ._errors import BadRequest, GateError, Unsupported
+from .errors import BadRequest, GateError, Unsupported
 
 __all__ = [
     "ChatBody",
