@@ -195,11 +195,7 @@ class GateWeightClient(AsyncClosing):
                 step, "POST", "/finish_weight_update", json={"weight_version": str(version)}
             )
             step = "prefix_cache"
-            reset = await self._call(
-                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
-            if not reset.json().get("success"):
-                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            await self._reset_prefix_cache()
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException as e:
@@ -233,11 +229,7 @@ class GateWeightClient(AsyncClosing):
             label = {"new_version": str(version)}
             await self._call(step, "POST", "/update_weight_version", json=label)
             step = "prefix_cache"
-            reset = await self._call(
-                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
-            if not reset.json().get("success"):
-                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            await self._reset_prefix_cache()
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException:
@@ -246,6 +238,13 @@ class GateWeightClient(AsyncClosing):
             raise
         if release:
             await self.release()
+
+    async def _reset_prefix_cache(self) -> None:
+        reset = await self._call(
+            "prefix_cache", "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+        )
+        if not reset.json().get("success"):
+            raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
 
     async def _start(self) -> None:
         try:
