@@ -26,6 +26,7 @@ gate).
 """
 
 from ._client import ControlPlaneClient
+from ._closes import CloseResult, RolloutClose
 from ._config import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, GateConfig
 from ._errors import (
     ControlAuthError,
@@ -48,6 +49,7 @@ from ._worker import WeightSyncWorker
 __all__ = [
     "CONTROL_TOKEN_ENV",
     "LEDGER_PATH_ENV",
+    "CloseResult",
     "ControlAuthError",
     "ControlConflict",
     "ControlNotFound",
@@ -63,6 +65,7 @@ __all__ = [
     "GateMiddleware",
     "InProcessServer",
     "LedgerFileError",
+    "RolloutClose",
     "WeightPhase",
     "WeightPushError",
     "WeightState",

@@ -201,6 +201,8 @@ class LedgerFile(GateHooks):
         self.releases_since_compaction = 0
         self.records_written = 0
         self.write_failures = 0
+        self.syncs = 0
+        """How many fsyncs made appended records durable (a batch close costs one)."""
         self.recovery: str | None = None
         """What the start cut off a damaged file, and where the original is kept (or None)."""
         self.broken: str | None = None
@@ -349,6 +351,7 @@ class LedgerFile(GateHooks):
                         "ledger_sync_failed", f"fsync of the ledger file failed ({name})", name
                     ) from e
                 self._synced = upto
+                self.syncs += 1
 
     @property
     def compacting(self) -> bool:
