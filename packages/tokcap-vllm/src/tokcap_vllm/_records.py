@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._admission import ChatPlan, PriorCall
     from ._host import EngineResult
     from ._planning import PlannedRequest
+    from ._responses import ResponsesTurn
 
 __all__ = [
     "CLOSED",
@@ -140,6 +141,8 @@ class GateCall:
     response_id: str | None = None
     output_fp: str | None = None
     answer: tuple[dict[str, Any], list[bytes]] | None = None
+    thread: ResponsesTurn | None = None
+    """A Responses call's items, for a later ``previous_response_id`` naming it."""
     abandoned: Flag | None = None
     """Set when the call is abandoned: its request, if still running, is then ended (the
     engine stops generating; the harness gets an error, never a completion)."""
