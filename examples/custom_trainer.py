@@ -5,7 +5,8 @@ the tokcap gate, TransferQueue on a loopback Ray, the Ray reassembler pool), let
 black-box harness (the real ``openai`` client) play 2 groups x 3 rollouts through the gate,
 then does a trainer's part with `tokcap.compose`:
 
-1. `Stack.collect`: close every rollout with its reward and witness, fetch receipts
+1. `Stack.collect`: close every rollout with its reward and witness in one batch (one
+   durable ledger write for all, `ControlPlaneClient.close_many`), fetch receipts
    verified against the ledger heads, reassemble on the pool with the *receipts'* rewards,
    decide each group (accept, replace, drop), advantages for accepted groups only;
 2. your optimizer step on ``batch.rows`` and ``batch.advantages``;

@@ -27,7 +27,7 @@ import openai
 
 from tokcap_core import reassemble
 from tokcap_tq import TQSink, TQSinkConfig, connect_tq
-from tokcap_vllm import ControlPlaneClient, ControlPlaneError, GateFleet
+from tokcap_vllm import ControlPlaneClient, ControlPlaneError, GateFleet, RolloutClose
 
 
 async def wait_for_gates(urls: list[str], token: str, timeout_s: float) -> None:
@@ -68,7 +68,8 @@ async def train_step(fleet: GateFleet, sink: TQSink, rollouts: int) -> dict[str,
     engine_ids = {}
     for i, rid in enumerate(rids):
         engine_ids[rid] = await harness(await fleet.open(rid), f"count to {i}")
-    heads = {rid: await fleet.close(rid, reward=1.0) for rid in rids}
+    closes = [RolloutClose(rollout_id=rid, reward=1.0) for rid in rids]
+    heads = {r.rollout_id: r.head_or_raise() for r in await fleet.close_many(closes)}
     receipts = await fleet.fetch_receipts(rids, expected_heads=heads)
     equal, rows = 0, 0
     for receipt in receipts:
@@ -79,8 +80,7 @@ async def train_step(fleet: GateFleet, sink: TQSink, rollouts: int) -> dict[str,
                 equal += list(row.input_ids) == engine_ids[receipt.rollout_id]
         await sink.clear(list(receipt.sink_keys))
     await sink.clear(fleet.orphaned_keys(await sink.staged_keys()))
-    for rid in rids:
-        await fleet.release(rid)
+    await fleet.release_many(rids)
     return {
         "rollouts": len(rids),
         "verified": sum(r.status == "verified" for r in receipts),

@@ -127,6 +127,19 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
     _gate_arguments(train)
+    train.add_argument(
+        "--async", dest="mode", action="store_const", const="async", default="sync",
+        help="a rollout pump keeps the engine busy while a train pump collects and trains; "
+        "weights pushed in flight (in-flight calls continue on the new weights)",
+    )  # fmt: skip
+    train.add_argument(
+        "--max-staleness", type=_natural, default=2, metavar="K",
+        help="--async: train no token sampled more than K versions behind (default 2)",
+    )  # fmt: skip
+    train.add_argument(
+        "--no-importance", dest="importance", action="store_const", const=False, default=None,
+        help="--async: no decoupled-PPO importance weights (TIS/MIS; on by default)",
+    )  # fmt: skip
     show = sub.add_parser(
         "show",
         help="re-print the summary of a saved demo or train run",
@@ -167,6 +180,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text}")
+    return value
+
+
+def _natural(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
     return value
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokcap_vllm._admission import normalize_message, output_fingerprint
 from tokcap_vllm._errors import BadRequest
 from tokcap_vllm._weight_state import begin
+from tokcap_vllm.fingerprints import normalize_message, output_fingerprint
 from tokcap_vllm.weights import WeightPhase, WeightPushError, WeightState
 
 

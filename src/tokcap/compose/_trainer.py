@@ -4,13 +4,14 @@ A harness (a black box speaking the OpenAI API) has played each rollout through 
 the trainer knows each rollout's id, its group and its score. `collect` is everything the
 trainer does after that, `finish` what it does after its optimizer step:
 
-1. close every rollout with its reward (and the scorer's witness), keeping the ledger head;
+1. close every rollout with its reward (and the scorer's witness) in one batch per gate,
+   sharing one durable ledger write (group commit), keeping the ledger heads;
 2. fetch verified receipts from the control plane, checked against those heads;
 3. send metadata-only reassembly requests to the Ray pool, with the rewards the *verified
    receipts* carry (the ledger is the one source of truth, never the harness's copy);
 4. let the policy decide each group (accept, replace or drop) and train only accepted
    groups: read their rows and compute mask-aware GRPO advantages;
-5. free every training row and release the rollouts on the gate (`finish`).
+5. free every training row and release the rollouts on the gate, concurrently (`finish`).
 
 Each call reports how long each of its stages took (`CollectTimings`, `FinishTimings`).
 """
@@ -36,6 +37,7 @@ from tokcap_core import (
 )
 from tokcap_core.rpc import GroupDecision
 from tokcap_ray import ReassemblerPool
+from tokcap_vllm import CloseResult, RolloutClose
 
 __all__ = [
     "Batch",
@@ -64,6 +66,14 @@ class ControlPlane(Protocol):
         content: str | None = None,
     ) -> tuple[int, str]:
         """Close ``rollout_id`` with its reward and witness; its ledger head."""
+        ...
+
+    async def close_many(self, closes: Sequence[RolloutClose]) -> list[CloseResult]:
+        """Close many rollouts with one durable write per gate; one result per rollout."""
+        ...
+
+    async def release_many(self, rollout_ids: Iterable[str]) -> None:
+        """Release many closed rollouts, concurrently."""
         ...
 
     async def fetch_receipts(
@@ -169,12 +179,13 @@ async def collect(
     """Close, verify, reassemble and decide; return the accepted rows with their advantages."""
     batch = Batch()
     t0 = time.perf_counter()
-    heads = {
-        f.rollout_id: await control.close(
-            f.rollout_id, reward=f.reward, response_id=f.response_id, content=f.content
+    closes = [
+        RolloutClose(
+            rollout_id=f.rollout_id, reward=f.reward, response_id=f.response_id, content=f.content
         )
         for f in finished
-    }
+    ]
+    heads = {r.rollout_id: r.head_or_raise() for r in await control.close_many(closes)}
     t1 = time.perf_counter()
     receipts = await control.fetch_receipts(
         list(heads),
@@ -239,6 +250,5 @@ async def finish(control: ControlPlane, sink: TokenSink, batch: Batch) -> Finish
         if keys:
             await sink.clear(keys)
     t1 = time.perf_counter()
-    for rollout_id in batch.receipts:
-        await control.release(rollout_id)
+    await control.release_many(list(batch.receipts))
     return FinishTimings(free_s=t1 - t0, release_s=time.perf_counter() - t1)

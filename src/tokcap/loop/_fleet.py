@@ -37,6 +37,7 @@ from ..compose import (
     services,
 )
 from ..demo import QWEN_VLLM_ARGS
+from ._run import train_steps
 from ._step import (
     Observer,
     Pushed,
@@ -45,7 +46,6 @@ from ._step import (
     TrainRun,
     load_policy,
     new_trainer,
-    train_steps,
 )
 
 __all__ = ["run_fleet"]
@@ -103,7 +103,7 @@ async def _drive(
 
     async with (
         GateFleet(urls, token) as fleet,
-        FleetWeightSync([(url, token) for url in urls]) as weights,
+        FleetWeightSync([(url, token) for url in urls], mode=config.push_mode) as weights,
     ):
         if config.gate_urls:  # gates that outlive trainers: take back what a dead one held
             reclaimed = await reclaim_rollouts(urls, token, sink)
@@ -124,7 +124,9 @@ async def _drive(
             if len(set(start.gate_versions)) != 1:
                 raise ConfigError("bad_gates", f"gates at different versions: {start}")
             run.params = sum(p.numel() for p in model.parameters())
-            trainer = new_trainer(model, config.lr, start.gate_versions[0])
+            trainer = new_trainer(
+                model, config.lr, start.gate_versions[0], decoupled=config.decoupled
+            )
             pushed = [start.gate_versions[0]]
 
             async def push(trainer: Any) -> Pushed:

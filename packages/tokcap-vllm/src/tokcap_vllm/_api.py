@@ -11,7 +11,13 @@ import msgspec
 
 __all__ = [
     "CONTROL_PREFIX",
+    "MAX_CLOSE_BATCH",
     "CloseBody",
+    "CloseManyBody",
+    "CloseManyItem",
+    "CloseManyResponse",
+    "CloseOutcome",
+    "CloseProblem",
     "ErrorBody",
     "Head",
     "HeadResponse",
@@ -69,6 +75,48 @@ class HeadResponse(msgspec.Struct):
 
     rollout_id: str
     head: Head
+
+
+MAX_CLOSE_BATCH: Final = 4096
+"""The most rollouts one ``POST /tokcap/v1/close`` may close."""
+
+
+class CloseManyItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One rollout of ``POST /tokcap/v1/close``: its id, reward and witnesses."""
+
+    rollout_id: str
+    reward: float | None = None
+    witnesses: WitnessBody | None = None
+
+
+class CloseManyBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /tokcap/v1/close``: close every rollout listed with one durable write
+    (distinct ids, at most `MAX_CLOSE_BATCH`)."""
+
+    rollouts: list[CloseManyItem]
+
+
+class CloseProblem(msgspec.Struct):
+    """Why one rollout of a batch did not close durably: the status and stable code the
+    single-rollout close would have answered."""
+
+    status: int
+    code: str
+    message: str
+
+
+class CloseOutcome(msgspec.Struct, omit_defaults=True):
+    """One rollout's answer in a batch close: its durable head, or its problem."""
+
+    rollout_id: str
+    head: Head | None = None
+    error: CloseProblem | None = None
+
+
+class CloseManyResponse(msgspec.Struct):
+    """The answer to ``POST /tokcap/v1/close``: one outcome per rollout, in request order."""
+
+    results: list[CloseOutcome]
 
 
 class OpenResponse(msgspec.Struct):

@@ -41,19 +41,18 @@ from tokcap_core.reasons import (
 )
 from tokcap_core.sink import TokenSink
 
-from ._admission import ChatPlan
 from ._config import GateConfig
 from ._errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from ._hooks import GateHooks
 from ._host import EngineResult
 from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING
 from ._metrics import GateMetrics
-from ._persist import LedgerFileError
-from ._planning import Observed, ParentIndex, PlannedRequest
+from ._planning import ChatPlan, Observed, ParentIndex, PlannedRequest
 from ._records import GateCall, answerable
 from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
+from .persist import LedgerFileError
 
 __all__ = ["CapturePath", "check_accepting"]
 

@@ -15,7 +15,7 @@ failures of the control plane itself (auth, unreachable) raise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -37,7 +37,10 @@ from tokcap_core.reasons import MANIFEST_INVALID, make_reason
 
 from ._api import (
     CONTROL_PREFIX,
+    MAX_CLOSE_BATCH,
     CloseBody,
+    CloseManyBody,
+    CloseManyResponse,
     ErrorBody,
     HeadResponse,
     Health,
@@ -46,9 +49,8 @@ from ._api import (
     TerminalBody,
     WitnessBody,
 )
+from ._closes import CloseResult, RolloutClose, error_of_status, release_all
 from ._errors import (
-    ControlAuthError,
-    ControlConflict,
     ControlNotFound,
     ControlPlaneError,
     ControlRequestError,
@@ -63,23 +65,13 @@ MANIFEST_FAILURE_BUCKET = MANIFEST_INVALID
 _RESPONSE_LIMIT = 64 * 1024 * 1024
 
 
-_BY_STATUS: dict[int, type[ControlPlaneError]] = {
-    401: ControlAuthError,
-    404: ControlNotFound,
-    409: ControlConflict,
-}
-
-
 def _error(status: int, body: bytes, what: str) -> ControlPlaneError:
     try:
         detail = msgspec.json.decode(body, type=ErrorBody).error
         code, message = detail.code, detail.message.removeprefix(f"[{detail.code}] ")
     except msgspec.MsgspecError:
         code, message = f"http_{status}", f"{what}: HTTP {status}"
-    kind = _BY_STATUS.get(status)
-    if kind is None:
-        kind = ControlUnreachable if status >= 500 else ControlRequestError
-    return kind(code, message, status)
+    return error_of_status(status, code, message)
 
 
 class ControlPlaneClient:
@@ -201,6 +193,39 @@ class ControlPlaneClient:
         )
         body = CloseBody(reward=reward, witnesses=witnesses)
         return await self._post_head(_path(rollout_id, "close"), body)
+
+    async def close_many(self, closes: Sequence[RolloutClose]) -> list[CloseResult]:
+        """Close many rollouts with ONE durable ledger write on the gate (group commit).
+
+        Returns one `CloseResult` per rollout, in order: its durable head, or the typed
+        error its own `close` would have raised (`ControlNotFound`, `ControlConflict`,
+        `ControlUnreachable` ``ledger_sync_failed``, ...). If the batch itself gets no
+        answer (the gate is unreachable after the request left), every rollout's result
+        holds that `ControlUnreachable`: whether each closed is then unknown, as for a
+        single close. Auth failures raise. Batches over `MAX_CLOSE_BATCH` are sent in parts.
+        """
+        ids = [validate_rollout_id(c.rollout_id) for c in closes]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a rollout id is listed more than once")
+        out: list[CloseResult] = []
+        for start in range(0, len(closes), MAX_CLOSE_BATCH):
+            part = closes[start : start + MAX_CLOSE_BATCH]
+            body = CloseManyBody(rollouts=[c.wire() for c in part])
+            try:
+                data = await self._send(
+                    "POST", "close", idempotent=False, body=msgspec.json.encode(body)
+                )
+            except ControlUnreachable as e:
+                out.extend(CloseResult(rollout_id=c.rollout_id, error=e) for c in part)
+                continue
+            answer = msgspec.json.decode(data, type=CloseManyResponse)
+            out.extend(CloseResult.of(outcome) for outcome in answer.results)
+        return out
+
+    async def release_many(self, rollout_ids: Iterable[str]) -> None:
+        """`release` every rollout, concurrently (``max_concurrency``); the first error raises
+        once all have been tried."""
+        await release_all(self.release, rollout_ids, self.max_concurrency)
 
     async def release(self, rollout_id: str) -> None:
         """Make the gate forget a closed rollout (its sink keys are the caller's to clear)."""

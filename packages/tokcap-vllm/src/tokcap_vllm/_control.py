@@ -9,6 +9,10 @@ Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``)
   ``require_open`` refuses calls of rollouts nobody opened: 404 ``unknown_rollout``)
 - ``POST rollouts/{id}/terminal`` `TerminalBody` · ``POST rollouts/{id}/close`` `CloseBody`
   — both answer the ledger head; close answers once the head is durable
+- ``POST close`` `CloseManyBody` — close many rollouts with ONE durable write (group
+  commit: they close concurrently, then one fsync covers every head); the answer holds one
+  `CloseOutcome` per rollout, in order: its head, or the status and code its own close
+  would have answered (a rollout that failed never hides the others' heads)
 - ``DELETE rollouts/{id}`` — the gate forgets a closed rollout (sink keys are the trainer's)
 
 Statuses: 400 bad JSON or id, a duplicated ``Authorization`` header, or a token in the
@@ -36,10 +40,14 @@ from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId
 from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 
-from ._admission import output_fingerprint
 from ._api import (
     CONTROL_PREFIX,
+    MAX_CLOSE_BATCH,
     CloseBody,
+    CloseManyBody,
+    CloseManyResponse,
+    CloseOutcome,
+    CloseProblem,
     Head,
     HeadResponse,
     Health,
@@ -48,6 +56,7 @@ from ._api import (
     RolloutItem,
     RolloutPage,
     TerminalBody,
+    WitnessBody,
     error_json,
 )
 from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
@@ -64,13 +73,14 @@ from ._errors import (
 )
 from ._gate import Gate
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ._persist import LedgerFileError
 from ._routing import parse_rollout_id
 from ._served import describe_sink
+from .fingerprints import output_fingerprint
+from .persist import LedgerFileError
 
 __all__ = ["ControlPlane"]
 
-_Body = TypeVar("_Body", TerminalBody, CloseBody)
+_Body = TypeVar("_Body", TerminalBody, CloseBody, CloseManyBody)
 
 _MAX_BODY = 1 << 20
 _SECRET_PARAMS = frozenset({"token", "access_token", "authorization", "auth", "bearer", "key"})
@@ -150,6 +160,9 @@ class ControlPlane:
         if parts == ["metrics"]:
             _allow(method, "GET")
             return _Reply(self.gate.telemetry.render(), content_type=METRICS_CONTENT_TYPE.encode())
+        if parts == ["close"]:
+            _allow(method, "POST")
+            return await self._close_many(await _body(receive, CloseManyBody))
         if parts == ["rollouts"]:
             _allow(method, "GET")
             return self._list(scope.get("query_string", b""))
@@ -236,28 +249,38 @@ class ControlPlane:
         return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=entry.seq, hash=entry.hash)))
 
     async def _close(self, rollout_id: RolloutId, body: CloseBody) -> _Reply:
-        w = body.witnesses
-        fingerprint = None
-        if w is not None:
-            if w.content_fingerprint is not None and (w.content is not None or w.tool_calls):
-                raise InvalidBody("bad_body", "give content or content_fingerprint, not both")
-            fingerprint = w.content_fingerprint
-            if fingerprint is not None and not _is_fingerprint(fingerprint):
-                raise InvalidBody(
-                    "bad_content_fingerprint",
-                    "content_fingerprint is 64 lowercase hex characters (output_fingerprint)",
-                )
-            if w.content is not None or w.tool_calls:
-                with _ledger_errors():
-                    fingerprint = output_fingerprint(w.content, w.tool_calls)
+        witnesses = _witnesses(body.reward, body.witnesses)
         with _ledger_errors():
-            witnesses = Witnesses(
-                response_id=w.response_id if w is not None else None,
-                content_fingerprint=fingerprint,
-            )
-            Closed(reward=body.reward, witnesses=witnesses)  # refuse a bad reward before draining
             seq, head = await self.gate.close(rollout_id, body.reward, witnesses)
         return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=seq, hash=head)))
+
+    async def _close_many(self, body: CloseManyBody) -> _Reply:
+        items = body.rollouts
+        if len(items) > MAX_CLOSE_BATCH:
+            raise InvalidBody("bad_body", f"at most {MAX_CLOSE_BATCH} rollouts per close")
+        if len({item.rollout_id for item in items}) != len(items):
+            raise InvalidBody("bad_body", "a rollout id is listed more than once")
+        results: list[CloseOutcome | None] = [None] * len(items)
+        closes: list[tuple[str, float | None, Witnesses | None]] = []
+        asked: list[int] = []
+        for index, item in enumerate(items):
+            try:
+                rollout_id = parse_rollout_id(item.rollout_id)
+                witnesses = _witnesses(item.reward, item.witnesses)
+            except GateError as e:
+                results[index] = _outcome(item.rollout_id, e)
+                continue
+            closes.append((rollout_id, item.reward, witnesses))
+            asked.append(index)
+        answers = await self.gate.close_many(closes)
+        for index, answer in zip(asked, answers, strict=True):
+            asked_id = items[index].rollout_id
+            if isinstance(answer, tuple):
+                head = Head(seq=answer[0], hash=answer[1])
+                results[index] = CloseOutcome(rollout_id=asked_id, head=head)
+                continue
+            results[index] = _outcome(asked_id, _as_gate_error(answer))
+        return _json(CloseManyResponse(results=[r for r in results if r is not None]))
 
     async def _release(self, rollout_id: RolloutId) -> _Reply:
         self.gate.release(rollout_id)
@@ -265,6 +288,49 @@ class ControlPlane:
         if file is not None and file.should_compact:
             await file.compact(self.gate.held_ledgers)
         return _json(ReleaseResponse(rollout_id=rollout_id, released=True))
+
+
+def _witnesses(reward: float | None, w: WitnessBody | None) -> Witnesses:
+    """The ledger's witnesses for a close body; `InvalidBody` for a bad fingerprint or
+    reward (refused before the close drains anything)."""
+    fingerprint = None
+    if w is not None:
+        if w.content_fingerprint is not None and (w.content is not None or w.tool_calls):
+            raise InvalidBody("bad_body", "give content or content_fingerprint, not both")
+        fingerprint = w.content_fingerprint
+        if fingerprint is not None and not _is_fingerprint(fingerprint):
+            raise InvalidBody(
+                "bad_content_fingerprint",
+                "content_fingerprint is 64 lowercase hex characters (output_fingerprint)",
+            )
+        if w.content is not None or w.tool_calls:
+            with _ledger_errors():
+                fingerprint = output_fingerprint(w.content, w.tool_calls)
+    with _ledger_errors():
+        witnesses = Witnesses(
+            response_id=w.response_id if w is not None else None,
+            content_fingerprint=fingerprint,
+        )
+        Closed(reward=reward, witnesses=witnesses)
+    return witnesses
+
+
+def _as_gate_error(error: Exception) -> GateError:
+    """The control-plane error a failed close of one rollout answers with."""
+    if isinstance(error, GateError):
+        return error
+    try:
+        with _ledger_errors():
+            raise error
+    except GateError as e:
+        return e
+    except Exception:  # reported for this rollout, as the single close's 500 would be
+        return GateError("gate_failed", f"the close failed ({type(error).__name__})")
+
+
+def _outcome(rollout_id: str, error: GateError) -> CloseOutcome:
+    problem = CloseProblem(status=type(error).status, code=error.code, message=error.message)
+    return CloseOutcome(rollout_id=rollout_id, error=problem)
 
 
 @contextmanager

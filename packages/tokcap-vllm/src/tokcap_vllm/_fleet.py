@@ -29,6 +29,7 @@ from tokcap_core.ledger import genesis_hash
 from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
 
 from ._client import ControlPlaneClient, poisoned_receipt
+from ._closes import CloseResult, RolloutClose, release_all
 from ._errors import ControlNotFound, ControlPlaneError, ControlUnreachable
 
 __all__ = ["FleetGateReport", "GateFleet"]
@@ -144,10 +145,10 @@ class GateFleet:
         return self._gate_of(rollout_id).url
 
     async def probe(self, url: str) -> bool:
-        """Whether the gate at ``url`` still answers (``/tokcap/v1/health``, any HTTP answer
-        counts). One that does not is marked lost now: its open rollouts are poisoned (``gate_unreachable``), and
-        it gets no new rollout. A lost gate stays lost. What a trainer asks when a harness
-        call or a weight push to that gate failed in transport."""
+        """Whether the gate at ``url`` still answers (``/tokcap/v1/health``; any HTTP answer
+        counts). One that does not is marked lost now: its open rollouts are poisoned
+        (``gate_unreachable``) and it gets no new rollout. A lost gate stays lost. What a
+        trainer asks when a harness call or a weight push to that gate failed in transport."""
         gate = self._gate_at(url)
         if not gate.alive:
             return False
@@ -207,6 +208,44 @@ class GateFleet:
         gate.open.discard(rollout_id)
         gate.closed += 1
         return head
+
+    async def close_many(self, closes: Sequence[RolloutClose]) -> list[CloseResult]:
+        """`ControlPlaneClient.close_many` on every owning gate at once (one durable write per
+        gate); one result per rollout, in order.
+
+        A lost rollout, or one on a gate that stops answering now, gets the genesis head as
+        in `close` (its receipt is poisoned ``gate_unreachable``).
+        """
+        by_gate: dict[int, list[int]] = {}
+        for index, c in enumerate(closes):
+            by_gate.setdefault(id(self._gate_of(c.rollout_id)), []).append(index)
+        out: list[CloseResult | None] = [None] * len(closes)
+
+        async def one_gate(gate: _Gate, indexes: list[int]) -> None:
+            asked = [i for i in indexes if closes[i].rollout_id not in self._lost]
+            results = await gate.client.close_many([closes[i] for i in asked])
+            for index, result in zip(asked, results, strict=True):
+                rid = result.rollout_id
+                e = result.error
+                if isinstance(e, ControlUnreachable) and e.code == _UNREACHABLE:
+                    result = CloseResult(rollout_id=rid, head=self._lost_head(gate, rid, e))
+                elif result.ok:
+                    gate.open.discard(rid)
+                    gate.closed += 1
+                out[index] = result
+            for index in indexes:
+                if out[index] is None:
+                    rid = closes[index].rollout_id
+                    out[index] = CloseResult(rollout_id=rid, head=(0, genesis_hash(rid)))
+
+        async with anyio.create_task_group() as tg:
+            for indexes in by_gate.values():
+                tg.start_soon(one_gate, self._gate_of(closes[indexes[0]].rollout_id), indexes)
+        return [r for r in out if r is not None]
+
+    async def release_many(self, rollout_ids: Iterable[str]) -> None:
+        """`release` every rollout, concurrently; the first error raises once all were tried."""
+        await release_all(self.release, rollout_ids, 64)
 
     async def fetch_receipts(
         self,

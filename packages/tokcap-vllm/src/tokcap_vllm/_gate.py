@@ -16,7 +16,7 @@ replays its ledger file when built; rollouts that were open at a crash are poiso
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -33,9 +33,9 @@ from ._errors import InvalidBody
 from ._hooks import GateHooks
 from ._lifecycle import COMMITTED, FAILED, FINISHED, RESPONDED
 from ._metrics import GateMetrics
-from ._persist import LedgerFile
 from ._rollouts import RolloutBook, RolloutRecord
 from ._weight_state import WeightState
+from .persist import LedgerFile
 
 if TYPE_CHECKING:
     from ._weights import WeightSync
@@ -212,6 +212,46 @@ class Gate:
         of ``Closed``. Raises `LedgerProtocolError` for a bad reward, `LedgerFileError` if
         the head could not be made durable (the rollout is closed all the same).
         """
+        head = await self._close_in_memory(rollout_id, reward, witnesses)
+        await self._make_durable([rollout_id])
+        return head
+
+    async def close_many(
+        self, closes: Sequence[tuple[str, float | None, Witnesses | None]]
+    ) -> list[tuple[int, str] | Exception]:
+        """Close several rollouts with one durable write shared by all (group commit).
+
+        ``closes`` holds ``(rollout_id, reward, witnesses)``; each rollout closes as in
+        `close`, all of them concurrently, then the observers make every closed head
+        durable at once (the ledger file: one fsync). The answer holds, in order, each
+        rollout's head or the exception its close raised (`RolloutNotFound`,
+        `LedgerProtocolError`, ...); if the durable write failed, every rollout closed by
+        this call gets that `LedgerFileError` (each is closed all the same, as in `close`).
+        """
+        out: list[tuple[int, str] | Exception] = [
+            RuntimeError("not closed") for _ in closes
+        ]  # every slot is replaced below
+
+        async def one(index: int) -> None:
+            try:
+                out[index] = await self._close_in_memory(*closes[index])
+            except Exception as e:  # reported for this rollout alone, never lost
+                out[index] = e
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(closes)):
+                tg.start_soon(one, index)
+        closed = [i for i, r in enumerate(out) if isinstance(r, tuple)]
+        try:
+            await self._make_durable([closes[i][0] for i in closed])
+        except Exception as e:
+            for i in closed:
+                out[i] = e
+        return out
+
+    async def _close_in_memory(
+        self, rollout_id: str, reward: float | None, witnesses: Witnesses | None
+    ) -> tuple[int, str]:
         record = self.registry.open_record(rollout_id)
         self.registry.advance(record, "close")
         try:
@@ -229,9 +269,25 @@ class Gate:
             if record.ledger.status is OPEN:
                 self.registry.advance(record, "reopen")
             raise
-        for hook in self._observers:
-            await hook.on_close(record.rollout_id)
         return record.ledger.head
+
+    async def _make_durable(self, rollout_ids: Sequence[str]) -> None:
+        """Have every observer make the closed rollouts durable; concurrent `on_close` calls
+        share one fsync of the ledger file (`LedgerFile.sync`)."""
+        errors: list[Exception] = []
+
+        async def one(hook: GateHooks, rollout_id: str) -> None:
+            try:
+                await hook.on_close(rollout_id)
+            except Exception as e:
+                errors.append(e)
+
+        for hook in self._observers:
+            async with anyio.create_task_group() as tg:
+                for rollout_id in rollout_ids:
+                    tg.start_soon(one, hook, rollout_id)
+        if errors:
+            raise errors[0]
 
     def release(self, rollout_id: str) -> None:
         """Forget a closed rollout (its manifest is no longer served)."""

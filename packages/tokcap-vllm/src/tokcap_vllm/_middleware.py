@@ -34,10 +34,8 @@ from ._gate import Gate
 from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._lifecycle import ABANDONED
-from ._planning import Observed
+from ._planning import Observed, RequestRenderer, request_renderer
 from ._records import Flag, GateCall
-from ._render import RequestRenderer
-from ._renderers import request_renderer
 from ._routing import route_request
 from ._served import served_gate
 from ._wire import ResponseObserver, check_request_id, decode_body

@@ -30,9 +30,8 @@ from ._lifecycle import (
 from ._planning import ParentIndex
 
 if TYPE_CHECKING:
-    from ._admission import ChatPlan, PriorCall
     from ._host import EngineResult
-    from ._planning import PlannedRequest
+    from ._planning import ChatPlan, PlannedRequest, PriorCall
 
 __all__ = [
     "CLOSED",

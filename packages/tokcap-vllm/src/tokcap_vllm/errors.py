@@ -24,8 +24,8 @@ from ._errors import (
     WeightsUnavailable,
 )
 from ._lifecycle import CallStateError
-from ._persist import LedgerFileError
 from ._weight_state import WeightPushError, WeightSyncError
+from .persist import LedgerFileError
 
 __all__ = [
     "BadRequest",

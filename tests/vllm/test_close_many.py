@@ -1,0 +1,149 @@
+"""Batch closes on the real gate: one durable write for a step's rollouts, one typed answer
+per rollout, the ledgers' hash chains exactly as single closes leave them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import types
+from typing import Any
+
+import anyio
+import pytest
+
+import tokcap_vllm.persist as persist
+from tests.vllm._helpers import client, control
+from tokcap_core.ledger import CLOSED, Closed, manifest_of
+from tokcap_vllm import (
+    CloseResult,
+    ControlConflict,
+    ControlNotFound,
+    ControlUnreachable,
+    InProcessServer,
+    RolloutClose,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+async def _play(server: InProcessServer, rollout_ids: list[str]) -> dict[str, str]:
+    """One short chat per rollout, concurrently; the response id of each."""
+    ids: dict[str, str] = {}
+
+    async def one(rid: str) -> None:
+        async with client(server, rid) as c:
+            answer = await c.chat.completions.create(
+                model=server.model,
+                messages=[{"role": "user", "content": f"hello {rid}"}],
+                max_tokens=3,
+                temperature=0.0,
+            )
+            ids[rid] = answer.id
+
+    async with anyio.create_task_group() as tg:
+        for rid in rollout_ids:
+            tg.start_soon(one, rid)
+    return ids
+
+
+def test_a_batch_close_is_one_fsync_with_a_typed_answer_per_rollout(
+    server: InProcessServer,
+) -> None:
+    rids = [f"cm-ok-{i}" for i in range(4)]
+    ledger_file = server.gate.ledger_file
+    assert ledger_file is not None
+
+    async def main() -> tuple[Any, ...]:
+        answered = await _play(server, [*rids, "cm-twice"])
+        async with control(server) as cp:
+            await cp.close("cm-twice", reward=0.0)
+            before = ledger_file.syncs
+            results = await cp.close_many(
+                [
+                    RolloutClose(rollout_id=rids[0], reward=1.0, response_id=answered[rids[0]]),
+                    RolloutClose(rollout_id="cm-never-seen", reward=1.0),
+                    *(RolloutClose(rollout_id=r, reward=0.5) for r in rids[1:]),
+                    RolloutClose(rollout_id="cm-twice", reward=1.0),
+                ]
+            )
+            syncs = ledger_file.syncs - before
+            heads = {r.rollout_id: r.head for r in results if r.ok}
+            receipts = await cp.fetch_receipts(rids, expected_heads=heads)  # type: ignore[arg-type]
+            await cp.release_many(rids)
+            listed = {item.rollout_id for item in await cp.rollouts()}
+        return results, syncs, receipts, listed
+
+    results, syncs, receipts, listed = anyio.run(main)
+    assert syncs == 1  # four heads made durable by one fsync
+    assert [r.rollout_id for r in results] == [
+        rids[0],
+        "cm-never-seen",
+        *rids[1:],
+        "cm-twice",
+    ]
+    missing, twice = results[1], results[-1]
+    assert isinstance(missing.error, ControlNotFound)
+    assert (missing.error.status, missing.error.code) == (404, "unknown_rollout")
+    assert isinstance(twice.error, ControlConflict)
+    assert twice.error.code == "rollout_closed"
+    with pytest.raises(ControlConflict):
+        twice.head_or_raise()
+    assert [r.status for r in receipts] == ["verified"] * 4
+    assert receipts[0].terminal_selection == "response_id"
+    assert [r.reward for r in receipts] == [1.0, 0.5, 0.5, 0.5]
+    assert not listed & set(rids)  # released, concurrently
+
+
+def test_the_batch_leaves_each_ledger_as_a_single_close_would(server: InProcessServer) -> None:
+    """Same events, same digests: a batch-closed ledger replays, and its last entry is the
+    plain `Closed` event a single close appends."""
+
+    async def main() -> list[CloseResult]:
+        await _play(server, ["cm-chain"])
+        async with control(server) as cp:
+            return await cp.close_many([RolloutClose(rollout_id="cm-chain", reward=0.25)])
+
+    (result,) = anyio.run(main)
+    manifest = manifest_of(server.gate.ledger("cm-chain"))
+    assert result.head_or_raise() == manifest.head
+    last = manifest.entries[-1].event
+    assert isinstance(last, Closed)
+    assert last.reward == 0.25
+    assert [type(e.event).__name__ for e in manifest.entries] == ["Admitted", "Staged", "Closed"]
+
+
+def test_a_failed_fsync_is_reported_for_every_rollout_of_the_batch(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault is injected (a disk cannot be made to fail fsync here): the ledger file's
+    fsync raises EIO; every rollout the batch closed gets ``ledger_sync_failed``, the
+    unknown one its own 404, and a later batch is durable again."""
+    rids = ["cm-sync-a", "cm-sync-b"]
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "injected fsync failure")
+
+    async def main() -> tuple[list[CloseResult], list[CloseResult]]:
+        await _play(server, [*rids, "cm-sync-after"])
+        fake_os = types.SimpleNamespace(**{**vars(os), "fsync": failing_fsync})
+        async with control(server) as cp:
+            with monkeypatch.context() as patch:
+                patch.setattr(persist, "os", fake_os)
+                failed = await cp.close_many(
+                    [
+                        RolloutClose(rollout_id=rids[0], reward=1.0),
+                        RolloutClose(rollout_id="cm-sync-unknown", reward=1.0),
+                        RolloutClose(rollout_id=rids[1], reward=1.0),
+                    ]
+                )
+            after = await cp.close_many([RolloutClose(rollout_id="cm-sync-after", reward=1.0)])
+        return failed, after
+
+    failed, after = anyio.run(main)
+    a, unknown, b = failed
+    for result in (a, b):
+        assert isinstance(result.error, ControlUnreachable)
+        assert (result.error.status, result.error.code) == (503, "ledger_sync_failed")
+    assert isinstance(unknown.error, ControlNotFound)
+    assert after[0].ok
+    assert server.gate.ledger(rids[0]).status is CLOSED  # closed all the same, as `close`
