@@ -161,7 +161,7 @@ def test_a_trailing_slash_is_captured_and_other_rollout_posts_are_refused(
     with httpx.Client(timeout=120, follow_redirects=False) as http:
         answer = http.post(url, json=_body(server, "slash"))
         assert answer.status_code == 200, answer.text
-        other = http.post(server.rollout_url("hx-slash") + "/responses", json={"input": "x"})
+        other = http.post(server.rollout_url("hx-slash") + "/embeddings", json={"input": "x"})
     assert _code(other) == (404, "uncaptured_endpoint")
     assert [type(e).__name__ for e in events(server, "hx-slash")] == ["Admitted", "Staged"]
     assert _verified(server, "hx-slash")

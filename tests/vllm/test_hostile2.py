@@ -175,12 +175,12 @@ def test_b9_a_close_witness_nested_deep_is_a_typed_400_and_harms_nothing(
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/responses", {"input": "hello", "max_output_tokens": 4}),
-        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
-        (  # B5: seeded, long prompt (would kill a CPU engine with chunked prefill)
-            "/v1/responses",
-            {"input": "word " * 700, "max_output_tokens": 4, "seed": 3, "temperature": 1.0},
+        ("/v1/embeddings", {"input": "hello"}),
+        (
+            "/v1/messages/count_tokens",
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
         ),
+        ("/v1/responses/resp_x/cancel", {}),
     ],
 )
 def test_b4_the_rollout_header_on_an_uncaptured_endpoint_is_refused(

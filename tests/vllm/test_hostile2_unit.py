@@ -41,7 +41,9 @@ def test_a_weight_version_the_ledger_cannot_store_is_refused_before_the_push(ver
     assert begin(state, 2**63 - 1).target == 2**63 - 1
 
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/embeddings", "/tokenize"])
+@pytest.mark.parametrize(
+    "path", ["/v1/messages/count_tokens", "/v1/responses/r/cancel", "/v1/embeddings", "/tokenize"]
+)
 def test_the_rollout_header_refuses_what_the_path_form_refuses(path: str) -> None:
     """B4/B5: a POST naming a rollout by header on an endpoint the gate does not capture is
     ``uncaptured_endpoint``, as on the rollout path; without the header it passes untouched."""

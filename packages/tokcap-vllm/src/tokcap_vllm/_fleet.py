@@ -139,6 +139,24 @@ class GateFleet(AsyncClosing):
         """The URL of the gate that owns ``rollout_id``."""
         return self._gate_of(rollout_id).url
 
+    async def probe(self, url: str) -> bool:
+        """Whether the gate at ``url`` still answers (``/tokcap/v1/health``; any HTTP answer
+        counts). One that does not is marked lost now: its open rollouts are poisoned
+        (``gate_unreachable``) and it gets no new rollout. A lost gate stays lost. What a
+        trainer asks when a harness call or a weight push to that gate failed in transport."""
+        gate = self._gate_at(url)
+        if not gate.alive:
+            return False
+        try:
+            await gate.client.health()
+        except ControlUnreachable as e:
+            if e.code == _UNREACHABLE:
+                self._gate_lost(gate, e)
+                return False
+        except ControlPlaneError:
+            pass  # it answers, if only to say it is down: not lost
+        return True
+
     def lost(self) -> dict[str, str]:
         """``{rollout_id: reason}`` of rollouts poisoned because their gate stopped answering."""
         return dict(self._lost)
@@ -322,6 +340,12 @@ class GateFleet(AsyncClosing):
                 "unknown_rollout", f"{rollout_id} was not opened through this fleet", 404
             )
         return gate
+
+    def _gate_at(self, url: str) -> _Gate:
+        for gate in self._gates:
+            if gate.url == url.rstrip("/"):
+                return gate
+        raise ValueError(f"{url} is not a gate of this fleet")
 
     def _base_url(self, gate: _Gate, rollout_id: str) -> str:
         return f"{gate.url}{self.path_prefix}{rollout_id}/v1"

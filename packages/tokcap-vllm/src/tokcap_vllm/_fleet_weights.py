@@ -83,6 +83,20 @@ class FleetWeightSync(AsyncClosing):
         for client in self.clients:
             await client.aclose()
 
+    async def drop(self, url: str) -> None:
+        """Stop pushing to the gate at ``url`` (one the trainer lost; its connections are
+        closed): the fleet's version is then the remaining gates'. `WeightPushError`
+        ``no_gates`` if it is the last one, ``unknown_gate`` if it is not in the fleet."""
+        kept = [c for c in self.clients if c.base_url != url.rstrip("/")]
+        if len(kept) == len(self.clients):
+            raise WeightPushError("unknown_gate", f"{url} is not a gate of this fleet")
+        if not kept:
+            raise WeightPushError("no_gates", f"{url} was the fleet's last gate")
+        dropped = [c for c in self.clients if c not in kept]
+        self.clients = kept
+        for client in dropped:
+            await client.aclose()
+
     async def infos(self) -> list[WeightInfo]:
         """Every gate's `WeightInfo`, in order (concurrently)."""
         return await each_concurrently(self.clients, GateWeightClient.info)

@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final, TypeVar
 
 import msgspec
 
+from ._answers import ApiAnswer, answer_reader
 from .errors import BadRequest, GateError, Unsupported
 
 __all__ = [
     "ChatBody",
     "CompletionBody",
     "ResponseObserver",
+    "chat_body",
     "check_request_id",
     "decode_body",
     "decode_json",
+    "decode_object",
 ]
 
 _S = TypeVar("_S")
 
-RESPONSE_ID_PREFIXES: Final = {"chat": "chatcmpl-", "completion": "cmpl-"}
-"""What vLLM puts before a request id to make the response id the ledger records."""
+RESPONSE_ID_PREFIXES: Final = {
+    "chat": "chatcmpl-",
+    "completion": "cmpl-",
+    "messages": "chatcmpl-",
+    "responses": "",
+}
+"""What vLLM puts before a request id to make the response id the ledger records (a
+Messages answer keeps the id of the chat completion vLLM made of it; a Responses answer's
+id is its body's ``request_id``)."""
 _MAX_LABEL: Final = 256  # tokcap_core's bound on a response id (1..256 printable ASCII)
 
 
@@ -117,6 +128,48 @@ def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody 
     return parsed
 
 
+def decode_object(body: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object (`BadRequest` ``bad_json``/``bad_body``)."""
+    try:
+        raw = json.loads(body)
+    except RecursionError as e:
+        raise BadRequest("bad_json", "request body is nested too deeply") from e
+    except ValueError as e:  # UnicodeDecodeError included
+        raise BadRequest("bad_json", f"request body is not JSON: {str(e)[:200]}") from e
+    if not isinstance(raw, dict):
+        raise BadRequest("bad_body", "the request body must be a JSON object")
+    return raw
+
+
+def chat_body(
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    reasoning_effort: str | None,
+    stream: bool,
+    seed: int | None = None,
+) -> ChatBody:
+    """The chat request vLLM made of a Messages or Responses request, as admission reads it.
+
+    A reasoning effort reaches the template as vLLM passes it (``reasoning_effort``, and
+    ``enable_thinking`` unless the request set it); an empty conversation is refused.
+    """
+    kwargs = dict(template_kwargs or {})
+    if reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", reasoning_effort != "none")
+        kwargs["reasoning_effort"] = reasoning_effort
+    if not messages:
+        raise BadRequest("bad_body", "the request holds no message")
+    return ChatBody(
+        messages=[dict(m) for m in messages],
+        stream=stream,
+        tools=[dict(t) for t in tools] if tools else None,
+        chat_template_kwargs=kwargs or None,
+        seed=seed,
+    )
+
+
 def check_request_id(request_id: str, kind: str) -> str:
     """The request id vLLM will use, if the ledger can store the response id it makes.
 
@@ -161,9 +214,15 @@ _decoder = msgspec.json.Decoder(_Response)
 
 
 class ResponseObserver:
-    """Watches a response on its way out: status, id, returned content and tool calls."""
+    """Watches a response on its way out: status, id, returned content and tool calls.
 
-    def __init__(self, *, keep: bool) -> None:
+    ``kind`` is the captured endpoint: a Messages or Responses answer is read by its
+    `tokcap_vllm._answers` reader, whose terminal event (``message_stop``,
+    ``response.completed``) ends the stream as ``[DONE]`` ends a chat stream.
+    """
+
+    def __init__(self, *, keep: bool, kind: str = "chat") -> None:
+        self.api: ApiAnswer | None = answer_reader(kind)
         self.status = 0
         self.start: dict[str, Any] | None = None
         self.streaming = False
@@ -206,14 +265,21 @@ class ResponseObserver:
         if not self.streaming and self.status == 200:
             self._take(self._buffer, delta=False)
         self._buffer = b""
+        if self.api is not None:
+            self.content = self.api.content()
 
     def tool_calls(self) -> list[dict[str, Any]] | None:
         """The returned tool calls, merged across stream deltas."""
+        if self.api is not None:
+            return self.api.tool_calls()
         if not self.tools:
             return None
         return [{"type": "function", "function": self.tools[i]} for i in sorted(self.tools)]
 
     def _take(self, raw: bytes, *, delta: bool) -> None:
+        if self.api is not None:
+            self._take_api(self.api, raw, delta=delta)
+            return
         try:
             response = _decoder.decode(raw)
         except msgspec.DecodeError:
@@ -232,3 +298,17 @@ class ResponseObserver:
                 fn = tool.function or {}
                 slot["name"] += fn.get("name") or ""
                 slot["arguments"] += fn.get("arguments") or ""
+
+    def _take_api(self, api: ApiAnswer, raw: bytes, *, delta: bool) -> None:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(data, dict):
+            return
+        if delta:
+            api.event(data)
+            self.stream_done = self.stream_done or api.done
+        else:
+            api.whole(data)
+        self.response_id = self.response_id or api.response_id
