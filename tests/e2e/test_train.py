@@ -157,13 +157,10 @@ ASYNC_STEPS = 4
 def async_summary(tmp_path_factory: pytest.TempPathFactory, cluster_address: str) -> dict[str, Any]:
     """``tokcap train --async --max-staleness 1`` (default agent task), a few small steps."""
     out = tmp_path_factory.mktemp("train-async") / "run"
-    command = [
-        sys.executable, "-m", "tokcap", "train", "--async", "--max-staleness", "1",
-        "--steps", str(ASYNC_STEPS), "--groups", "2", "--rollouts", "4", "--seed", "0",
-    ]  # fmt: skip
-    proc = subprocess.run(
-        [*command, "--out", str(out), "--ray-address", cluster_address],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+    proc = tokcap(
+        "train", "--async", "--max-staleness", "1", "--steps", str(ASYNC_STEPS),
+        "--groups", "2", "--rollouts", "4", "--seed", "0",
+        "--out", out, "--ray-address", cluster_address, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode == 0, (
         f"tokcap train --async failed ({proc.returncode}):\n{proc.stdout}\n" + proc.stderr[-4000:]
