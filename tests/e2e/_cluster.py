@@ -10,9 +10,30 @@ started by hand and the trainers that come and go use one TransferQueue that out
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from tokcap_tq import NodeSpec, connect_tq, local_cluster
+
+
+@contextlib.contextmanager
+def held_cluster(tmp: Path, env: Mapping[str, str], *, tq: bool = False) -> Iterator[str]:
+    """Run this file in its own process (``--tq``: TransferQueue too); yield the address."""
+    command = [sys.executable, __file__, str(tmp), *(["--tq"] if tq else [])]
+    with subprocess.Popen(
+        command, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        assert holder.stdout is not None
+        assert holder.stdin is not None
+        address = holder.stdout.readline().strip()
+        assert address, f"the cluster did not start (exit {holder.poll()})"
+        try:
+            yield address
+        finally:
+            holder.stdin.close()  # the holder stops its cluster and exits
+            holder.wait(timeout=120)
 
 
 def main(tmp_dir: str, with_tq: bool) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e._cluster import held_cluster
 from tests.e2e._gates import ServedGate
 from tokcap.compose import served_gate_options
 from tokcap_tq import TQSinkConfig
@@ -44,20 +45,8 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cluster_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A two-node loopback Ray cluster running TransferQueue, held by its own process."""
-    tmp = tmp_path_factory.mktemp("cluster")
-    with subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("_cluster.py")), str(tmp), "--tq"],
-        cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    ) as holder:  # fmt: skip
-        assert holder.stdout is not None
-        assert holder.stdin is not None
-        address = holder.stdout.readline().strip()
-        assert address, f"the cluster did not start (exit {holder.poll()})"
-        try:
-            yield address
-        finally:
-            holder.stdin.close()  # the holder stops TransferQueue and its cluster and exits
-            holder.wait(timeout=120)
+    with held_cluster(tmp_path_factory.mktemp("cluster"), _env(), tq=True) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e._cluster import held_cluster
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,20 +40,8 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cluster_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A two-node Ray cluster on loopback, held by its own process (tests/e2e/_cluster.py)."""
-    tmp = tmp_path_factory.mktemp("cluster")
-    with subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("_cluster.py")), str(tmp)],
-        cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    ) as holder:  # fmt: skip
-        assert holder.stdout is not None
-        assert holder.stdin is not None
-        address = holder.stdout.readline().strip()
-        assert address, f"the cluster did not start (exit {holder.poll()})"
-        try:
-            yield address
-        finally:
-            holder.stdin.close()  # the holder stops its cluster and exits
-            holder.wait(timeout=120)
+    with held_cluster(tmp_path_factory.mktemp("cluster"), _env()) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
