@@ -46,6 +46,7 @@ from tokcap.compose import (  # noqa: E402
     in_process_gate,
     open_stack,
     play_rollouts,
+    served_model,
     services,
     tq_sink,
 )
@@ -124,8 +125,7 @@ async def train_on_gates(urls: Sequence[str], sink: TQSink, capture: CaptureConf
     """One step through gates started by hand, each rollout opened on one of them."""
     assert capture.control_token is not None
     async with GateFleet(urls, capture.control_token) as fleet:
-        async with openai.AsyncOpenAI(base_url=f"{urls[0]}/v1", api_key="unused") as client:
-            model = (await client.models.list()).data[0].id  # what the gates serve
+        model = await served_model(urls[0])  # what the gates serve
         gates: GateEndpoint = FleetEndpoint(fleet, model, urls)
         async with open_stack(
             [gates], sink=sink, capture=capture, workers=1, control=fleet

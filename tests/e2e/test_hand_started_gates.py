@@ -56,9 +56,8 @@ def gate_urls(
     """Two gates started by hand: the default partitions, ids returned to harnesses."""
     from tokcap.tiny import build_tiny_model
 
-    model = build_tiny_model(
-        Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny")) / "dense", kind="dense"
-    )
+    # the model `tokcap train` (run in the repository) loads as its policy
+    model = build_tiny_model(REPO / ".tokcap" / "tiny" / "dense", kind="dense")
     logs = tmp_path_factory.mktemp("gates")
     options = [*served_gate_options(TQSinkConfig(), cluster_address), "--tokcap-return-token-ids"]
     gates = [ServedGate(model, options, token=TOKEN, log=logs / f"gate{i}.log") for i in range(2)]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 from tokcap_core import CaptureConfig, ConfigError
 from tokcap_tq import TQSinkConfig
 from tokcap_vllm import GateFleet
@@ -43,6 +45,7 @@ __all__ = [
     "gate_entries",
     "gate_versions",
     "push_to_live_gates",
+    "served_model",
 ]
 
 TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
@@ -87,6 +90,16 @@ def fleet_gates(
                 served_gates(model, count, options, token=token, log_dir=log_dir)
             )
         yield [FleetGate(g.url, g.pid) for g in started]
+
+
+async def served_model(url: str) -> str:
+    """The model id the gate at ``url`` serves (vLLM's ``GET /v1/models``): what a harness
+    names in its requests to gates someone else started."""
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+        answer = await client.get("/v1/models")
+        answer.raise_for_status()
+        model: str = answer.json()["data"][0]["id"]
+        return model
 
 
 def fleet_token(urls: Sequence[str], capture: CaptureConfig) -> str:

@@ -33,6 +33,7 @@ from ..compose import (
     gate_versions,
     open_stack,
     reclaim_rollouts,
+    served_model,
 )
 
 __all__ = ["run_fleet"]
@@ -89,7 +90,8 @@ async def _drive(
         if config.gate_urls:  # gates that outlive runs: take back what a dead one held
             reclaimed = await reclaim_rollouts(urls, token, sink)
             stages.log(f"reclaimed rollouts a previous run left: {reclaimed}")
-        endpoint = FleetEndpoint(fleet, str(config.model), urls)
+        model = await served_model(urls[0]) if config.gate_urls else str(config.model)
+        endpoint = FleetEndpoint(fleet, model, urls)
         async with open_stack(
             [endpoint],
             sink=sink,

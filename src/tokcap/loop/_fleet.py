@@ -32,6 +32,7 @@ from ..compose import (
     open_stack,
     push_to_live_gates,
     reclaim_rollouts,
+    served_model,
 )
 from ..demo import QWEN_VLLM_ARGS
 from ._run import train_steps
@@ -97,7 +98,8 @@ async def _drive(
         if config.gate_urls:  # gates that outlive trainers: take back what a dead one held
             reclaimed = await reclaim_rollouts(urls, token, sink)
             stages.log(f"reclaimed rollouts a previous trainer left: {reclaimed}")
-        endpoint = FleetEndpoint(fleet, str(config.model), urls)
+        model = await served_model(urls[0]) if config.gate_urls else str(config.model)
+        endpoint = FleetEndpoint(fleet, model, urls)
         async with open_stack(
             [endpoint],
             sink=sink,
