@@ -13,8 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import subprocess
-import sys
 import xml.dom.minidom
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e._cli import REPO, cli_env, tokcap
+from tests.e2e._cli import cli_env, tokcap
+from tests.e2e._cluster import held_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,20 +33,8 @@ STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
 @pytest.fixture(scope="module")
 def cluster_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A two-node Ray cluster on loopback, held by its own process (tests/e2e/_cluster.py)."""
-    tmp = tmp_path_factory.mktemp("cluster")
-    with subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("_cluster.py")), str(tmp)],
-        cwd=REPO, env=cli_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    ) as holder:  # fmt: skip
-        assert holder.stdout is not None
-        assert holder.stdin is not None
-        address = holder.stdout.readline().strip()
-        assert address, f"the cluster did not start (exit {holder.poll()})"
-        try:
-            yield address
-        finally:
-            holder.stdin.close()  # the holder stops its cluster and exits
-            holder.wait(timeout=120)
+    with held_cluster(tmp_path_factory.mktemp("cluster"), cli_env()) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
