@@ -30,7 +30,7 @@ from ._guarded_routes import WeightInfo
 from ._shm import SHM_DIR, write_push_file
 from ._weight_client import GateWeightClient, PushTransport, StagedPush
 from ._weight_state import WeightPushError, WeightSyncError
-from ._weights import PauseMode
+from ._weights import PushMode
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ class FleetWeightSync:
         gates: Iterable[tuple[str, str] | GateWeightClient],
         *,
         transport: PushTransport = "shm",
-        mode: PauseMode = "wait",
+        mode: PushMode = "wait",
         shm_dir: str = SHM_DIR,
     ) -> None:
         self.clients: list[GateWeightClient] = [
