@@ -131,6 +131,8 @@ class Gate:
 
         def follow(state: WeightState) -> None:
             capture.weights = state
+            if not state.serving:
+                return  # only READY says how the push that loaded ``version`` treated KV
             if state.kv_kept:
                 capture.kv_kept.add(state.version)
             else:
