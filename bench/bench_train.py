@@ -139,6 +139,8 @@ def run_loop_bench(steps: int) -> tuple[Any, RetokFigures]:
 
 
 def print_steps(run: Any) -> None:
+    from tokcap.loop import tokcap_share
+
     measured = run.steps[1:] or run.steps
     mean = {k: statistics.mean(s.seconds.get(k, 0.0) for s in measured) for k in STAGES}
     total = sum(mean.values())
@@ -154,6 +156,8 @@ def print_steps(run: Any) -> None:
                 print(f"{'  ' + part:28}{part_s:10.3f}{part_s / total:9.1%}")
     print(f"{'step (sum of stages)':28}{total:10.3f}{1:9.0%}")
     print(f"{'finish (overlaps next step)':28}{finish:10.3f}")
+    share = statistics.mean(tokcap_share(s.seconds) for s in measured)
+    print(f"tokcap share of a step: {share * 100:.1f} %")
     k3 = max(s.parity["k3"] for s in run.steps)
     print(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; max parity K3 over steps {k3:.1e}")
 

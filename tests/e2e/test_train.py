@@ -135,7 +135,7 @@ def test_the_report_draws_its_curves_without_the_network(train_run: tuple[Path, 
     assert "http://" not in page
     assert "https://" not in page
     charts = re.findall(r"<svg.*?</svg>", page, re.S)
-    assert len(charts) == 4  # reward, parity, staleness, step time
+    assert len(charts) == 5  # reward, parity, staleness, loop lag, step time
     for chart in charts:
         xml.dom.minidom.parseString(chart)  # well-formed
     reward, parity = charts[0], charts[1]

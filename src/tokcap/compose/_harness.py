@@ -8,6 +8,7 @@ from typing import Protocol, TypeVar
 import anyio
 import openai
 
+from ._served import FleetEndpoint
 from ._stack import GateEndpoint
 
 __all__ = ["Rollout", "play_rollouts"]
@@ -35,7 +36,13 @@ async def play_rollouts(
 ) -> None:
     """``await play(client, model, rollout, n)`` for the n-th of ``rollouts``, at most
     ``concurrency`` at a time, each with its own OpenAI client on the rollout's URL
-    (``gate.rollout_url``, no retries); ``done()`` after each one."""
+    (``gate.rollout_url``, no retries); ``done()`` after each one.
+
+    On a `FleetEndpoint`, a play that fails in transport (``openai.APIConnectionError``)
+    because its gate stopped answering is let go: the fleet marks that gate lost and
+    poisons its open rollouts (``gate_unreachable``); the other rollouts play on. A
+    transport failure on a gate that still answers is raised.
+    """
     limit = anyio.Semaphore(concurrency)
 
     async def one(rollout: R, n: int) -> None:
@@ -45,7 +52,14 @@ async def play_rollouts(
                 base_url=gate.rollout_url(rollout.rollout_id), api_key="unused", max_retries=0
             ) as client,
         ):
-            await play(client, gate.model, rollout, n)
+            try:
+                await play(client, gate.model, rollout, n)
+            except openai.APIConnectionError:
+                if not isinstance(gate, FleetEndpoint):
+                    raise
+                fleet = gate.fleet
+                if await fleet.probe(fleet.gate_url(rollout.rollout_id)):
+                    raise
         if done is not None:
             done()
 

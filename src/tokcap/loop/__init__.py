@@ -7,18 +7,28 @@ push), its summary and report. The command itself is ``tokcap train``.
 
 from ._loop import LoopConfig, StepRecord, TrainRun, load_policy, run_loop
 from ._report import render_train_report
-from ._summary import build_train_summary, print_train_summary, train_problems
+from ._staleness import STALE, LoopError, Provenance, SkipCount, StalenessPolicy, provenance
+from ._summary import build_train_summary, print_train_summary, tokcap_share, train_problems
 from ._task import SYSTEM
+from ._watchdog import LagWatch
 
 __all__ = [
+    "STALE",
     "SYSTEM",
+    "LagWatch",
     "LoopConfig",
+    "LoopError",
+    "Provenance",
+    "SkipCount",
+    "StalenessPolicy",
     "StepRecord",
     "TrainRun",
     "build_train_summary",
     "load_policy",
     "print_train_summary",
+    "provenance",
     "render_train_report",
     "run_loop",
+    "tokcap_share",
     "train_problems",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rich.console import Console
 
@@ -41,6 +42,9 @@ class TrainOptions:
     ray_address: str | None = None
     gates: int = 0
     gate_urls: tuple[str, ...] | list[str] = ()
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = 2
+    importance: bool | None = None
 
 
 def run_train(options: TrainOptions, console: Console | None = None) -> int:
@@ -82,12 +86,16 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
             ray_address=options.ray_address,
             gates=options.gates,
             gate_urls=tuple(options.gate_urls),
+            mode=options.mode,
+            max_staleness=options.max_staleness,
+            importance=options.importance,
         )
 
         def progress(record: StepRecord) -> None:
             stages.log(
                 f"step {record.step:>3}  reward {record.reward_mean:.3f}  "
-                f"K3 {record.parity['k3']:.1e}  pushed v{record.weight_version}  "
+                f"K3 {record.parity['k3']:.1e}  stale<={record.staleness_max}  "
+                f"pushed v{record.weight_version}  "
                 f"{record.seconds['total']:.1f} s"
             )
 

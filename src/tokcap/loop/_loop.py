@@ -34,11 +34,13 @@ import anyio
 from tokcap_core import CaptureConfig
 from tokcap_tq import TQSink
 from tokcap_vllm import InProcessServer, WeightSync
+from tokcap_vllm.weights import PauseMode
 
 from .._stages import Stages
 from ..compose import in_process_gate, open_stack, services, tq_sink
 from ..demo import QWEN_VLLM_ARGS
 from ._fleet import run_fleet
+from ._run import train_steps
 from ._step import (
     LoopConfig,
     Observer,
@@ -48,7 +50,6 @@ from ._step import (
     TrainRun,
     load_policy,
     new_trainer,
-    train_steps,
 )
 
 __all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "run_loop"]
@@ -130,10 +131,12 @@ async def _drive(
         sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
 
         async def push(trainer: Any) -> Pushed:
-            return Pushed(await anyio.to_thread.run_sync(_push, server, sync, trainer))
+            return Pushed(
+                await anyio.to_thread.run_sync(_push, server, sync, trainer, config.push_mode)
+            )
 
         run.params = sum(p.numel() for p in model.parameters())
-        trainer = new_trainer(model, config.lr, sync.state.version)
+        trainer = new_trainer(model, config.lr, sync.state.version, decoupled=config.decoupled)
         async with anyio.create_task_group() as background:
             loop = StepContext(
                 run=run,
@@ -147,8 +150,9 @@ async def _drive(
             await train_steps(loop, stages, on_step)
 
 
-def _push(server: InProcessServer, sync: WeightSync, trainer: Any) -> str:
+def _push(server: InProcessServer, sync: WeightSync, trainer: Any, mode: PauseMode) -> str:
     """Push the trainer's weights if its version moved; the engine's version label after."""
     if trainer.version > sync.state.version:
-        server.call(sync.push, trainer.weights(), trainer.version, timeout=600)
+        push = functools.partial(sync.push, mode=mode)
+        server.call(push, trainer.weights(), trainer.version, timeout=600)
     return str(server.call(server.engine_client.get_weight_version))

@@ -2,7 +2,8 @@
 
 Key figures, then the reward curve (mean and best rollout per step), the parity curve
 (K3 and mean |Δ| of the trainer's pre-update logprobs against the engine's, log scale,
-with the 1e-9 bound), the staleness per step, the step time by stage, a few sampled
+with the 1e-9 bound), the staleness per step, the driver's event-loop lag, the step time by
+stage, a few sampled
 answers and the step table.
 """
 
@@ -12,6 +13,8 @@ import html
 import math
 from collections.abc import Sequence
 from typing import Any
+
+from ..demo import fleet_table
 
 __all__ = ["render_train_report", "svg_chart"]
 
@@ -159,22 +162,6 @@ def _legend(items: Sequence[tuple[str, str]]) -> str:
     return f'<div class="legend">{spans}</div>'
 
 
-def _fleet_table(gates: Sequence[dict[str, Any]]) -> str:
-    """The served gates (``--gates`` / ``--gate``): one row each; nothing without them."""
-    if not gates:
-        return ""
-    rows = "".join(
-        f"<tr><td class=l>{_e(g['url'])}</td><td>{_e(g['pid'] or '-')}</td>"
-        f"<td>{g['rollouts']}</td><td>{g['calls']}</td><td>{g['weight_version']}</td></tr>"
-        for g in gates
-    )
-    return (
-        f"<h2>Fleet: {len(gates)} gates, each its own tokcap-vllm serve</h2><table><tr>"
-        '<th style="text-align:left">gate</th><th>pid</th><th>rollouts</th><th>calls</th>'
-        f"<th>weight version</th></tr>{rows}</table>\n"
-    )
-
-
 def _card(label: str, value: str, kind: str = "") -> str:
     return f'<div class="card {kind}"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
 
@@ -221,6 +208,10 @@ def render_train_report(summary: dict[str, Any]) -> str:
         [("max staleness", [None if v is None else float(v) for v in staleness], "#ea580c")],
         y_range=(0.0, float(max([1, *(v for v in staleness if v is not None)]))),
     )
+    lag = [float(s.get("loop_lag_ms_max", 0.0)) for s in steps]
+    lag_chart = svg_chart(
+        [("loop lag (ms)", lag, "#0891b2")], y_range=(0.0, max([10.0, *lag]) * 1.1)
+    )
     rows = "".join(
         f"<tr><td>{s['step']}</td><td>{s['reward_mean']:.3f}</td><td>{s['parity']['k3']:.1e}"
         f"</td><td>{s['parity']['mean_abs']:.1e}</td><td>{s['parity']['max_abs']:.1e}</td>"
@@ -234,7 +225,13 @@ def render_train_report(summary: dict[str, Any]) -> str:
         f"<tr><td>{x['step']}</td><td>{x['reward']:.3f}</td><td class=l>{_e(x['answer'])}</td></tr>"
         for x in summary.get("samples", [])
     )
-    fleet = _fleet_table(summary.get("gates", []))
+    fleet = fleet_table(summary.get("gates", []))
+    staleness_note = (
+        f"Mode {train.get('mode', 'sync')}, bound {train.get('max_staleness', 0)}: "
+        f"{train.get('tokens_stale', 0)} tokens trained one or more versions behind, "
+        f"{train.get('calls_spanning_versions', 0)} calls spanning a push, "
+        f"{train.get('dropped_stale', 0)} groups dropped stale."
+    )
     title = (
         f"{config['steps']} steps of {config['groups']} groups x {config['rollouts']} rollouts, "
         f"{config['turns']} call(s) of {config['max_tokens']} tokens each, lr {config['lr']}, "
@@ -256,8 +253,12 @@ both hold the same fp32 weights, so K3 stays near 1e-14; a push that did not lan
 here first.</p>
 <h2>Staleness: weight versions between sampling and training</h2>
 <div class="chart">{staleness_chart}</div>
-<p class="note">For each step, the largest gap between the weight version a row was sampled
-with and the version the trainer updated: 0 is on-policy.</p>
+<p class="note">For each step, the largest gap between the weight version a token was sampled
+with and the version the trainer updated: 0 is on-policy. {_e(staleness_note)}</p>
+<h2>Event-loop lag of the driver</h2>
+<div class="chart">{lag_chart}</div>
+<p class="note">The largest delay of a 10 ms tick on the loop the pumps, the control-plane
+client and TransferQueue's async calls share: something blocking that loop shows up here.</p>
 <h2>Step time by stage</h2><div class="chart">{_stacked_bars(steps)}</div>
 {_legend(list(_COLORS.items()))}
 <h2>Sampled answers (first rollout)</h2>

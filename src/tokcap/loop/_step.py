@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import openai
 from anyio.abc import TaskGroup
 
-from tokcap_core import ConfigError
+from tokcap_core import ConfigError, Receipt, TrainingRow
 from tokcap_vllm import GateFleet
 
-from .._stages import Stages
-from ..compose import Batch, Finished, GateEndpoint, Stack, play_rollouts
+from ..compose import Batch, Finished, Stack, play_rollouts
+from ._staleness import provenance
 from ._task import WITNESSES, DigitsEpisode, group_prompt, play_digits
 
 __all__ = [
@@ -35,8 +35,9 @@ __all__ = [
     "TrainRun",
     "load_policy",
     "new_trainer",
+    "play_group",
     "run_step",
-    "train_steps",
+    "step_record",
 ]
 
 
@@ -62,6 +63,34 @@ class LoopConfig:
     """Start this many ``tokcap-vllm serve`` gates (0: one gate in this process)."""
     gate_urls: tuple[str, ...] = ()
     """Gates someone else started (``--tokcap-sink tq`` on ``ray_address``'s cluster)."""
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: generate, then collect, train, push (staleness 0). ``async``: a rollout
+    pump and a train pump overlap, weights pushed in flight (`tokcap.loop._async`)."""
+    max_staleness: int = 2
+    """Async: the most versions a trained token may lag the version being trained."""
+    max_skipped: int | None = None
+    """Async: groups the run may discard (stale, too few valid) before it stops (None:
+    ``max(groups, steps * groups // 2)``)."""
+    importance: bool | None = None
+    """Decoupled PPO with TIS/MIS from the engine's logprobs (None: on in async mode)."""
+
+    @property
+    def skip_bound(self) -> int:
+        """`max_skipped`, resolved."""
+        if self.max_skipped is not None:
+            return self.max_skipped
+        return max(self.groups, self.steps * self.groups // 2)
+
+    @property
+    def push_mode(self) -> Literal["wait", "keep"]:
+        """How pushes treat calls in flight: ``wait`` (sync: none run) or ``keep`` (async:
+        they continue on the new weights, their KV recomputed)."""
+        return "keep" if self.mode == "async" else "wait"
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the loss takes importance weights against the engine (`importance`)."""
+        return self.mode == "async" if self.importance is None else self.importance
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups", "rollouts", "turns", "max_tokens", "workers"):
@@ -76,6 +105,12 @@ class LoopConfig:
             raise ConfigError(
                 "bad_gates", "--gate URL needs --ray-address and no --gates (they are started)"
             )
+        if self.mode not in ("sync", "async"):
+            raise ConfigError("bad_mode", f"mode is 'sync' or 'async': {self.mode!r}")
+        for name in ("max_staleness", "max_skipped"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ConfigError(f"bad_{name}", f"{name} must be an int >= 0: {value!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError("bad_lr", f"lr must be finite and > 0: {self.lr!r}")
 
@@ -108,6 +143,20 @@ class StepRecord:
     clip_fraction: float
     grad_norm: float | None
     seconds: dict[str, float]
+    calls_spanning_versions: int = 0
+    """Calls whose generated tokens were sampled by two or more versions."""
+    tokens_stale: int = 0
+    """Loss tokens sampled one or more versions behind the version trained."""
+    tokens_stale_kv: int = 0
+    """Tokens conditioned on KV computed by older weights (0: pushes recompute KV)."""
+    dropped_stale: int = 0
+    """Groups the train pump discarded this step for a token more than K versions behind."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Groups discarded so far in the run, by reason (async)."""
+    loop_lag_ms_max: float = 0.0
+    """The driver's largest event-loop lag during the step (ms)."""
+    parity_by_staleness: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Parity over rows by their staleness (``"0"``, ``"1"``, ...)."""
 
     def as_json(self) -> dict[str, Any]:
         """A plain JSON object (floats rounded for reading)."""
@@ -131,6 +180,13 @@ class StepRecord:
             "clip_fraction": self.clip_fraction,
             "grad_norm": self.grad_norm,
             "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            "calls_spanning_versions": self.calls_spanning_versions,
+            "tokens_stale": self.tokens_stale,
+            "tokens_stale_kv": self.tokens_stale_kv,
+            "dropped_stale": self.dropped_stale,
+            "skipped": dict(self.skipped),
+            "loop_lag_ms_max": round(self.loop_lag_ms_max, 3),
+            "parity_by_staleness": self.parity_by_staleness,
         }
 
 
@@ -148,6 +204,8 @@ class TrainRun:
     ``calls``, ``weight_version`` (``summary.json``'s ``gates``)."""
     gate_calls: dict[str, int] = field(default_factory=dict)
     """Captured calls per gate URL (those its receipts name)."""
+    loop_lag_ms_max: float = 0.0
+    """The driver's largest event-loop lag over the run (ms)."""
 
 
 Observer = Callable[[int, list[DigitsEpisode], Any, Any], None]
@@ -213,25 +271,22 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         for i in range(config.rollouts)
     ]
     with clock.time("generate"):
-        if loop.fleet is not None:
-            for episode in episodes:
-                await loop.fleet.open(episode.rollout_id)
-        await _play(stack.gate, episodes, config, step)
-    if step % 5 == 0 or step == config.steps - 1:
-        loop.run.samples.append((step, " | ".join(episodes[0].contents), episodes[0].reward))
+        await play_group(loop, episodes, step)
     with clock.time("capture_verify"):
         for episode in episodes:
-            if episode.witness == "declared":
+            if episode.witness == "declared" and episode.response_ids:
                 await stack.control.declare_terminal(
                     episode.rollout_id, response_id=episode.response_ids[-1]
                 )
+    # A rollout whose gate was lost mid-play has no answer: it closes without a witness
+    # (its receipt is poisoned gate_unreachable) and trains no row.
     finished = [
         Finished(
             rollout_id=e.rollout_id,
             group_id=e.group_id,
             reward=e.reward,
-            response_id=e.response_ids[-1] if e.witness == "response_id" else None,
-            content=e.contents[-1] if e.witness == "content" else None,
+            response_id=_last(e.response_ids) if e.witness == "response_id" else None,
+            content=_last(e.contents) if e.witness == "content" else None,
         )
         for e in episodes
     ]
@@ -241,52 +296,118 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
     clock.add("close", batch.timings.close_s)
     clock.add("fetch_receipts", batch.timings.receipts_s)
     clock.add("reassemble", batch.timings.reassemble_s + batch.timings.rows_s)
-    if loop.fleet is not None:
-        for receipt in batch.receipts.values():
-            url = loop.fleet.gate_url(receipt.rollout_id)
-            loop.run.gate_calls[url] = loop.run.gate_calls.get(url, 0) + len(receipt.sink_keys)
     if loop.observe is not None:
         observed = time.perf_counter()
         loop.observe(step, episodes, batch, loop.trainer)
         started += time.perf_counter() - observed
+    trained_version = loop.trainer.version
     with clock.time("train"):
         report = await anyio.to_thread.run_sync(loop.trainer.step, batch.rows, batch.advantages)
     with clock.time("push"):
         pushed = await loop.push(loop.trainer)
     clock.seconds["total"] = time.perf_counter() - started
     loop.background.start_soon(_finish, loop, batch, clock)
+    return step_record(
+        loop,
+        step,
+        episodes=episodes,
+        rows=batch.rows,
+        receipts=list(batch.receipts.values()),
+        report=report,
+        pushed=pushed,
+        trained_version=trained_version,
+        seconds=clock.seconds,
+        groups_accepted=len(batch.accepted),
+    )
+
+
+async def play_group(loop: StepContext, episodes: list[DigitsEpisode], index: int) -> None:
+    """Open (served gates) and play ``episodes``; ``index`` (step or group) seeds them."""
+    config = loop.run.config
+    if loop.fleet is not None:
+        for episode in episodes:
+            await loop.fleet.open(episode.rollout_id)
+
+    async def play(client: openai.AsyncOpenAI, model: str, episode: DigitsEpisode, n: int) -> None:
+        seed = (config.seed * 10_000 + index) * 1_000 + n
+        await play_digits(
+            client, model, episode, turns=config.turns, max_tokens=config.max_tokens, seed=seed
+        )
+
+    await play_rollouts(loop.stack.gate, episodes, play, concurrency=config.concurrency)
+
+
+def step_record(
+    loop: StepContext,
+    step: int,
+    *,
+    episodes: list[DigitsEpisode],
+    rows: Sequence[TrainingRow],
+    receipts: Sequence[Receipt],
+    report: Any,
+    pushed: Pushed,
+    trained_version: int,
+    seconds: dict[str, float],
+    groups_accepted: int,
+    dropped_stale: int = 0,
+    skipped: dict[str, int] | None = None,
+    loop_lag_ms_max: float = 0.0,
+) -> StepRecord:
+    """A step's record from what it trained (``report``: a `tokcap.train.StepReport`)."""
+    run = loop.run
+    if step % 5 == 0 or step == run.config.steps - 1:
+        run.samples.append((step, " | ".join(episodes[0].contents), episodes[0].reward))
+    if loop.fleet is not None:
+        for receipt in receipts:
+            url = loop.fleet.gate_url(receipt.rollout_id)
+            run.gate_calls[url] = run.gate_calls.get(url, 0) + len(receipt.sink_keys)
     versions = [
-        r.weight_version_max
-        for r in batch.rows
-        if r.sample_mask and r.weight_version_max is not None
+        r.weight_version_max for r in rows if r.sample_mask and r.weight_version_max is not None
     ]
+    origin = provenance(rows, trained_version)
     rewards = [e.reward for e in episodes]
     return StepRecord(
         step=step,
         reward_mean=sum(rewards) / len(rewards),
         reward_max=max(rewards),
-        parity={
-            "tokens": report.parity.tokens,
-            "mean_abs": report.parity.mean_abs,
-            "max_abs": report.parity.max_abs,
-            "k3": report.parity.k3,
-        },
+        parity=_parity_json(report.parity),
         sampled_version=max(versions) if versions else None,
         weight_version=report.version,
         engine_version=pushed.label,
-        staleness_max=report.staleness_max,
+        staleness_max=origin.staleness_max,
         rows_valid=report.rows_valid,
         rows_placeholder=report.rows_placeholder,
-        receipts_verified=batch.receipts_verified,
-        receipts_total=len(batch.receipts),
+        receipts_verified=sum(r.ok for r in receipts),
+        receipts_total=len(receipts),
         gate_versions=pushed.gate_versions,
-        groups_accepted=len(batch.accepted),
+        groups_accepted=groups_accepted,
         tokens=report.tokens,
         loss=report.loss,
         clip_fraction=report.clip_fraction,
         grad_norm=report.grad_norm,
-        seconds=clock.seconds,
+        seconds=seconds,
+        calls_spanning_versions=origin.calls_spanning_versions,
+        tokens_stale=origin.tokens_stale,
+        dropped_stale=dropped_stale,
+        skipped=skipped or {},
+        loop_lag_ms_max=loop_lag_ms_max,
+        parity_by_staleness={
+            str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
+        },
     )
+
+
+def _last(answers: list[str]) -> str | None:
+    return answers[-1] if answers else None
+
+
+def _parity_json(parity: Any) -> dict[str, float]:
+    return {
+        "tokens": parity.tokens,
+        "mean_abs": parity.mean_abs,
+        "max_abs": parity.max_abs,
+        "k3": parity.k3,
+    }
 
 
 def load_policy(model: Path, seed: int) -> Any:
@@ -300,8 +421,9 @@ def load_policy(model: Path, seed: int) -> Any:
     return policy
 
 
-def new_trainer(model: Any, lr: float, version: int) -> Any:
-    """A `tokcap.train.Trainer` of ``model`` (AdamW at ``lr``, temperature 1) at ``version``."""
+def new_trainer(model: Any, lr: float, version: int, *, decoupled: bool = False) -> Any:
+    """A `tokcap.train.Trainer` of ``model`` (AdamW at ``lr``, temperature 1) at ``version``;
+    ``decoupled``: decoupled PPO with TIS/MIS (`tokcap.train.TrainConfig.decoupled`)."""
     import torch
 
     from ..train import TrainConfig, Trainer
@@ -309,38 +431,14 @@ def new_trainer(model: Any, lr: float, version: int) -> Any:
     return Trainer(
         model,
         torch.optim.AdamW(model.parameters(), lr=lr),
-        config=TrainConfig(temperature=1.0, pad_token_id=model.config.pad_token_id or 0),
+        config=TrainConfig(
+            temperature=1.0, pad_token_id=model.config.pad_token_id or 0, decoupled=decoupled
+        ),
         version=version,
     )
-
-
-async def train_steps(
-    loop: StepContext, stages: Stages, on_step: Callable[[StepRecord], None] | None
-) -> None:
-    """Run every step of ``loop``, recording each one."""
-    steps = loop.run.config.steps
-    with stages.stage(f"train ({steps} steps)", total=steps) as advance:
-        for step in range(steps):
-            record = await run_step(loop, step)
-            loop.run.steps.append(record)
-            if on_step is not None:
-                on_step(record)
-            advance(1)
 
 
 async def _finish(loop: StepContext, batch: Batch, clock: _Clock) -> None:
     """Free the step's rows and release its rollouts (while the next step generates)."""
     with clock.time("finish"):
         await loop.stack.finish(batch)
-
-
-async def _play(
-    gate: GateEndpoint, episodes: list[DigitsEpisode], config: LoopConfig, step: int
-) -> None:
-    async def play(client: openai.AsyncOpenAI, model: str, episode: DigitsEpisode, n: int) -> None:
-        seed = (config.seed * 10_000 + step) * 1_000 + n
-        await play_digits(
-            client, model, episode, turns=config.turns, max_tokens=config.max_tokens, seed=seed
-        )
-
-    await play_rollouts(gate, episodes, play, concurrency=config.concurrency)

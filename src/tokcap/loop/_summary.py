@@ -17,10 +17,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ..demo import print_fleet
+
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
     from ._loop import TrainRun
 
-__all__ = ["build_train_summary", "print_train_summary", "train_problems"]
+__all__ = ["build_train_summary", "print_train_summary", "tokcap_share", "train_problems"]
 
 SUMMARY_VERSION = 1
 PARITY_K3 = 1e-9
@@ -42,7 +44,11 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
     totals = [s["seconds"]["total"] for s in steps]
     stage_s = {name: sum(s["seconds"].get(name, 0.0) for s in steps) for name in STAGES}
     all_stages = sum(stage_s.values()) or 1.0
-    k3 = [s["parity"]["k3"] for s in steps]
+    fresh = [s.get("parity_by_staleness", {}).get("0") for s in steps]
+    k3 = [
+        (p["k3"] if p else 0.0) if config.mode == "async" else s["parity"]["k3"]
+        for s, p in zip(steps, fresh, strict=True)
+    ]
     staleness = [s["staleness_max"] for s in steps if s["staleness_max"] is not None]
     return {
         "version": SUMMARY_VERSION,
@@ -60,15 +66,27 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
             "model_params": run.params,
         },
         "train": {
+            "mode": config.mode,
+            "max_staleness": config.max_staleness if config.mode == "async" else 0,
+            "importance": config.decoupled,
             "steps": steps,
             "reward_first5": _mean(rewards[:WINDOW]),
             "reward_last5": _mean(rewards[-WINDOW:]),
             "reward_gain": _mean(rewards[-WINDOW:]) - _mean(rewards[:WINDOW]),
             "parity_k3_max": max(k3, default=0.0),
+            "parity_k3_max_all_rows": max((s["parity"]["k3"] for s in steps), default=0.0),
             "parity_k3_limit": PARITY_K3,
             "parity_mean_abs_max": max((s["parity"]["mean_abs"] for s in steps), default=0.0),
             "weight_versions": [s["weight_version"] for s in steps],
             "staleness_max": max(staleness, default=None),
+            "tokens_stale": sum(s["tokens_stale"] for s in steps),
+            "calls_spanning_versions": sum(s["calls_spanning_versions"] for s in steps),
+            "tokens_stale_kv": sum(s["tokens_stale_kv"] for s in steps),
+            "dropped_stale": sum(s["dropped_stale"] for s in steps),
+            "skipped": steps[-1]["skipped"] if steps else {},
+            "loop_lag_ms_max": round(run.loop_lag_ms_max, 3),
+            "samples_per_s": _samples_per_s(config, totals),
+            "tokcap_share": round(_mean([tokcap_share(s["seconds"]) for s in steps[1:]]), 4),
             "rows_valid": sum(s["rows_valid"] for s in steps),
             "rows_placeholder": sum(s["rows_placeholder"] for s in steps),
             "receipts_verified": sum(s["receipts_verified"] for s in steps),
@@ -86,13 +104,44 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
     }
 
 
+def tokcap_share(seconds: dict[str, float]) -> float:
+    """The share of a step's wall time the loop spent blocked on tokcap's own work.
+
+    Sync: closing, verifying receipts and reassembling (``capture_verify`` + ``reassemble``).
+    Async: those run beside generation and training; what blocks the train pump is reading
+    the rows of the groups it takes (``fetch_rows``).
+    """
+    total = seconds.get("total", 0.0)
+    if not total:
+        return 0.0
+    if "fetch_rows" in seconds:
+        return seconds["fetch_rows"] / total
+    return (seconds.get("capture_verify", 0.0) + seconds.get("reassemble", 0.0)) / total
+
+
+def _samples_per_s(config: Any, totals: list[float]) -> float:
+    """Rollouts trained per second of the steps (their summed wall time)."""
+    elapsed = sum(totals)
+    return round(len(totals) * config.groups * config.rollouts / elapsed, 3) if elapsed else 0.0
+
+
 def train_problems(summary: dict[str, Any]) -> list[str]:
-    """The closed loop's invariants, as one message for each that does not hold."""
+    """The closed loop's invariants, as one message for each that does not hold.
+
+    Sync: every row sampled by the version the last step pushed, staleness 0, K3 within
+    the limit. Async: rows sampled no later than that version and no token more than
+    ``max_staleness`` versions behind; the K3 limit applies to the rows sampled by the
+    trained version itself (staleness 0), as stale rows differ by design.
+    """
+    train = summary["train"]
+    is_async = train.get("mode") == "async"
+    bound = train.get("max_staleness", 0) if is_async else 0
     problems = []
     previous: dict[str, Any] | None = None
-    for s in summary["train"]["steps"]:
+    for s in train["steps"]:
         at = f"step {s['step']}"
-        k3 = s["parity"]["k3"]
+        fresh = s.get("parity_by_staleness", {}).get("0") if is_async else s["parity"]
+        k3 = fresh["k3"] if fresh else 0.0
         if not (math.isfinite(k3) and k3 <= PARITY_K3):
             problems.append(f"{at}: parity K3 {k3:.2e} > {PARITY_K3:.0e} (a push did not land)")
         if s["receipts_verified"] != s["receipts_total"]:
@@ -104,13 +153,14 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
         if previous is not None:
             if s["weight_version"] <= previous["weight_version"]:
                 problems.append(f"{at}: the weight version did not increase")
-            if s["sampled_version"] != previous["weight_version"]:
-                problems.append(f"{at}: rows sampled by version {s['sampled_version']}, not "
+            sampled, pushed = s["sampled_version"], previous["weight_version"]
+            if sampled != pushed and not (is_async and sampled is not None and sampled < pushed):
+                problems.append(f"{at}: rows sampled by version {sampled}, not "
                                 f"the one pushed after step {previous['step']}")  # fmt: skip
         if any(v != s["weight_version"] for v in s.get("gate_versions", [])):
             problems.append(f"{at}: gates at versions {s['gate_versions']} after the push")
-        if s["staleness_max"] not in (0, None):
-            problems.append(f"{at}: stale rows (staleness {s['staleness_max']})")
+        if s["staleness_max"] is not None and s["staleness_max"] > bound:
+            problems.append(f"{at}: stale rows (staleness {s['staleness_max']} > {bound})")
         previous = s
     for gate in summary.get("gates", []):
         if gate["rollouts"] == 0:
@@ -145,26 +195,24 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
             f"{s['seconds']['total']:.1f}",
         )
     console.print(table)
-    if summary.get("gates"):
-        fleet = Table(title="gates (tokcap-vllm serve)", box=box.SIMPLE_HEAVY)
-        for name in ("gate", "pid", "rollouts", "calls", "weight version"):
-            fleet.add_column(name, justify="right")
-        for g in summary["gates"]:
-            fleet.add_row(
-                g["url"], str(g["pid"] or "-"), str(g["rollouts"]), str(g["calls"]),
-                str(g["weight_version"]),
-            )  # fmt: skip
-        console.print(fleet)
+    print_fleet(summary.get("gates", []), console)
     shares = ", ".join(f"{k} {v:.0%}" for k, v in train["stage_shares"].items())
     ok = train["parity_k3_max"] <= train["parity_k3_limit"]
+    fresh_note = " (rows sampled by the trained version)" if train.get("mode") == "async" else ""
     console.print(
         f"reward (mean of {WINDOW} steps): first {train['reward_first5']:.3f} → last "
         f"{train['reward_last5']:.3f} ([bold]{train['reward_gain']:+.3f}[/])\n"
         f"parity: max K3 {train['parity_k3_max']:.1e} "
         f"({'[green]≤' if ok else '[red]>'} {train['parity_k3_limit']:.0e}[/]) over "
-        f"{len(steps)} steps; receipts verified {train['receipts_verified']}/"
+        f"{len(steps)} steps{fresh_note}; receipts verified {train['receipts_verified']}/"
         f"{train['receipts_total']}; weight versions {train['weight_versions'][:1]}…"
         f"{train['weight_versions'][-1:]}\n"
-        f"a step: {train['seconds_per_step_median']:.1f} s (median); {shares}",
+        f"a step: {train['seconds_per_step_median']:.1f} s (median); {shares}\n"
+        f"mode {train.get('mode', 'sync')}: staleness max {train['staleness_max']} "
+        f"(bound {train.get('max_staleness', 0)}), stale tokens {train.get('tokens_stale', 0)}, "
+        f"calls spanning versions {train.get('calls_spanning_versions', 0)}, dropped stale "
+        f"{train.get('dropped_stale', 0)}, loop lag max "
+        f"{train.get('loop_lag_ms_max', 0.0):.0f} ms, "
+        f"{train.get('samples_per_s', 0.0):.2f} samples/s",
         highlight=False,
     )

@@ -37,21 +37,34 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
+    proximal_logprobs_B_T: torch.Tensor | None = None,
+    behaviour_weights_B_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The scalar loss (token mean over ``loss_mask_B_T``) and its `LossStats`.
 
     ``clip_high`` defaults to ``clip_low`` (symmetric PPO clip); a larger one is DAPO's
     clip-higher. Values outside the mask never reach the loss, not even as NaN. With no
     loss token the loss is a zero that still carries a graph.
+
+    Decoupled PPO (for rows sampled by older weights): with ``proximal_logprobs_B_T`` (the
+    trainer's own pre-update logprobs, detached) the ratio is taken against them instead of
+    the engine's, and each token's clipped term is multiplied by ``behaviour_weights_B_T``
+    (the importance weight proximal/behaviour, truncated: TIS, and 0.0 for masked-out rows:
+    MIS), so the trust region is around the current policy and the off-policy gap is
+    corrected by the weight.
     """
     high = clip_low if clip_high is None else clip_high
     mask = loss_mask_B_T.bool()
-    log_ratio = torch.where(mask, logprobs_B_T - engine_logprobs_B_T, 0.0)
+    anchor = engine_logprobs_B_T if proximal_logprobs_B_T is None else proximal_logprobs_B_T
+    log_ratio = torch.where(mask, logprobs_B_T - anchor, 0.0)
     ratio = torch.exp(log_ratio)
     advantages = advantages_B.to(ratio.dtype).unsqueeze(-1)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + high)
-    per_token = torch.where(mask, torch.maximum(unclipped, clipped), 0.0)
+    per_token = torch.maximum(unclipped, clipped)
+    if behaviour_weights_B_T is not None:
+        per_token = per_token * behaviour_weights_B_T.to(per_token.dtype)
+    per_token = torch.where(mask, per_token, 0.0)
     tokens = int(mask.sum())
     loss = per_token.sum() / max(tokens, 1)
     with torch.no_grad():

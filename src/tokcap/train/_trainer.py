@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokcap_core import ConfigError, LogprobParity, TrainingRow, logprob_parity
+from tokcap_core.parity import sequence_ratio_mask, truncated_importance_weights
 
 from ._batch import TrainInputError, collate
 from ._logprobs import token_logprobs
@@ -39,6 +40,13 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     """Clip the gradient's global norm; None: no clipping."""
     pad_token_id: int = 0
+    decoupled: bool = False
+    """Decoupled PPO: clip around the trainer's pre-update logprobs (the proximal policy) and
+    weight each token by proximal/engine (the behaviour policy that sampled it), truncated at
+    ``tis_cap`` (TIS); a row whose per-token geometric-mean ratio leaves ``mis_band`` is
+    masked out (MIS). Off: the ratio is taken against the engine's logprobs."""
+    tis_cap: float = 2.0
+    mis_band: tuple[float, float] = (0.5, 2.0)
 
     def __post_init__(self) -> None:
         checks = {
@@ -72,6 +80,30 @@ class StepReport:
     ratio_max: float
     grad_norm: float | None
     """The gradient's global norm before clipping (None: no step was taken)."""
+    parity_by_staleness: dict[int, LogprobParity] = field(default_factory=dict)
+    """``parity`` over the valid rows of each staleness (version minus ``weight_version_min``)."""
+    is_weight_mean: float = 1.0
+    """Decoupled: the mean truncated importance weight over kept loss tokens."""
+    rows_masked: int = 0
+    """Decoupled: valid rows MIS masked out of the loss."""
+
+
+def _parity_by_staleness(
+    rows: Sequence[TrainingRow], trainer_N: list[list[float]], version: int
+) -> dict[int, LogprobParity]:
+    """Parity over the valid rows of each staleness (``version - weight_version_min``)."""
+    buckets: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.sample_mask and row.weight_version_min is not None:
+            buckets.setdefault(version - row.weight_version_min, []).append(i)
+    return {
+        s: logprob_parity(
+            [rows[i].logprobs for i in members],
+            [trainer_N[i] for i in members],
+            [rows[i].loss_mask for i in members],
+        )
+        for s, members in sorted(buckets.items())
+    }
 
 
 def staleness(rows: Sequence[TrainingRow], version: int) -> int | None:
@@ -127,11 +159,15 @@ class Trainer:
         batch = collate(rows, pad_token_id=config.pad_token_id, device=self.device)
         logprobs = token_logprobs(self.model, batch, temperature=config.temperature)
         pre_update = logprobs.detach().cpu()
+        trainer_N = [pre_update[i, : len(row.input_ids)].tolist() for i, row in enumerate(rows)]
         parity = logprob_parity(
             [row.logprobs for row in rows],
-            [pre_update[i, : len(row.input_ids)].tolist() for i, row in enumerate(rows)],
+            trainer_N,
             [row.loss_mask for row in rows],
             valid_N=[row.sample_mask for row in rows],
+        )
+        weights, masked, weight_mean = (
+            self._importance(rows, trainer_N) if config.decoupled else (None, 0, 1.0)
         )
         advantages = torch.tensor(advantages_N, dtype=torch.float32, device=self.device)
         loss, stats = policy_loss(
@@ -141,6 +177,8 @@ class Trainer:
             batch.loss_mask_B_T,
             clip_low=config.clip_low,
             clip_high=config.clip_high,
+            proximal_logprobs_B_T=logprobs.detach() if config.decoupled else None,
+            behaviour_weights_B_T=weights,
         )
         grad_norm = self._update(loss) if stats.tokens else None
         valid = int(batch.sample_mask_B.sum())
@@ -155,9 +193,41 @@ class Trainer:
             clip_fraction=stats.clip_fraction,
             ratio_max=stats.ratio_max,
             grad_norm=grad_norm,
+            parity_by_staleness=_parity_by_staleness(rows, trainer_N, self.version),
+            is_weight_mean=weight_mean,
+            rows_masked=masked,
         )
         self.version = report.version
         return report
+
+    def _importance(
+        self, rows: Sequence[TrainingRow], trainer_N: list[list[float]]
+    ) -> tuple[torch.Tensor, int, float]:
+        """``[B, T]`` TIS weights (0.0 on MIS-masked rows), rows masked, mean kept weight."""
+        config = self.config
+        engine_N = [row.logprobs for row in rows]
+        mask_N = [row.loss_mask for row in rows]
+        valid_N = [row.sample_mask for row in rows]
+        tis = truncated_importance_weights(
+            engine_N, trainer_N, mask_N, cap=config.tis_cap, valid_N=valid_N
+        )
+        low, high = config.mis_band
+        kept = sequence_ratio_mask(engine_N, trainer_N, mask_N, low=low, high=high, valid_N=valid_N)
+        width = max(len(row.input_ids) for row in rows)
+        weights = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (row_weights, keep) in enumerate(zip(tis, kept, strict=True)):
+            if keep:
+                weights[i, : len(row_weights)] = torch.tensor(row_weights, dtype=torch.float32)
+        kept_tokens = [
+            w
+            for i, ws in enumerate(tis)
+            if kept[i]
+            for w, m in zip(ws, mask_N[i], strict=True)
+            if m
+        ]
+        masked = sum(valid_N) - sum(kept)
+        mean = sum(kept_tokens) / len(kept_tokens) if kept_tokens else 1.0
+        return weights.to(self.device), masked, mean
 
     def _update(self, loss: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)

@@ -46,6 +46,7 @@ import httpx
 import msgspec
 
 from ._guarded_routes import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
+from ._http import AsyncClosing, bearer_http
 from ._shm import SHM_DIR, Entry, entries_for, file_chunks, write_push_file
 from ._spec import TensorSpec
 from ._weight_state import WeightPushError, WeightSyncError
@@ -70,7 +71,7 @@ class StagedPush:
     """True when this process wrote the file (and removes it); False for an upload."""
 
 
-class GateWeightClient:
+class GateWeightClient(AsyncClosing):
     """Full-state-dict pushes into one served gate's engine; ``async with`` it, or `aclose`.
 
     ``token`` goes only into the ``authorization`` header. One push at a time per client.
@@ -97,22 +98,11 @@ class GateWeightClient:
         self.mode: PushMode = mode
         self.check_finite = check_finite
         self.shm_dir = shm_dir
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-            transport=http,
-        )
+        self._http = bearer_http(self.base_url, token, timeout_s, http)
         self._spec: tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]] | None = None
 
     def __repr__(self) -> str:
         return f"GateWeightClient({self.base_url!r}, transport={self.transport!r})"
-
-    async def __aenter__(self) -> GateWeightClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the HTTP connections."""

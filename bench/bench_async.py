@@ -1,0 +1,100 @@
+"""Synchronous against asynchronous ``tokcap train`` in one run: same task, same seed.
+
+Runs ``tokcap train`` twice (each in its own process, so each starts its own Ray,
+TransferQueue and vLLM engine, as a user runs it): lock-step, then ``--async
+--max-staleness K``. From each run's ``summary.json`` it prints
+
+- ``async/sync samples per second: X.XXx``: rollouts trained per second of training
+  (the steps' summed wall time), async over sync;
+- both reward curves (mean reward per step) and each run's first-5/last-5 gain;
+- tokcap's share of the blocking work in a step (`tokcap.loop.tokcap_share`: sync,
+  closing + verifying + reassembling; async, the train pump reading rows) and, for
+  async, what the train pump waited on (rollouts not yet READY) and trained;
+- staleness actually trained, calls spanning a push, groups dropped stale, loop lag.
+
+On a 2-core box the engine, the trainer, Ray and TransferQueue share two cores: the async
+gain is bounded by that (the per-stage seconds printed show where the time goes).
+
+Run: ``.venv/bin/python bench/bench_async.py [--steps 40] [--max-staleness 2] [--seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+STAGES = ("generate", "capture_verify", "reassemble", "wait", "fetch_rows", "train", "push")
+
+
+def train(out: Path, steps: int, seed: int, extra: list[str]) -> dict[str, Any]:
+    """One ``tokcap train`` run; its summary."""
+    command = [sys.executable, "-m", "tokcap", "train", "--steps", str(steps), "--seed", str(seed)]
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    proc = subprocess.run([*command, *extra, "--out", str(out)], env=env, check=False)
+    if proc.returncode not in (0, 1):  # 1: an invariant failed, still measured
+        raise SystemExit(f"tokcap train {' '.join(extra)} exited {proc.returncode}")
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+def describe(name: str, summary: dict[str, Any]) -> float:
+    """Print one run's figures; its samples per second."""
+    from tokcap.loop import tokcap_share
+
+    t = summary["train"]
+    steps = t["steps"]
+    measured = steps[1:] or steps
+    total = statistics.mean(s["seconds"]["total"] for s in measured)
+    share = statistics.mean(tokcap_share(s["seconds"]) for s in measured)
+    print(f"\n== {name}: {len(steps)} steps, {t['samples_per_s']:.2f} samples/s, "
+          f"{total:.2f} s a step (mean after step 0)")  # fmt: skip
+    print(f"reward: first 5 {t['reward_first5']:.3f} -> last 5 {t['reward_last5']:.3f} "
+          f"({t['reward_gain']:+.3f})")  # fmt: skip
+    print("rewards: " + " ".join(f"{s['reward_mean']:.2f}" for s in steps))
+    parts = []
+    for stage in STAGES:
+        values = [s["seconds"][stage] for s in measured if stage in s["seconds"]]
+        if values:
+            parts.append(f"{stage} {statistics.mean(values):.2f}")
+    print("seconds a step: " + ", ".join(parts) + " (async: generate and collect are summed "
+          "over the step's groups and overlap)")  # fmt: skip
+    print(f"tokcap share of a step: {share * 100:.1f} %")
+    print(f"staleness max {t['staleness_max']}, stale tokens {t.get('tokens_stale', 0)}, "
+          f"calls spanning versions {t.get('calls_spanning_versions', 0)}, dropped stale "
+          f"{t.get('dropped_stale', 0)}, loop lag max {t.get('loop_lag_ms_max', 0.0):.0f} ms, "
+          f"receipts {t['receipts_verified']}/{t['receipts_total']}")  # fmt: skip
+    return float(t["samples_per_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="keep both runs here (default: a temp dir)")
+    args = parser.parse_args()
+    print(f"load average at start: {os.getloadavg()}")
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        where = args.out or Path(tmp)
+        sync = train(where / "sync", args.steps, args.seed, [])
+        asyn = train(
+            where / "async",
+            args.steps,
+            args.seed,
+            ["--async", "--max-staleness", str(args.max_staleness)],
+        )
+    sync_rate = describe("sync", sync)
+    async_rate = describe(f"async (K={args.max_staleness})", asyn)
+    print(f"\nasync/sync samples per second: {async_rate / sync_rate:.2f}x")
+    print(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
