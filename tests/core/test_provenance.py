@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,8 @@ from tokcap_core.provenance import (
 )
 from tokcap_core.simulate import simulate_rollout
 from tokcap_core.testing import simulated_rollouts
+
+from .test_cli import cli
 
 
 @st.composite
@@ -197,16 +197,6 @@ def test_a_staged_event_with_half_its_provenance_is_refused() -> None:
     assert info.value.code == "bad_event_field"
 
 
-def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tokcap_core", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_the_verifier_checks_a_batch_against_a_staleness_bound(tmp_path: Path) -> None:
     doc = shipped_vectors()
     pushed = tmp_path / "pushed.json"
@@ -214,11 +204,11 @@ def test_the_verifier_checks_a_batch_against_a_staleness_bound(tmp_path: Path) -
     pushed.write_text(json.dumps(case["manifest"]))
     other = tmp_path / "other.json"
     other.write_text(json.dumps(doc["rollouts"][0]["manifest"]))
-    ok = _cli("verify", pushed, "--max-staleness", "2", "--trained-version", "5")
+    ok = cli("verify", pushed, "--max-staleness", "2", "--trained-version", "5")
     assert ok.returncode == 0, ok.stderr
     staleness = json.loads(ok.stdout)["staleness"]["rollouts"]["golden-e"]
     assert (staleness["staleness_max"], staleness["stale_kv_tokens"]) == (2, 3)
-    over = _cli(
+    over = cli(
         "verify", pushed, "--batch-manifest", other, "--max-staleness", "1",
         "--trained-version", "5",
     )  # fmt: skip
@@ -226,5 +216,5 @@ def test_the_verifier_checks_a_batch_against_a_staleness_bound(tmp_path: Path) -
     report = json.loads(over.stdout)
     assert report["error"]["code"] == "stale_tokens"
     assert set(report["staleness"]["rollouts"]) == {"golden-e", "golden-a"}
-    usage = _cli("verify", pushed, "--max-staleness", "1")
+    usage = cli("verify", pushed, "--max-staleness", "1")
     assert usage.returncode == 2
