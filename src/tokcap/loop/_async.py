@@ -169,9 +169,9 @@ async def async_steps(
 async def _rollout_pump(
     loop: StepContext, pumps: _Pumps, send: MemoryObjectSendStream[_Group]
 ) -> None:
-    """Start groups while admitted, ``config.concurrency // rollouts`` at a time."""
+    """Start groups while admitted, `LoopConfig.groups_in_flight` at a time."""
     config = loop.run.config
-    in_flight = anyio.Semaphore(max(1, config.concurrency // config.rollouts))
+    in_flight = anyio.Semaphore(config.groups_in_flight)
     async with send, anyio.create_task_group() as tg:
         index = 0
         while True:
