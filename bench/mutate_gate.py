@@ -32,14 +32,15 @@ PACKAGE = ROOT / "packages" / "tokcap-vllm" / "src" / "tokcap_vllm"
 MODULES = (
     "_rollouts.py",
     "_lifecycle.py",
-    "_planning.py",
+    "_planning/_index.py",
     "_staging.py",
-    "_admission.py",
-    "_admission_ids.py",
-    "_splice.py",
+    "fingerprints.py",
+    "_planning/_plan_text.py",
+    "_planning/_plan_ids.py",
+    "_planning/_splice.py",
     "_routing.py",
     "_weight_state.py",
-    "_render_ids.py",
+    "_planning/_render_ids.py",
 )
 ENGINE_FREE_TESTS = (
     "tests/vllm/test_gate_rules.py",
@@ -53,14 +54,15 @@ _RULES = ("tests/vllm/test_gate_rules.py", "tests/vllm/test_gate_tables.py")
 EXERCISING: dict[str, tuple[str, ...]] = {
     "_rollouts.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
     "_lifecycle.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
-    "_planning.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
+    "_planning/_index.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
     "_staging.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
     "_weight_state.py": (*_RULES, "tests/vllm/test_weight_state.py"),
-    "_admission.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
-    "_splice.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
+    "fingerprints.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
+    "_planning/_plan_text.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
+    "_planning/_splice.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
     "_routing.py": _RULES,
-    "_admission_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
-    "_render_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
+    "_planning/_plan_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
+    "_planning/_render_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
 }
 """The engine-free test files that exercise each module (``--all-tests``: every one)."""
 _FLIP_COMPARE: dict[type[ast.cmpop], type[ast.cmpop]] = {

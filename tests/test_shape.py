@@ -106,7 +106,7 @@ def test_no_import_circle_inside_a_package(package: str) -> None:
     assert _cycle(inner) is None, f"import circle: {' -> '.join(_cycle(inner) or [])}"
 
 
-@pytest.mark.parametrize("package", ["tokcap", "tokcap_core", "tokcap_ray", "tokcap_tq"])
+@pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_a_public_module_that_only_reexports_gathers_several_modules(package: str) -> None:
     """No echo modules: a public module re-exporting one private module would be that module."""
     folder = PACKAGES[package]

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.chromium import dump_dom, run_chromium
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -183,22 +185,14 @@ def _png_stats(path: Path) -> tuple[int, int, int]:
 
 
 def test_report_renders_in_headless_chromium(demo_run: tuple[Path, str], tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is missing: bash scripts/setup.sh --with-chromium installs it"
     report = demo_run[0] / "report.html"
     html = report.read_text()
     assert "http://" not in html
     assert "https://" not in html
     shot = tmp_path / "report.png"
-    subprocess.run(
-        [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-            f"--screenshot={shot}", "--window-size=1400,1800", report.as_uri(),
-        ],
-        capture_output=True, timeout=120, check=True,
-    )  # fmt: skip
+    run_chromium(
+        tmp_path / "profile", f"--screenshot={shot}", "--window-size=1400,1800", report.as_uri()
+    )
     assert shot.stat().st_size > 20_000
     width, height, colours = _png_stats(shot)
     assert (width, height) == (1400, 1800)
@@ -211,21 +205,11 @@ def test_report_picks_any_trajectory_and_shows_plots_in_chromium(
     """Loads the page with a trajectory picked (``#tN``, what the picker writes), lets its
     script run, and reads the DOM back: the picked trajectory alone is shown, every valid
     row is reachable, the plots are there, prompts start folded."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is missing: bash scripts/setup.sh --with-chromium installs it"
     report = demo_run[0] / "report.html"
     count = report.read_text().count('<section class="traj"')
     assert count == summary["rows"]["valid"]
     picked = f"t{count - 1}"
-    dom = subprocess.run(
-        [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
-            f"{report.as_uri()}#{picked}",
-        ],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+    dom = dump_dom(f"{report.as_uri()}#{picked}", tmp_path / "profile")
     sections = re.findall(r'<section class="traj" id="(t\d+)"( hidden="")?', dom)
     assert len(sections) == count
     assert [s for s, hidden in sections if not hidden] == [picked]

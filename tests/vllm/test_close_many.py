@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-import tokcap_vllm._persist as persist
+import tokcap_vllm.persist as persist
 from tests.vllm._helpers import client, control
 from tokcap_core.ledger import CLOSED, Closed, manifest_of
 from tokcap_vllm import (

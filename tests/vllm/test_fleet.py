@@ -111,3 +111,29 @@ def test_a_gate_that_stops_answering_poisons_only_its_open_rollouts() -> None:
             assert fleet.lost() == {}
 
     anyio.run(run)
+
+
+def test_a_probe_marks_a_gate_that_stopped_answering_lost_and_keeps_one_that_answers() -> None:
+    """What a trainer asks when a harness call to a gate failed in transport."""
+
+    async def run() -> None:
+        fleet, _, hosts = _fleet()
+        async with fleet:
+            for i in range(4):
+                await fleet.open(f"p{i}")
+            assert await fleet.probe(URLS[0] + "/")
+            hosts.down.add("gate-b:8000")
+            assert not await fleet.probe(URLS[1])
+            assert fleet.lost() == {
+                "p1": "gate_unreachable:ConnectError",
+                "p3": "gate_unreachable:ConnectError",
+            }
+            hosts.down.clear()
+            assert not await fleet.probe(URLS[1])  # a lost gate stays lost
+            await fleet.open("p4")
+            assert fleet.gate_url("p4") == URLS[0]
+            assert [(r.alive, r.unreachable) for r in fleet.report()] == [(True, 0), (False, 2)]
+            with pytest.raises(ValueError, match="not a gate of this fleet"):
+                await fleet.probe("http://gate-c:8000")
+
+    anyio.run(run)

@@ -288,7 +288,10 @@ class GateModel(RuleBasedStateMachine):
         answer = self.http.post(self._url(rollout_id), json=body, headers=headers)
         assert (answer.status_code, answer.json()["error"]["code"]) == (400, "bad_request_id")
 
-    @rule(rollout_id=rollouts, path=st.sampled_from(["/v1/responses", "/v1/messages"]))
+    @rule(
+        rollout_id=rollouts,
+        path=st.sampled_from(["/v1/embeddings", "/v1/messages/count_tokens"]),
+    )
     def header_on_an_uncaptured_endpoint(self, rollout_id: str, path: str) -> None:
         answer = self.http.post(
             path,

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.vllm._helpers import client, control, events
+from tests.vllm._helpers import client, control, events, long_stream
 from tests.vllm.test_containment import _file_size_limit
 from tests.vllm.test_hostile import AUTH, _assert_serving, _body, _code, _post, _verified
 from tokcap_core.ledger import Admitted, Failed, Staged
@@ -175,12 +175,12 @@ def test_b9_a_close_witness_nested_deep_is_a_typed_400_and_harms_nothing(
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/responses", {"input": "hello", "max_output_tokens": 4}),
-        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
-        (  # B5: seeded, long prompt (would kill a CPU engine with chunked prefill)
-            "/v1/responses",
-            {"input": "word " * 700, "max_output_tokens": 4, "seed": 3, "temperature": 1.0},
+        ("/v1/embeddings", {"input": "hello"}),
+        (
+            "/v1/messages/count_tokens",
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
         ),
+        ("/v1/responses/resp_x/cancel", {}),
     ],
 )
 def test_b4_the_rollout_header_on_an_uncaptured_endpoint_is_refused(
@@ -256,15 +256,7 @@ def test_b6_close_while_a_stream_generates_ends_it_with_an_error_event(
     async def main() -> tuple[int, str]:
         chunks, error = 0, ""
         async with client(server, "hx2-b6s") as c, control(server) as cp:
-            stream = await c.chat.completions.create(
-                model=server.model,
-                messages=[{"role": "user", "content": "long story"}],
-                max_tokens=4000,
-                temperature=0.0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-                extra_headers={"x-request-id": "b6-stream"},
-            )
+            stream = await long_stream(c, server, 4000, extra_headers={"x-request-id": "b6-stream"})
             try:
                 async for _ in stream:
                     chunks += 1
@@ -434,14 +426,7 @@ def test_q6_a_push_in_abort_mode_answers_in_flight_calls_with_an_error_not_a_200
 
             async def streamed() -> None:
                 out["stream"] = ""
-                stream = await c.chat.completions.create(
-                    model=server.model,
-                    messages=[{"role": "user", "content": "long story"}],
-                    max_tokens=4000,
-                    temperature=0.0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
+                stream = await long_stream(c, server, 4000)
                 try:
                     async for _ in stream:
                         pass

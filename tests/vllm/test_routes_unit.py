@@ -18,9 +18,8 @@ import numpy as np
 from tokcap_core import CaptureConfig, assemble_receipt, reassemble, verify_manifest
 from tokcap_core.ledger import manifest_of
 from tokcap_vllm import Gate, GateConfig
-from tokcap_vllm._admission import ChatPlan
 from tokcap_vllm._host import CURRENT_TICKET, Ticket
-from tokcap_vllm._planning import Observed, PlannedRequest
+from tokcap_vllm._planning import ChatPlan, Observed, PlannedRequest
 from tokcap_vllm.extend import CaptureHost
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4

@@ -9,6 +9,7 @@ from typing import Protocol, TypeVar
 import anyio
 import openai
 
+from ._served import FleetEndpoint
 from ._stack import GateEndpoint
 
 __all__ = ["Rollout", "play_rollouts"]
@@ -39,6 +40,11 @@ async def play_rollouts(
     ``concurrency`` at a time, each with its own OpenAI client on the rollout's URL
     (``gate.rollout_url``, no retries); ``done()`` after each one.
 
+    On a `FleetEndpoint`, a play that fails in transport (``openai.APIConnectionError``)
+    because its gate stopped answering is let go: the fleet marks that gate lost and
+    poisons its open rollouts (``gate_unreachable``); the other rollouts play on. A
+    transport failure on a gate that still answers is raised.
+
     The clients share one HTTP connection pool: ``http_client`` (the caller's, left open),
     else one made for this call (``openai.DefaultAsyncHttpxClient``). Building one loads the
     TLS trust store, 90 ms on a loaded 2-core box, on the event loop: one per rollout
@@ -54,7 +60,14 @@ async def play_rollouts(
             http_client=http,
         )
         async with limit:
-            await play(client, gate.model, rollout, n)
+            try:
+                await play(client, gate.model, rollout, n)
+            except openai.APIConnectionError:
+                if not isinstance(gate, FleetEndpoint):
+                    raise
+                fleet = gate.fleet
+                if await fleet.probe(fleet.gate_url(rollout.rollout_id)):
+                    raise
         if done is not None:
             done()
 

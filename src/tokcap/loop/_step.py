@@ -206,17 +206,19 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         await play_group(loop, episodes, step)
     with clock.time("capture_verify"):
         for episode in episodes:
-            if episode.witness == "declared":
+            if episode.witness == "declared" and episode.response_ids:
                 await stack.control.declare_terminal(
                     episode.rollout_id, response_id=episode.response_ids[-1]
                 )
+    # A rollout whose gate was lost mid-play has no answer: it closes without a witness
+    # (its receipt is poisoned gate_unreachable) and trains no row.
     finished = [
         Finished(
             rollout_id=e.rollout_id,
             group_id=e.group_id,
             reward=e.reward,
-            response_id=e.response_ids[-1] if e.witness == "response_id" else None,
-            content=e.contents[-1] if e.witness == "content" else None,
+            response_id=_last(e.response_ids) if e.witness == "response_id" else None,
+            content=_last(e.contents) if e.witness == "content" else None,
         )
         for e in episodes
     ]
@@ -334,6 +336,10 @@ def step_record(
             str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
         },
     )
+
+
+def _last(answers: list[str]) -> str | None:
+    return answers[-1] if answers else None
 
 
 def _parity_json(parity: Any) -> dict[str, float]:

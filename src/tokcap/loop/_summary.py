@@ -17,6 +17,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ..demo import print_fleet
+
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
     from ._loop import TrainRun
 
@@ -201,16 +203,7 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
             f"{s['seconds']['total']:.1f}",
         )
     console.print(table)
-    if summary.get("gates"):
-        fleet = Table(title="gates (tokcap-vllm serve)", box=box.SIMPLE_HEAVY)
-        for name in ("gate", "pid", "rollouts", "calls", "weight version"):
-            fleet.add_column(name, justify="right")
-        for g in summary["gates"]:
-            fleet.add_row(
-                g["url"], str(g["pid"] or "-"), str(g["rollouts"]), str(g["calls"]),
-                str(g["weight_version"]),
-            )  # fmt: skip
-        console.print(fleet)
+    print_fleet(summary.get("gates", []), console)
     shares = ", ".join(f"{k} {v:.0%}" for k, v in train["stage_shares"].items())
     ok = train["parity_k3_max"] <= train["parity_k3_limit"]
     fresh_note = " (rows sampled by the trained version)" if train.get("mode") == "async" else ""

@@ -41,19 +41,19 @@ from tokcap_core.reasons import (
 )
 from tokcap_core.sink import TokenSink
 
-from ._admission import ChatPlan
 from ._config import GateConfig
-from ._errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from ._hooks import GateHooks
 from ._host import EngineResult
 from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING
 from ._metrics import GateMetrics
-from ._persist import LedgerFileError
-from ._planning import Observed, ParentIndex, PlannedRequest
+from ._planning import ChatPlan, Observed, ParentIndex, PlannedRequest
 from ._records import GateCall, answerable
+from ._responses import ResponsesTurn
 from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
+from .errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
+from .persist import LedgerFileError
 
 __all__ = ["CapturePath", "check_accepting"]
 
@@ -90,6 +90,7 @@ class CapturePath:
         idempotency_key: str | None = None,
         body_fingerprint: str = "",
         request_id: str | None = None,
+        thread: ResponsesTurn | None = None,
     ) -> GateCall:
         """Admit a captured request: the ADMITTED call, or the earlier call to answer again.
 
@@ -99,7 +100,7 @@ class CapturePath:
         a different body is refused (``idempotency_key_reused``), a request id another call
         of the rollout used too (``duplicate_request_id``). ``request`` binds the body to
         the tokenizer (after the claim, so a retry is answered again without re-planning). A request
-        refused on the way leaves nothing behind.
+        refused on the way leaves nothing behind. ``thread``: a Responses call's items.
         """
         record = self.book.join(rollout_id, require_open=self.config.require_open)
         call = self.book.begin(
@@ -109,6 +110,7 @@ class CapturePath:
             body_fingerprint=body_fingerprint,
             request_id=request_id,
         )
+        call.thread = thread
         try:
             earlier = await self._claim(call)
             if earlier is not None:

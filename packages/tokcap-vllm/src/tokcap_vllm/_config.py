@@ -17,7 +17,7 @@ from tokcap_core.config import at_least, non_empty_text, one_of, positive_number
 from tokcap_core.ledger import MAX_MANIFEST_BYTES
 
 from ._options import Option, build, from_environ, options_of
-from ._splice import ON_RENDER_MISMATCH, REASONING_MODES
+from ._planning import ON_RENDER_MISMATCH, REASONING_MODES
 
 __all__ = ["CONTROL_TOKEN_ENV", "LEDGER_PATH_ENV", "GateConfig", "gate_options"]
 

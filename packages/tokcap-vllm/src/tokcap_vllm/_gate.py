@@ -29,13 +29,13 @@ from tokcap_core.sink import TokenSink
 
 from ._capture import CapturePath
 from ._config import GateConfig
-from ._errors import InvalidBody
 from ._hooks import GateHooks
 from ._lifecycle import COMMITTED, FAILED, FINISHED, RESPONDED
 from ._metrics import GateMetrics
-from ._persist import LedgerFile
 from ._rollouts import RolloutBook, RolloutRecord
 from ._weight_state import WeightState
+from .errors import InvalidBody
+from .persist import LedgerFile
 
 if TYPE_CHECKING:
     from ._weights import WeightSync

@@ -37,14 +37,14 @@ from typing import Any, Final
 import anyio
 import msgspec
 
-from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, read_body, send_body
 from ._control import ControlPlane
-from ._errors import BadRequest, GateError, InvalidBody, MethodNotAllowed, RolloutNotFound, TooLarge
 from ._gate import Gate
 from ._served_weights import ServedWeights
 from ._shm import PUSH_PREFIX, SHM_DIR
 from ._spec import engine_spec
+from .api import CONTROL_PREFIX, error_json
+from .errors import BadRequest, GateError, InvalidBody, MethodNotAllowed, RolloutNotFound, TooLarge
 
 __all__ = [
     "GUARDED_PATHS",

@@ -25,22 +25,22 @@ from contextlib import AbstractAsyncContextManager
 
 import anyio
 
-from ._api import CONTROL_PREFIX, error_json
+from ._answers import ResponsesAnswer
+from ._apis import decode_request, planned_on, stream_error_event
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
 from ._capture import CapturePath
 from ._control import ControlPlane
-from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
 from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._lifecycle import ABANDONED
-from ._planning import Observed
+from ._planning import Observed, RequestRenderer, request_renderer
 from ._records import Flag, GateCall
-from ._render import RequestRenderer
-from ._renderers import request_renderer
 from ._routing import route_request
 from ._served import served_gate
-from ._wire import ResponseObserver, check_request_id, decode_body
+from ._wire import ResponseObserver
+from .api import CONTROL_PREFIX, error_json
+from .errors import BadRequest, GateError, Unsupported
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
@@ -162,10 +162,17 @@ class GateMiddleware:
 
         try:
             body = await read_body(receive, self.gate.config.max_body_bytes)
-            parsed = decode_body(
-                body, kind, token_ids_allowed=self.gate.config.capture.return_token_ids
-            )
             host = self._capture_host(scope)
+            decoded = await decode_request(
+                kind,
+                body,
+                app_state=scope["app"].state,
+                book=self.gate.registry,
+                rollout_id=rollout_id,
+                token_ids_allowed=self.gate.config.capture.return_token_ids,
+                header_request_id=_one_header(scope, "x-request-id"),
+            )
+            parsed, parent = decoded.parsed, decoded.parent
             if parsed.seed is not None and host.seeded_prefill_chunks_crash:
                 raise Unsupported(
                     "seed_unsupported",
@@ -176,17 +183,18 @@ class GateMiddleware:
             renderer = self._request_renderer(scope, host)
             call = await self.gate.capture.enter(
                 rollout_id,
-                kind=kind,
-                request=lambda: renderer.request(parsed),
+                kind=decoded.planned_kind,
+                request=lambda: planned_on(renderer.request(parsed), parent),
                 idempotency_key=_one_header(scope, self.gate.config.idempotency_header),
                 body_fingerprint=hashlib.sha256(body).hexdigest(),
-                request_id=_request_id(scope, parsed.request_id, kind),
+                request_id=decoded.request_id,
+                thread=decoded.thread,
             )
             if call.final:  # a retry under the key of a call that settled: its answer again
                 await _answer_again(send, call)
                 return
-            body_again = _receive_body_again(body, receive, call.abandoned)
-            await self._generate(scope, body_again, watched_send, call)
+            body_again = _receive_body_again(decoded.body, receive, call.abandoned)
+            await self._generate(scope, body_again, watched_send, call, kind)
         except (GateError, RecursionError) as e:
             if not started:
                 await self._refuse(send, _typed(e))
@@ -205,6 +213,7 @@ class GateMiddleware:
         receive: Receive,
         send: Send,
         call: GateCall,
+        kind: str,
     ) -> None:
         assert call.plan is not None
         capture = self.gate.capture
@@ -212,7 +221,7 @@ class GateMiddleware:
             prompt_ids=call.plan.prompt_ids,
             on_finish=lambda result: capture.engine_finished(call, result),
         )
-        observer = ResponseObserver(keep=call.idempotency_key is not None)
+        observer = ResponseObserver(keep=call.idempotency_key is not None, kind=kind)
         held: list[Message] = []  # a plain answer is held until the gate says it may complete
         ended = False  # the harness's response is over (complete, or ended with an error)
 
@@ -222,7 +231,7 @@ class GateMiddleware:
             self.gate.telemetry.refused.labels(error.code).inc()
             status = type(error).status
             if observer.streaming:  # the stream is under way: an error event, then the end
-                event = b"data: " + error_json(error.code, error.message, status) + b"\n\n"
+                event = stream_error_event(kind, error.code, error.message, status)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
             else:
                 await send_body(send, status, error_json(error.code, error.message, status))
@@ -295,6 +304,8 @@ def _respond(capture: CapturePath, call: GateCall, observer: ResponseObserver) -
     answer = None
     if observer.chunks is not None and observer.start is not None:
         answer = (observer.start, observer.chunks)
+    if call.thread is not None and isinstance(observer.api, ResponsesAnswer):
+        call.thread.output_items = observer.api.output  # what a previous_response_id names
     seen = Observed(observer.response_id, observer.content, observer.tool_calls(), answer)
     capture.respond(call, seen)
 
@@ -305,13 +316,6 @@ def _typed(error: GateError | RecursionError) -> GateError:
     if isinstance(error, RecursionError):
         return BadRequest("bad_json", "the request is nested too deeply")
     return error
-
-
-def _request_id(scope: Scope, in_body: str | None, kind: str) -> str | None:
-    """The request id vLLM will use (the header wins, even empty), checked for the ledger."""
-    header = _one_header(scope, "x-request-id")
-    chosen = header if header is not None else in_body
-    return None if chosen is None else check_request_id(chosen, kind)
 
 
 def _one_header(scope: Scope, name: str) -> str | None:

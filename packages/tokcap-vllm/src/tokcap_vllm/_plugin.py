@@ -61,7 +61,7 @@ def register_weight_transfer() -> None:
         )
     except ImportError:
         return
-    module = "tokcap_vllm._transfer"
+    module = "tokcap_vllm.transfer"
     for factory, name in (
         (WeightTransferEngineFactory, "TokcapShmWeightTransferEngine"),
         (WeightTransferTrainerFactory, "TokcapShmTrainerWeightTransferEngine"),

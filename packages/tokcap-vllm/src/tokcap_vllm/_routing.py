@@ -8,9 +8,10 @@ by the rollout-id grammar instead of being normalised into another path.
 Nothing a rollout sends may escape capture unnoticed: a trailing slash on a captured
 endpoint is captured like the endpoint (vLLM would redirect it to the plain path, and
 HTTP clients follow redirects); any other POST naming a rollout, by path or by header
-(``/v1/responses``, ``/v1/messages``, ...), is refused (``uncaptured_endpoint``) rather than
-served uncaptured; requests naming no rollout pass through untouched. Two rollout headers,
-or a path and a header naming different rollouts, are refused rather than one picked.
+(``/v1/embeddings``, ``/v1/messages/count_tokens``, ``/v1/responses/{id}/cancel``, ...), is
+refused (``uncaptured_endpoint``) rather than served uncaptured; requests naming no rollout
+pass through untouched. Two rollout headers, or a path and a header naming different
+rollouts, are refused rather than one picked.
 """
 
 from __future__ import annotations
@@ -22,15 +23,19 @@ from urllib.parse import unquote
 from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId, validate_rollout_id
 
-from ._errors import BadRequest, RolloutNotFound
+from .errors import BadRequest, RolloutNotFound
 
 __all__ = ["CAPTURED_ENDPOINTS", "Route", "parse_rollout_id", "route_request"]
 
-Endpoint = Literal["chat", "completion"]
+Endpoint = Literal["chat", "completion", "messages", "responses"]
 CAPTURED_ENDPOINTS: Final[dict[str, Endpoint]] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
+"""The APIs a rollout may call: OpenAI chat and completions, Anthropic Messages, OpenAI
+Responses (the last two become chat requests inside vLLM and are planned as chat)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +84,8 @@ def _captured_route(rollout_id: RolloutId, path: str, method: str) -> Route:
     if endpoint is None and method == "POST":
         raise RolloutNotFound(
             "uncaptured_endpoint",
-            f"{path} cannot be captured; rollouts call /v1/chat/completions or /v1/completions",
+            f"{path} cannot be captured; rollouts call /v1/chat/completions, /v1/completions, "
+            "/v1/messages or /v1/responses",
         )
     return Route(rollout_id, _canonical(path, endpoint), endpoint)
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ._errors import RolloutConflict
 from ._weight_state import FAILED, PUSHING, READY, WeightState
+from .errors import RolloutConflict
 
 __all__ = ["ServedWeights"]
 

@@ -43,6 +43,7 @@ import httpx
 import msgspec
 
 from ._guarded_routes import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
+from ._http import AsyncClosing, bearer_http
 from ._shm import SHM_DIR, Entry, entries_for, file_chunks, write_push_file
 from ._spec import TensorSpec
 from ._weight_state import WeightPushError, WeightSyncError
@@ -67,7 +68,7 @@ class StagedPush:
     """True when this process wrote the file (and removes it); False for an upload."""
 
 
-class GateWeightClient:
+class GateWeightClient(AsyncClosing):
     """Full-state-dict pushes into one served gate's engine; ``async with`` it, or `aclose`.
 
     ``token`` goes only into the ``authorization`` header. One push at a time per client.
@@ -94,22 +95,11 @@ class GateWeightClient:
         self.mode: PauseMode = mode
         self.check_finite = check_finite
         self.shm_dir = shm_dir
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-            transport=http,
-        )
+        self._http = bearer_http(self.base_url, token, timeout_s, http)
         self._spec: tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]] | None = None
 
     def __repr__(self) -> str:
         return f"GateWeightClient({self.base_url!r}, transport={self.transport!r})"
-
-    async def __aenter__(self) -> GateWeightClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the HTTP connections."""
@@ -205,11 +195,7 @@ class GateWeightClient:
                 step, "POST", "/finish_weight_update", json={"weight_version": str(version)}
             )
             step = "prefix_cache"
-            reset = await self._call(
-                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
-            if not reset.json().get("success"):
-                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            await self._reset_prefix_cache()
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException as e:
@@ -243,11 +229,7 @@ class GateWeightClient:
             label = {"new_version": str(version)}
             await self._call(step, "POST", "/update_weight_version", json=label)
             step = "prefix_cache"
-            reset = await self._call(
-                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
-            if not reset.json().get("success"):
-                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            await self._reset_prefix_cache()
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException:
@@ -256,6 +238,13 @@ class GateWeightClient:
             raise
         if release:
             await self.release()
+
+    async def _reset_prefix_cache(self) -> None:
+        reset = await self._call(
+            "prefix_cache", "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+        )
+        if not reset.json().get("success"):
+            raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
 
     async def _start(self) -> None:
         try:

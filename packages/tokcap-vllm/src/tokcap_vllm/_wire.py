@@ -2,53 +2,84 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
+import json
+from typing import Any, Final, TypeVar
 
 import msgspec
 
-from ._errors import BadRequest, Unsupported
+from ._answers import ApiAnswer, answer_reader
+from .errors import BadRequest, GateError, Unsupported
 
-__all__ = ["ChatBody", "CompletionBody", "ResponseObserver", "check_request_id", "decode_body"]
+__all__ = [
+    "ChatBody",
+    "CompletionBody",
+    "ResponseObserver",
+    "chat_body",
+    "check_request_id",
+    "decode_body",
+    "decode_json",
+    "decode_object",
+]
 
-RESPONSE_ID_PREFIXES: Final = {"chat": "chatcmpl-", "completion": "cmpl-"}
-"""What vLLM puts before a request id to make the response id the ledger records."""
+_S = TypeVar("_S")
+
+RESPONSE_ID_PREFIXES: Final = {
+    "chat": "chatcmpl-",
+    "completion": "cmpl-",
+    "messages": "chatcmpl-",
+    "responses": "",
+}
+"""What vLLM puts before a request id to make the response id the ledger records (a
+Messages answer keeps the id of the chat completion vLLM made of it; a Responses answer's
+id is its body's ``request_id``)."""
 _MAX_LABEL: Final = 256  # tokcap_core's bound on a response id (1..256 printable ASCII)
 
 
-class ChatBody(msgspec.Struct):
-    """The chat-completion request fields admission needs (others pass through to vLLM)."""
+class _Sampling(msgspec.Struct, kw_only=True):
+    """The fields both request kinds share (others pass through to vLLM)."""
 
-    messages: list[dict[str, Any]]
     n: int | None = None
     best_of: int | None = None
     stream: bool | None = False
+    use_beam_search: bool = False
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    seed: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class ChatBody(_Sampling, kw_only=True):
+    """The chat-completion request fields admission needs (others pass through to vLLM)."""
+
+    messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    use_beam_search: bool = False
-    request_id: str | None = None
-    return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    seed: int | None = None
-    truncate_prompt_tokens: int | None = None
 
 
-class CompletionBody(msgspec.Struct):
+class CompletionBody(_Sampling, kw_only=True):
     """The completion request fields admission needs."""
 
     prompt: str | list[Any]
-    n: int | None = None
-    best_of: int | None = None
-    stream: bool | None = False
     echo: bool | None = False
-    use_beam_search: bool = False
-    request_id: str | None = None
-    return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    seed: int | None = None
-    truncate_prompt_tokens: int | None = None
+
+
+def decode_json(raw: bytes, kind: type[_S], what: str, invalid: type[GateError] = BadRequest) -> _S:
+    """``raw`` decoded as ``kind``; a body that is no JSON is `BadRequest` ``bad_json``, one
+    that does not fit ``kind`` is ``invalid`` ``bad_body`` (``what`` names it in messages)."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise invalid("bad_body", f"invalid {what}: {e}") from e
+    except msgspec.DecodeError as e:
+        raise BadRequest("bad_json", f"{what} is not JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRequest("bad_json", f"{what} is nested too deeply") from e
+    except UnicodeDecodeError as e:
+        raise BadRequest("bad_json", f"{what} is not valid UTF-8") from e
 
 
 def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody | CompletionBody:
@@ -58,16 +89,7 @@ def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody 
     asking for token ids is refused (``token_ids_not_allowed``).
     """
     target: type[ChatBody] | type[CompletionBody] = ChatBody if kind == "chat" else CompletionBody
-    try:
-        parsed = msgspec.json.decode(body, type=target)
-    except msgspec.ValidationError as e:
-        raise BadRequest("bad_body", f"invalid request body: {e}") from e
-    except msgspec.DecodeError as e:
-        raise BadRequest("bad_json", f"request body is not JSON: {e}") from e
-    except RecursionError as e:
-        raise BadRequest("bad_json", "request body is nested too deeply") from e
-    except UnicodeDecodeError as e:
-        raise BadRequest("bad_json", "request body is not valid UTF-8") from e
+    parsed = decode_json(body, target, "request body")
     if parsed.n not in (None, 1) or parsed.best_of not in (None, 1):
         raise Unsupported(
             "n_unsupported", "captured rollouts take n=1 (one completion per call); send n calls"
@@ -104,6 +126,48 @@ def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody 
         if parsed.echo:
             raise Unsupported("echo_unsupported", "echo cannot be captured")
     return parsed
+
+
+def decode_object(body: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object (`BadRequest` ``bad_json``/``bad_body``)."""
+    try:
+        raw = json.loads(body)
+    except RecursionError as e:
+        raise BadRequest("bad_json", "request body is nested too deeply") from e
+    except ValueError as e:  # UnicodeDecodeError included
+        raise BadRequest("bad_json", f"request body is not JSON: {str(e)[:200]}") from e
+    if not isinstance(raw, dict):
+        raise BadRequest("bad_body", "the request body must be a JSON object")
+    return raw
+
+
+def chat_body(
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    reasoning_effort: str | None,
+    stream: bool,
+    seed: int | None = None,
+) -> ChatBody:
+    """The chat request vLLM made of a Messages or Responses request, as admission reads it.
+
+    A reasoning effort reaches the template as vLLM passes it (``reasoning_effort``, and
+    ``enable_thinking`` unless the request set it); an empty conversation is refused.
+    """
+    kwargs = dict(template_kwargs or {})
+    if reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", reasoning_effort != "none")
+        kwargs["reasoning_effort"] = reasoning_effort
+    if not messages:
+        raise BadRequest("bad_body", "the request holds no message")
+    return ChatBody(
+        messages=[dict(m) for m in messages],
+        stream=stream,
+        tools=[dict(t) for t in tools] if tools else None,
+        chat_template_kwargs=kwargs or None,
+        seed=seed,
+    )
 
 
 def check_request_id(request_id: str, kind: str) -> str:
@@ -150,9 +214,15 @@ _decoder = msgspec.json.Decoder(_Response)
 
 
 class ResponseObserver:
-    """Watches a response on its way out: status, id, returned content and tool calls."""
+    """Watches a response on its way out: status, id, returned content and tool calls.
 
-    def __init__(self, *, keep: bool) -> None:
+    ``kind`` is the captured endpoint: a Messages or Responses answer is read by its
+    `tokcap_vllm._answers` reader, whose terminal event (``message_stop``,
+    ``response.completed``) ends the stream as ``[DONE]`` ends a chat stream.
+    """
+
+    def __init__(self, *, keep: bool, kind: str = "chat") -> None:
+        self.api: ApiAnswer | None = answer_reader(kind)
         self.status = 0
         self.start: dict[str, Any] | None = None
         self.streaming = False
@@ -195,14 +265,21 @@ class ResponseObserver:
         if not self.streaming and self.status == 200:
             self._take(self._buffer, delta=False)
         self._buffer = b""
+        if self.api is not None:
+            self.content = self.api.content()
 
     def tool_calls(self) -> list[dict[str, Any]] | None:
         """The returned tool calls, merged across stream deltas."""
+        if self.api is not None:
+            return self.api.tool_calls()
         if not self.tools:
             return None
         return [{"type": "function", "function": self.tools[i]} for i in sorted(self.tools)]
 
     def _take(self, raw: bytes, *, delta: bool) -> None:
+        if self.api is not None:
+            self._take_api(self.api, raw, delta=delta)
+            return
         try:
             response = _decoder.decode(raw)
         except msgspec.DecodeError:
@@ -221,3 +298,17 @@ class ResponseObserver:
                 fn = tool.function or {}
                 slot["name"] += fn.get("name") or ""
                 slot["arguments"] += fn.get("arguments") or ""
+
+    def _take_api(self, api: ApiAnswer, raw: bytes, *, delta: bool) -> None:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(data, dict):
+            return
+        if delta:
+            api.event(data)
+            self.stream_done = self.stream_done or api.done
+        else:
+            api.whole(data)
+        self.response_id = self.response_id or api.response_id

@@ -1,5 +1,37 @@
-"""tokcap's weight-transfer backend for vLLM (``tokcap_shm``), for trainer code written
-against vLLM's `WeightTransferTrainerFactory`. Importing this module imports vLLM and torch.
+"""tokcap's CPU transport as a vLLM weight-transfer engine: backend ``tokcap_shm``.
+
+vLLM 0.32's weight transfer (`vllm.distributed.weight_transfer`) has a worker-side engine
+and a trainer-side engine per backend; every shipped one (``nccl``, ``ipc``, ...) needs a
+GPU. This module adds one for CPU engines, registered by the ``vllm.general_plugins``
+entry point (`tokcap_vllm._plugin.register_weight_transfer`) and chosen with
+``--weight-transfer-config '{"backend": "tokcap_shm"}'``. The bytes travel in a push file
+(`tokcap_vllm._shm`) on the engine's host: written by the trainer into ``/dev/shm`` (same
+host), or by the gate from a streamed HTTP body (another host); ``/update_weights`` carries
+only ``{"path", "entries"}``.
+
+Worker side (`TokcapShmWeightTransferEngine`), driven by vLLM's worker:
+
+- ``start_weight_update``: drops anything an earlier, unfinished push staged. The model is
+  not touched (no layerwise-reload set-up yet), so a push refused later changes nothing.
+- ``update_weights``: checks the entries against the engine's spec (names, dtypes, shapes,
+  sizes; `tokcap_vllm._spec`), maps the file and keeps the views aside. Overridden because
+  the base calls ``torch.accelerator.synchronize()``, which raises on a CPU-only torch.
+- ``finish_weight_update``: refuses (ValueError, nothing loaded) unless the staged set is
+  exactly the spec: a partial push leaves a fused layer half-initialised (NaN, measured).
+  Then vLLM's layerwise reload (initialise, ``model.load_weights``, finalise), the path
+  ``reload_weights(is_checkpoint_format=True)`` takes: CPU repacking included.
+  A finish with nothing staged loads nothing and succeeds: vLLM's worker leaves its
+  update flag set when a finish raises (the next start then fails), and such an empty
+  finish is how a client clears it.
+
+Trainer side (`TokcapShmTrainerWeightTransferEngine`), for trainer code written against
+vLLM's `WeightTransferTrainerFactory`: it writes the source into a push file and drives
+start, update, finish through any `VLLMWeightSyncClient`. Pausing, the prefix-cache reset
+and the gate's bearer token are the client's business (vLLM's own HTTP client sends no
+headers): `tokcap_vllm.weights.GateWeightClient` does all three. A source must yield the
+whole state dict (``StateDictSource``); vLLM's ``ModuleSource`` walks
+``named_parameters()``, which omits a tied ``lm_head.weight``, and is refused.
+Importing this module imports vLLM and torch::
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     engine = WeightTransferTrainerFactory.trainer_init(
@@ -11,16 +43,32 @@ against vLLM's `WeightTransferTrainerFactory`. Importing this module imports vLL
                            # yours (tokcap_vllm.weights.GateWeightClient does all of it)
 """
 
-from ._transfer import (
-    BACKEND,
-    BearerWeightSyncClient,
-    StateDictSource,
-    TokcapShmInitInfo,
-    TokcapShmTrainerInitInfo,
-    TokcapShmTrainerWeightTransferEngine,
-    TokcapShmUpdateInfo,
-    TokcapShmWeightTransferEngine,
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+import torch
+from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
 )
+
+from ._shm import SHM_DIR, Entry, map_push_file, write_push_file
+from ._spec import TensorSpec, engine_spec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
 
 __all__ = [
     "BACKEND",
@@ -32,3 +80,179 @@ __all__ = [
     "TokcapShmUpdateInfo",
     "TokcapShmWeightTransferEngine",
 ]
+
+BACKEND = "tokcap_shm"
+
+
+@dataclass
+class TokcapShmInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: the push file says everything."""
+
+
+@dataclass
+class TokcapShmUpdateInfo(WeightTransferUpdateInfo):
+    """One ``/update_weights`` chunk: a push file on this host and what it holds."""
+
+    path: str
+    entries: list[Entry] = field(default_factory=list)
+
+
+class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, TokcapShmUpdateInfo]):
+    """Worker side of ``tokcap_shm``: stage views of push files, load them all at finish."""
+
+    init_info_cls = TokcapShmInitInfo
+    update_info_cls = TokcapShmUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._staged: dict[str, torch.Tensor] = {}
+        self._spec: dict[str, TensorSpec] | None = None
+
+    @property
+    def spec(self) -> dict[str, TensorSpec]:
+        """What a push carries, read once from the checkpoint the engine loaded."""
+        if self._spec is None:
+            self._spec, _ = engine_spec(self.model_config)
+        return self._spec
+
+    def init_transfer_engine(self, init_info: TokcapShmInitInfo) -> None:
+        """Nothing to set up."""
+
+    def start_weight_update(self) -> None:
+        """Drop what an unfinished push staged; the model stays as it is."""
+        self._staged = {}
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Stage one chunk (no device synchronisation: there is no accelerator)."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: TokcapShmUpdateInfo) -> None:
+        """Check the chunk's entries and keep views of its file (ValueError: nothing kept)."""
+        tensors = map_push_file(update_info.path, update_info.entries, self.spec)
+        again = sorted(self._staged.keys() & {name for name, _ in tensors})
+        if again:
+            raise ValueError(f"tensors pushed twice: {again[:5]}")
+        self._staged.update(tensors)
+
+    def finish_weight_update(self) -> None:
+        """Load the staged push if it is exactly the spec; see the module for an empty finish."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        staged, self._staged = self._staged, {}
+        if not staged:
+            return
+        if staged.keys() != self.spec.keys():
+            missing = sorted(self.spec.keys() - staged.keys())
+            raise ValueError(f"a push carries every tensor; {len(missing)} missing: {missing[:5]}")
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(iter(staged.items()))  # type: ignore[operator]
+        finally:  # even after a failure: leave no layer waiting in the reload's state
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+
+    def shutdown(self) -> None:
+        """Drop anything staged."""
+        self._staged = {}
+
+
+class StateDictSource(WeightSource):
+    """A `WeightSource` over a full state dict (tied heads included), in its order."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._weights = weights
+
+    def metadata(self) -> list[ParamMeta]:
+        """Name, dtype and shape of every tensor."""
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._weights.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._weights.items():
+            yield name, tensor.detach().to("cpu").contiguous()
+
+
+@dataclass
+class TokcapShmTrainerInitInfo(TrainerInitInfo):
+    """Trainer side of ``tokcap_shm``: where push files are written (the engine's host)."""
+
+    backend: ClassVar[str] = BACKEND
+    shm_dir: str = SHM_DIR
+
+
+class TokcapShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[TokcapShmTrainerInitInfo]):
+    """Trainer side of ``tokcap_shm``: one push file per round, start/update/finish via the
+    client, the file removed afterwards (the worker's views keep what they need)."""
+
+    init_info_cls = TokcapShmTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        is_sender: bool = True,
+        shm_dir: str = SHM_DIR,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.shm_dir = shm_dir
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: TokcapShmTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        """A ready engine; the sender tells the workers (nothing to agree on but the backend)."""
+        if source is None:
+            raise ValueError("tokcap_shm needs a WeightSource (StateDictSource of a state dict)")
+        engine = cls(
+            client=client, source=source, is_sender=init_info.is_sender, shm_dir=init_info.shm_dir
+        )
+        if engine.is_sender:
+            client.init_weight_transfer_engine({})
+        return engine
+
+    def send_weights(self) -> None:
+        """Write the source into a push file and drive one full update round with it."""
+        assert self.source is not None
+        tensors = list(self.source)
+        if not self.is_sender:
+            return
+        path, entries = write_push_file(tensors, self.shm_dir)
+        try:
+            self.client.start_weight_update()
+            self.client.update_weights({"path": path, "entries": entries})
+            self.client.finish_weight_update()
+        finally:
+            os.unlink(path)
+
+
+class BearerWeightSyncClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP weight-sync client, sending the gate's bearer token (vLLM's sends none,
+    and a gate answers 401 to its weight routes without it)."""
+
+    def __init__(self, base_url: str, token: str, timeout: float = 300) -> None:
+        super().__init__(base_url, timeout)
+        self._headers = {"authorization": f"Bearer {token}"}
+
+    def __repr__(self) -> str:
+        return f"BearerWeightSyncClient({self.base_url!r})"
+
+    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+        import httpx
+
+        response = httpx.post(
+            f"{self.base_url}/{path}", json=json, timeout=self.timeout, headers=self._headers
+        )
+        response.raise_for_status()

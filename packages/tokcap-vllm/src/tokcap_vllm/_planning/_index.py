@@ -5,7 +5,7 @@ the gate what it observed going out (`Observed`); the gate asks the index to `le
 (decoding the output ids, fingerprinting the returned message, building the `PriorCall`)
 and, for the next call, to plan it (`ParentIndex.planner`: a snapshot of the parents and
 the request's `Planner`, run in a worker thread). Text and id-level planners
-(`tokcap_vllm._render.RequestRenderer`, `tokcap_vllm._render_ids.IdRequestRenderer`) both
+(`_render_text.RequestRenderer`, `_render_ids.IdRequestRenderer`) both
 answer a request with one `PlannedRequest`.
 """
 
@@ -16,16 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._admission import (
-    ChatPlan,
-    PriorCall,
-    message_fingerprints,
-    normalize_message,
-    output_fingerprint,
-)
+from ..fingerprints import message_fingerprints, normalize_message, output_fingerprint
+from ._plan_text import ChatPlan, PriorCall
 
 if TYPE_CHECKING:
-    from ._host import EngineResult
+    from .._host import EngineResult
 
 __all__ = ["Learned", "Observed", "ParentIndex", "PlannedRequest", "Planner"]
 

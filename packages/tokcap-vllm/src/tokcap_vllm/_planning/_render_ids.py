@@ -4,7 +4,7 @@ In ``--tokenizer-mode mistral`` vLLM renders a chat request with ``mistral_commo
 (``MistralTokenizer.apply_chat_template`` returns ids; there is no text template). The
 gate renders it the same way (the same call on the engine's own tokenizer, with the
 tool-call ids truncated and the tools validated as vLLM does) and plans at the token
-level (`tokcap_vllm._admission_ids`). ``mistral_common`` refuses to serve a conversation
+level (`_plan_ids`). ``mistral_common`` refuses to serve a conversation
 that ends on an assistant message, so the parent's turn is encoded as training data is:
 the same instruct tokenizer behind a ``finetuning`` validator, which closes the turn with
 ``</s>``.
@@ -22,18 +22,27 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from ._admission import ChatPlan, PriorCall, normalize_message
-from ._admission_ids import plan_chat_ids
-from ._config import GateConfig
-from ._errors import BadRequest, Unsupported, UnsupportedTokenizer
-from ._planning import Planner
-from ._render import RequestRenderer
-from ._vllm import require_vllm
-from ._wire import ChatBody, CompletionBody
+from .._vllm import require_vllm
+from .._wire import ChatBody, CompletionBody
+from ..errors import BadRequest, Unsupported, UnsupportedTokenizer
+from ..fingerprints import normalize_message
+from ._index import Planner
+from ._plan_ids import plan_chat_ids
+from ._plan_text import ChatPlan, PriorCall
+from ._render_text import RequestRenderer
 
-__all__ = ["IdRequestRenderer", "MistralCodec", "is_id_tokenizer", "probe_follow_up"]
+if TYPE_CHECKING:
+    from .._config import GateConfig
+
+__all__ = [
+    "IdRequestRenderer",
+    "MistralCodec",
+    "is_id_tokenizer",
+    "probe_follow_up",
+    "request_renderer",
+]
 
 _TOOL_CALL_ID_LEN: Final = 9
 _PROBE_TOOLS: Final = [
@@ -245,3 +254,18 @@ def _served_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
         return [protocol.ChatCompletionToolsParam.model_validate(t).model_dump() for t in tools]
     except ValueError as e:  # pydantic's ValidationError
         raise BadRequest("bad_body", f"invalid tools: {str(e)[:200]}") from e
+
+
+def request_renderer(
+    tokenizer: Any, app_args: Any, config: GateConfig, max_model_len: int
+) -> RequestRenderer:
+    """The renderer for this server's tokenizer: the one place its kind chooses the planner.
+
+    Text chat templates get `RequestRenderer` (parent resolution and splicing on rendered
+    text); a tokenizer that renders requests straight to ids (vLLM's ``MistralTokenizer``)
+    gets the id-level planner (`IdRequestRenderer`), which raises `UnsupportedTokenizer`
+    when follow-up turns cannot be planned with it.
+    """
+    if is_id_tokenizer(tokenizer):
+        return IdRequestRenderer(tokenizer, app_args, config, max_model_len)
+    return RequestRenderer(tokenizer, app_args, config, max_model_len)

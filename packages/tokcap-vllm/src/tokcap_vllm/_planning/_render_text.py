@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from ._admission import (
-    ChatPlan,
-    PriorCall,
-    normalize_message,
-    plan_chat,
-    plan_completion,
-)
-from ._config import GateConfig
-from ._errors import BadRequest, Unsupported
-from ._planning import PlannedRequest, Planner
+from .._vllm import require_vllm
+from .._wire import ChatBody, CompletionBody
+from ..errors import BadRequest, Unsupported
+from ..fingerprints import normalize_message
+from ._index import PlannedRequest, Planner
+from ._plan_text import ChatPlan, PriorCall, plan_chat, plan_completion
 from ._splice import SpliceRules
-from ._vllm import require_vllm
-from ._wire import ChatBody, CompletionBody
+
+if TYPE_CHECKING:
+    from .._config import GateConfig
 
 __all__ = ["RequestRenderer"]
 

@@ -3,7 +3,7 @@
 ``mistral_common`` (vLLM's ``--tokenizer-mode mistral``) has no text template: it encodes a
 conversation to ids, with control tokens (``[INST]``, ``[AVAILABLE_TOOLS]``,
 ``[TOOL_CALLS]``, ``[TOOL_RESULTS]``) that exist in no text. The parent is resolved as the
-text planner resolves it (`tokcap_vllm._admission`: the deepest prefix of the new messages,
+text planner resolves it (`_plan_text`: the deepest prefix of the new messages,
 ending at an assistant message, whose fingerprint is a live call's conversation); the
 prompt is formed at the token level from three encodings of the tokenizer::
 
@@ -35,7 +35,8 @@ import hashlib
 from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
-from ._admission import ChatPlan, PriorCall, message_fingerprints
+from ..fingerprints import message_fingerprints
+from ._plan_text import ChatPlan, PriorCall
 
 __all__ = ["HistoryEncoder", "IdEncoder", "plan_chat_ids", "splice_cause"]
 
