@@ -244,8 +244,8 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
         RolloutClose(
             rollout_id=e.rollout_id,
             reward=e.reward,
-            response_id=e.response_ids[-1] if e.witness == "response_id" else None,
-            content=e.contents[-1] if e.witness == "content" else None,
+            response_id=e.response_ids[-1] if e.scored == "response_id" else None,
+            content=e.contents[-1] if e.scored == "content" else None,
         )
         for e in group.episodes
     ]

@@ -217,8 +217,8 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
             rollout_id=e.rollout_id,
             group_id=e.group_id,
             reward=e.reward,
-            response_id=_last(e.response_ids) if e.witness == "response_id" else None,
-            content=_last(e.contents) if e.witness == "content" else None,
+            response_id=_last(e.response_ids) if e.scored == "response_id" else None,
+            content=_last(e.contents) if e.scored == "content" else None,
         )
         for e in episodes
     ]
