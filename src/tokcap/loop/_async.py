@@ -169,9 +169,9 @@ async def async_steps(
 async def _rollout_pump(
     loop: StepContext, pumps: _Pumps, send: MemoryObjectSendStream[_Group]
 ) -> None:
-    """Start groups while admitted, ``config.concurrency // rollouts`` at a time."""
+    """Start groups while admitted, `LoopConfig.groups_in_flight` at a time."""
     config = loop.run.config
-    in_flight = anyio.Semaphore(max(1, config.concurrency // config.rollouts))
+    in_flight = anyio.Semaphore(config.groups_in_flight)
     async with send, anyio.create_task_group() as tg:
         index = 0
         while True:
@@ -244,8 +244,8 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
         RolloutClose(
             rollout_id=e.rollout_id,
             reward=e.reward,
-            response_id=e.response_ids[-1] if e.witness == "response_id" else None,
-            content=e.contents[-1] if e.witness == "content" else None,
+            response_id=e.response_ids[-1] if e.scored == "response_id" else None,
+            content=e.contents[-1] if e.scored == "content" else None,
         )
         for e in group.episodes
     ]

@@ -31,6 +31,11 @@ class LoopConfig:
     seed: int = 0
     workers: int = 2
     concurrency: int = 32
+    """Chats in flight at once (sync: the step's; async: the rollout pump's, see
+    `async_in_flight`)."""
+    async_in_flight: int | None = None
+    """Async: groups the rollout pump keeps in flight (None: ``2 * groups``, so the engine
+    batches twice a step's chats while the train pump trains)."""
     tag: str = "train"
     max_seq_len: int = 4096
     ray_address: str | None = None
@@ -56,6 +61,11 @@ class LoopConfig:
         if self.max_skipped is not None:
             return self.max_skipped
         return max(self.groups, self.steps * self.groups // 2)
+
+    @property
+    def groups_in_flight(self) -> int:
+        """`async_in_flight`, resolved."""
+        return self.async_in_flight or 2 * self.groups
 
     @property
     def push_mode(self) -> Literal["wait", "keep"]:

@@ -8,6 +8,7 @@ to run while the next step generates.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -83,6 +84,8 @@ class StepRecord:
     """The driver's largest event-loop lag during the step (ms)."""
     parity_by_staleness: dict[str, dict[str, float]] = field(default_factory=dict)
     """Parity over rows by their staleness (``"0"``, ``"1"``, ...)."""
+    placeholders: dict[str, int] = field(default_factory=dict)
+    """Placeholder rows by failure bucket (why a receipt or reassembly failed)."""
 
     def as_json(self) -> dict[str, Any]:
         """A plain JSON object (floats rounded for reading)."""
@@ -113,6 +116,7 @@ class StepRecord:
             "skipped": dict(self.skipped),
             "loop_lag_ms_max": round(self.loop_lag_ms_max, 3),
             "parity_by_staleness": self.parity_by_staleness,
+            "placeholders": dict(self.placeholders),
         }
 
 
@@ -213,8 +217,8 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
             rollout_id=e.rollout_id,
             group_id=e.group_id,
             reward=e.reward,
-            response_id=_last(e.response_ids) if e.witness == "response_id" else None,
-            content=_last(e.contents) if e.witness == "content" else None,
+            response_id=_last(e.response_ids) if e.scored == "response_id" else None,
+            content=_last(e.contents) if e.scored == "content" else None,
         )
         for e in episodes
     ]
@@ -327,6 +331,7 @@ def step_record(
         dropped_stale=dropped_stale,
         skipped=skipped or {},
         loop_lag_ms_max=loop_lag_ms_max,
+        placeholders=dict(Counter(r.reason_bucket for r in rows if r.reason_bucket)),
         parity_by_staleness={
             str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
         },

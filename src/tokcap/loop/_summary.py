@@ -150,7 +150,10 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
         if not (math.isfinite(k3) and k3 <= PARITY_K3):
             problems.append(f"{at}: parity K3 {k3:.2e} > {PARITY_K3:.0e} (a push did not land)")
         if s["receipts_verified"] != s["receipts_total"]:
-            problems.append(f"{at}: {s['receipts_total'] - s['receipts_verified']} receipts fail")
+            problems.append(
+                f"{at}: {s['receipts_total'] - s['receipts_verified']} receipts fail "
+                f"({s.get('placeholders', {})})"
+            )
         if s["rows_valid"] == 0:
             problems.append(f"{at}: no valid row")
         if s["engine_version"] != str(s["weight_version"]):

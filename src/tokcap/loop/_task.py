@@ -89,6 +89,20 @@ class DigitsEpisode:
     contents: list[str] = field(default_factory=list)
     reward: float = 0.0
 
+    @property
+    def scored(self) -> Witness:
+        """The witness the scorer gives: ``content`` falls back to ``response_id`` when the
+        scored answer repeats an earlier answer of the rollout (a content fingerprint shared
+        by two calls names neither, and the gate poisons the rollout as ambiguous: seen once
+        a policy writes the same digits twice)."""
+        if (
+            self.witness == "content"
+            and self.contents[-1:]
+            and self.contents[-1] in self.contents[:-1]
+        ):
+            return "response_id"
+        return self.witness
+
 
 async def play_digits(
     client: openai.AsyncOpenAI,
