@@ -118,7 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--rollouts", type=_positive, default=8, help="rollouts per group (default 8)"
     )
-    train.add_argument("--turns", type=_positive, default=1, help="calls per rollout (default 1)")
+    train.add_argument(
+        "--task", choices=("agent", "digits"), default="agent",
+        help="agent: a tool result from the environment between the model's calls (default); "
+        "digits: the user asks for more digits",
+    )  # fmt: skip
+    train.add_argument(
+        "--turns",
+        type=_positive,
+        help="model calls per rollout (default 2 for agent, 1 for digits)",
+    )
     train.add_argument(
         "--max-tokens", type=_positive, default=16, help="tokens per call (default 16)"
     )
