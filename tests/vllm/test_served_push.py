@@ -27,6 +27,7 @@ import torch
 
 from tokcap_core import logprob_parity
 from tokcap_core.ledger import Staged
+from tokcap_core.provenance import VersionSpan
 from tokcap_vllm import ControlPlaneClient
 from tokcap_vllm.weights import (
     GUARDED_PATHS,
@@ -251,6 +252,59 @@ def test_a_push_from_another_process_lands_exactly(
     assert engine_parity(url, model, original) > 1e-4  # the engine really moved
     assert captured(url) == (200, info.version)  # the native version, per staged call
     assert not [p for p in Path("/dev/shm").glob("tokcap-push-*")]
+
+
+@pytest.mark.usefixtures("restore")
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
+def test_a_push_while_a_served_call_generates_is_recorded_span_by_span(
+    gates: list[str], original: Weights, mode: str
+) -> None:
+    """A streamed captured completion; after its 8th chunk another process pushes in
+    ``mode``. The served gate learns from the routes it guards whether the running KV was
+    reset: ``recompute`` gives KV spans equal to the weight spans, ``keep`` leaves the tokens
+    after the push on the old weights' KV."""
+    url = gates[0]
+    rollout = f"served-span-{mode}-{next(_IDS)}"
+    new = perturbed(original, seed=5 if mode == "keep" else 6)
+
+    async def scenario() -> tuple[int, Staged]:
+        body = _named(
+            url,
+            {"prompt": "a long story:", "max_tokens": 1000, "temperature": 1.0,
+             "ignore_eos": True, "stream": True},
+        )  # fmt: skip
+        pushed: list[int] = []
+
+        async def push_in_flight() -> None:
+            async with GateWeightClient(url, TOKEN, mode=mode) as c:  # type: ignore[arg-type]
+                info = await c.push(new, (await c.info()).version + 1)
+            pushed.append(info.version)
+
+        target = f"{url}/tokcap/rollouts/{rollout}/v1/completions"
+        async with (
+            anyio.create_task_group() as tg,
+            httpx.AsyncClient(timeout=300) as http,
+            http.stream("POST", target, json=body) as answer,
+        ):
+            chunks = 0
+            async for _ in answer.aiter_lines():
+                chunks += 1
+                if chunks == 8:
+                    tg.start_soon(push_in_flight)
+        async with ControlPlaneClient(url, TOKEN) as control:
+            await control.close(rollout, reward=0.0)
+            manifest = await control.manifest(rollout)
+        (event,) = [e.event for e in manifest.entries if isinstance(e.event, Staged)]
+        return pushed[0], event
+
+    version, event = anyio.run(scenario)
+    spans = event.weight_versions or ()
+    assert [s.version for s in spans] == [version - 1, version]
+    assert (spans[0].start, spans[-1].end) == (0, 1000)
+    if mode == "recompute":
+        assert event.kv_versions == spans
+    else:
+        assert event.kv_versions == (VersionSpan(version=version - 1, start=0, end=1000),)
 
 
 @pytest.mark.parametrize(

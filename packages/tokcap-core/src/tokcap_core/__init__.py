@@ -9,7 +9,8 @@ The top level holds what a trainer author needs; the rest lives in named public
 submodules: `tokcap_core.ids` (id types and keys), `.ledger` (events, the state
 machine, manifests, digests), `.staged`, `.receipts`, `.rows`, `.reasons`, `.routes`,
 `.rpc` (reassembly contract and group policy), `.slots` (group slots), `.sink`,
-`.advantages`, `.parity`, `.metrics`, `.golden`, `.simulate`, `.errors`, `.states`
+`.advantages`, `.parity`, `.metrics`, `.provenance` (per-token weight and KV versions,
+staleness), `.golden`, `.simulate`, `.errors`, `.states`
 (the named states every state machine here and in the adapters uses), `.testing`
 (hypothesis strategies) and `.interop` (peers' capture formats).
 """

@@ -14,9 +14,9 @@ from typing import ClassVar, Final, Literal, TypeAlias
 
 from ._digest import LEDGER_DOMAIN, STAGED_ENTRY_DOMAIN, Canon
 from ._errors import InvalidStagedCall, LedgerProtocolError
-from ._provenance import Spans
 from ._staged import FINISH_REASONS, StagedCall, check_provenance
 from .ids import validate_call_id
+from .provenance import Spans
 
 __all__ = [
     "BREAK_CAUSES",

@@ -19,8 +19,8 @@ from typing import Any, Final
 from ._errors import ManifestError, TokcapError, VerificationError
 from ._events import Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared, Witnesses
 from ._ledger import Entry, Ledger, RolloutState, replay
-from ._provenance import spans_from_json, spans_to_json
 from .ids import validate_rollout_id
+from .provenance import spans_from_json, spans_to_json
 
 __all__ = [
     "MANIFEST_FORMAT",

@@ -17,12 +17,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from ._errors import ReassemblyError, RoutesError, VerificationError
-from ._provenance import clip_spans
 from ._receipt import Receipt
 from ._rows import CallSpan, TrainingRow
 from ._staged import StagedCall
 from ._verify import verify_staged
 from .ids import StagingKey
+from .provenance import clip_spans
 from .routes import Routes, concat_routes, unknown_rows
 
 __all__ = ["reassemble"]

@@ -22,8 +22,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 from ._errors import VerificationError
 from ._ledger import ADMITTED, CLOSED, FAILED, STAGED, CallRecord, RolloutState
-from ._provenance import Spans, spans_to_json
 from .ids import StagingKey, staging_key
+from .provenance import Spans, spans_to_json
 from .reasons import (
     AMBIGUOUS_TERMINAL,
     DECLARED_TERMINAL_MISSING,

@@ -13,8 +13,8 @@ from array import array
 from dataclasses import dataclass
 
 from ._errors import InvalidStagedCall
-from ._provenance import Spans
 from .ids import TrainingKey, training_key
+from .provenance import Spans
 from .reasons import reason_bucket
 from .routes import Routes, unknown_routes
 

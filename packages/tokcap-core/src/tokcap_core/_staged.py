@@ -22,8 +22,8 @@ from typing import Final
 
 from ._digest import CALL_DOMAIN, CALL_DOMAIN_V2, Canon, chain_hash
 from ._errors import InvalidStagedCall, RoutesError
-from ._provenance import Spans, VersionSpan, check_spans, single_span, token_versions
 from .ids import StagingKey, staging_key, validate_call_id, validate_rollout_id
+from .provenance import Spans, VersionSpan, check_spans, single_span, token_versions
 from .routes import Routes, align_routes
 
 __all__ = [

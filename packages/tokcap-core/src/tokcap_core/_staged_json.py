@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ._errors import InvalidStagedCall, TokcapError
-from ._provenance import spans_from_json, spans_to_json
 from ._staged import StagedCall
+from .provenance import spans_from_json, spans_to_json
 from .routes import decode_routes, encode_routes
 
 __all__ = [

@@ -21,7 +21,6 @@ from ._errors import InvalidStagedCall, VerificationError
 from ._events import Closed, TerminalDeclared, Witnesses
 from ._ledger import Ledger, entry_hash
 from ._manifest import decode_manifest, encode_manifest, manifest_of, verify_manifest
-from ._provenance import VersionSpan
 from ._receipt import SegmentMode, assemble_receipt
 from ._staged import StagedCall
 from ._staged_json import (
@@ -31,6 +30,7 @@ from ._staged_json import (
     encode_staged_calls,
 )
 from ._verify import verify_staged
+from .provenance import VersionSpan
 from .simulate import SimulatedRollout, admit_call, simulate_rollout, stage_call
 
 __all__ = ["GOLDEN_FORMAT", "GOLDEN_FORMAT_V2", "assert_golden_vectors", "build_golden_vectors"]

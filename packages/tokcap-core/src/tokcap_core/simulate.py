@@ -15,8 +15,8 @@ from typing import Literal
 from ._events import SPLICE_CAUSES, Admitted, Closed, Failed, Staged, TerminalDeclared, Witnesses
 from ._ledger import Ledger
 from ._manifest import Manifest, manifest_of
-from ._provenance import Spans, VersionSpan, single_span
 from ._staged import StagedCall
+from .provenance import Spans, VersionSpan, single_span
 from .routes import Routes, routes_from_rows
 
 __all__ = ["SimulatedRollout", "admit_call", "simulate_rollout", "stage_call"]
