@@ -8,12 +8,10 @@ started keeps running or listening.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,44 +19,19 @@ from typing import Any
 import pytest
 
 from tests.chromium import dump_dom, run_chromium
+from tests.e2e._cli import REPO, cli_env, tokcap, tokcap_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO_TIMEOUT_S = 420
-
-
-def _demo_command(out: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "tokcap",
-        "demo",
-        "--quick",
-        "--segments",
-        "all",
-        "--out",
-        str(out),
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "COLUMNS": "120"}
+DEMO_ARGS = ("demo", "--quick", "--segments", "all", "--out")
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("demo") / "run"
     started = time.monotonic()
-    proc = subprocess.run(
-        _demo_command(out),
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-        check=False,
-    )
+    proc = tokcap(*DEMO_ARGS, out, timeout=DEMO_TIMEOUT_S)
     elapsed = time.monotonic() - started
     (out.parent / "demo.stderr").write_text(proc.stderr)
     assert proc.returncode == 0, (
@@ -165,10 +138,7 @@ def test_advantages_respect_the_valid_mask(summary: dict[str, Any]) -> None:
 
 def test_show_reprints_the_saved_summary(demo_run: tuple[Path, str]) -> None:
     out, printed = demo_run
-    shown = subprocess.run(
-        [sys.executable, "-m", "tokcap", "show", str(out)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+    shown = tokcap("show", out, timeout=60, check=True)
     for line in ("What was captured", "Checks", "Rollouts", "Timings"):
         assert line in shown.stdout
     assert "rows differing from the engine's own ids" in printed
@@ -257,8 +227,8 @@ def _listening_pids() -> set[int]:
 def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     assert shutil.which("ss"), "ss (iproute2) is needed to check listening sockets"
     proc = subprocess.Popen(
-        _demo_command(tmp_path / "run"),
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        tokcap_command(*DEMO_ARGS, tmp_path / "run"),
+        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
     log: list[str] = []

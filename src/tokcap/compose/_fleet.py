@@ -16,22 +16,40 @@ that still answers (a real push failure: every gate stays held, `FleetPushError`
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
+from tokcap_core import CaptureConfig, ConfigError
 from tokcap_tq import TQSinkConfig
 from tokcap_vllm import GateFleet
 from tokcap_vllm.weights import FleetPushError, FleetWeightSync, WeightInfo
 
 from ._served import served_gate_options, served_gates
-from ._stack import StageHook
+from ._stack import StageHook, services
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FleetGate", "fleet_gates", "gate_entries", "gate_versions", "push_to_live_gates"]
+__all__ = [
+    "TOKEN_ENV",
+    "FleetGate",
+    "fleet_gates",
+    "fleet_services",
+    "fleet_token",
+    "gate_entries",
+    "gate_versions",
+    "push_to_live_gates",
+    "served_model",
+]
+
+TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
+"""Where a run finds the control token of gates someone else started."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +90,60 @@ def fleet_gates(
                 served_gates(model, count, options, token=token, log_dir=log_dir)
             )
         yield [FleetGate(g.url, g.pid) for g in started]
+
+
+async def served_model(url: str) -> str:
+    """The model id the gate at ``url`` serves (vLLM's ``GET /v1/models``): what a harness
+    names in its requests to gates someone else started."""
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+        answer = await client.get("/v1/models")
+        answer.raise_for_status()
+        model: str = answer.json()["data"][0]["id"]
+        return model
+
+
+def fleet_token(urls: Sequence[str], capture: CaptureConfig) -> str:
+    """The fleet's control token: ``TOKCAP_CONTROL_TOKEN`` (required with gates someone
+    else started at ``urls``: `ConfigError` ``token_env_missing``), else the run's own."""
+    if urls and not os.environ.get(TOKEN_ENV):
+        raise ConfigError("token_env_missing", f"--gate URL needs the gates' token in {TOKEN_ENV}")
+    token = os.environ.get(TOKEN_ENV) or capture.control_token
+    assert token is not None
+    return token
+
+
+@contextlib.contextmanager
+def fleet_services(
+    model: str | Path,
+    *,
+    count: int,
+    urls: Sequence[str],
+    ray_address: str | None,
+    workers: int,
+    sink: TQSinkConfig,
+    token: str,
+    vllm_args: Sequence[str],
+    gate_options: Sequence[str] = (),
+    stage: StageHook | None = None,
+) -> Iterator[list[FleetGate]]:
+    """`services` with no gate in this process (Ray + TransferQueue here, or on the cluster
+    at ``ray_address``), then `fleet_gates`; everything stopped on exit."""
+    with (
+        services(None, workers=workers, ray_address=ray_address, stage=stage),
+        tempfile.TemporaryDirectory(prefix="tokcap-gates-") as logs,
+        fleet_gates(
+            model,
+            count=count,
+            urls=urls,
+            sink=sink,
+            token=token,
+            vllm_args=vllm_args,
+            log_dir=Path(logs),
+            gate_options=gate_options,
+            stage=stage,
+        ) as gates,
+    ):
+        yield gates
 
 
 async def push_to_live_gates(

@@ -11,10 +11,7 @@ trainer left on them is reclaimed first). Every rollout is opened through a
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -30,17 +27,16 @@ from ..compose import (
     FleetEndpoint,
     FleetGate,
     Stack,
-    fleet_gates,
+    fleet_services,
+    fleet_token,
     gate_entries,
     gate_versions,
     open_stack,
     reclaim_rollouts,
-    services,
+    served_model,
 )
 
-__all__ = ["TOKEN_ENV", "run_fleet"]
-
-TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
+__all__ = ["run_fleet"]
 
 Session = Callable[[Any, Stack, Stages, GateFleet], Awaitable[Batch]]
 """``session(run, stack, stages, fleet)``: the demo's play-and-collect on a running stack."""
@@ -60,25 +56,19 @@ def run_fleet(
         raise ConfigError(
             "bad_gates", "--gate URL needs --ray-address and no --gates (they are started)"
         )
-    if config.gate_urls and not os.environ.get(TOKEN_ENV):
-        raise ConfigError("token_env_missing", f"--gate URL needs the gates' token in {TOKEN_ENV}")
-    token = os.environ.get(TOKEN_ENV) or capture.control_token
-    assert token is not None
-    with (
-        services(None, workers=config.workers, ray_address=config.ray_address, stage=stages.stage),
-        tempfile.TemporaryDirectory(prefix="tokcap-gates-") as logs,
-        fleet_gates(
-            config.model,
-            count=config.gates,
-            urls=config.gate_urls,
-            sink=sink.config,
-            token=token,
-            vllm_args=vllm_args,
-            log_dir=Path(logs),
-            gate_options=["--tokcap-return-token-ids"],
-            stage=stages.stage,
-        ) as gates,
-    ):
+    token = fleet_token(config.gate_urls, capture)
+    with fleet_services(
+        config.model,
+        count=config.gates,
+        urls=config.gate_urls,
+        ray_address=config.ray_address,
+        workers=config.workers,
+        sink=sink.config,
+        token=token,
+        vllm_args=vllm_args,
+        gate_options=["--tokcap-return-token-ids"],
+        stage=stages.stage,
+    ) as gates:
         anyio.run(_drive, run, gates, token, sink, capture, stages, session)
 
 
@@ -100,7 +90,8 @@ async def _drive(
         if config.gate_urls:  # gates that outlive runs: take back what a dead one held
             reclaimed = await reclaim_rollouts(urls, token, sink)
             stages.log(f"reclaimed rollouts a previous run left: {reclaimed}")
-        endpoint = FleetEndpoint(fleet, str(config.model), urls)
+        model = await served_model(urls[0]) if config.gate_urls else str(config.model)
+        endpoint = FleetEndpoint(fleet, model, urls)
         async with open_stack(
             [endpoint],
             sink=sink,

@@ -25,7 +25,7 @@ import anyio
 import openai
 
 from tokcap_core import CaptureConfig, FinalizedGroup, Manifest, Receipt, TrainingRow
-from tokcap_tq import TQSink
+from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import GateFleet, InProcessServer
 
 from .._stages import Stages
@@ -122,7 +122,8 @@ def run_pipeline(
     )
     run = DemoRun(config)
     capture = capture_config(config)
-    sink = tq_sink(config.tag)
+    # gates someone else started stage into their default partitions (--tokcap-*-partition)
+    sink = TQSink(TQSinkConfig()) if config.gate_urls else tq_sink(config.tag)
     if config.gates or config.gate_urls:
         from ._fleet import run_fleet
 

@@ -11,10 +11,7 @@ through `tokcap_vllm.FleetWeightSync` and reads every gate's version after each 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,13 +25,14 @@ from .._stages import Stages
 from ..compose import (
     FleetEndpoint,
     FleetGate,
-    fleet_gates,
+    fleet_services,
+    fleet_token,
     gate_entries,
     gate_versions,
     open_stack,
     push_to_live_gates,
     reclaim_rollouts,
-    services,
+    served_model,
 )
 from ..demo import QWEN_VLLM_ARGS
 from ._run import train_steps
@@ -50,8 +48,6 @@ from ._step import (
 
 __all__ = ["run_fleet"]
 
-TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
-
 
 def run_fleet(
     run: TrainRun,
@@ -63,24 +59,18 @@ def run_fleet(
 ) -> None:
     """Start the services and the gates (or take ``config.gate_urls``), train, stop."""
     config = run.config
-    token = os.environ.get(TOKEN_ENV) or capture.control_token
-    if config.gate_urls and not os.environ.get(TOKEN_ENV):
-        raise ConfigError("token_env_missing", f"--gate URL needs the gates' token in {TOKEN_ENV}")
-    assert token is not None
-    with (
-        services(None, workers=config.workers, ray_address=config.ray_address, stage=stages.stage),
-        tempfile.TemporaryDirectory(prefix="tokcap-gates-") as logs,
-        fleet_gates(
-            config.model,
-            count=config.gates,
-            urls=config.gate_urls,
-            sink=sink.config,
-            token=token,
-            vllm_args=QWEN_VLLM_ARGS,
-            log_dir=Path(logs),
-            stage=stages.stage,
-        ) as gates,
-    ):
+    token = fleet_token(config.gate_urls, capture)
+    with fleet_services(
+        config.model,
+        count=config.gates,
+        urls=config.gate_urls,
+        ray_address=config.ray_address,
+        workers=config.workers,
+        sink=sink.config,
+        token=token,
+        vllm_args=QWEN_VLLM_ARGS,
+        stage=stages.stage,
+    ) as gates:
         anyio.run(_drive, run, gates, token, sink, capture, stages, on_step, observe)
 
 
@@ -108,7 +98,8 @@ async def _drive(
         if config.gate_urls:  # gates that outlive trainers: take back what a dead one held
             reclaimed = await reclaim_rollouts(urls, token, sink)
             stages.log(f"reclaimed rollouts a previous trainer left: {reclaimed}")
-        endpoint = FleetEndpoint(fleet, str(config.model), urls)
+        model = await served_model(urls[0]) if config.gate_urls else str(config.model)
+        endpoint = FleetEndpoint(fleet, model, urls)
         async with open_stack(
             [endpoint],
             sink=sink,

@@ -80,6 +80,8 @@ class CapturePath:
         """The task group of the gate's `serve` (None: not serving)."""
         self.weights: WeightState | None = None
         """The watched weight state (`Gate.watch_weights`)."""
+        self.kv_kept: set[int] = set()
+        """Versions whose push let calls in flight keep their older KV (push mode ``keep``)."""
 
     async def enter(
         self,
@@ -202,7 +204,9 @@ class CapturePath:
             if self.book.step(call, "finish") is ABANDONED:
                 return  # the harness left (or the rollout closed) while it generated
             call.result = result
-            call.staged = staged_call(call, result, self.config.capture.capture_routes)
+            call.staged = staged_call(
+                call, result, self.config.capture.capture_routes, kv_kept=self.kv_kept
+            )
         except TokcapError as e:
             call.stage_error = e.code
         except Exception as e:  # containment: never let one call's bug reach the engine

@@ -31,7 +31,7 @@ from ._http import AsyncClosing, each_concurrently
 from ._shm import SHM_DIR, write_push_file
 from ._weight_client import GateWeightClient, PushTransport, StagedPush
 from ._weight_state import WeightPushError, WeightSyncError
-from ._weights import PauseMode
+from ._weights import PushMode
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ class FleetWeightSync(AsyncClosing):
         gates: Iterable[tuple[str, str] | GateWeightClient],
         *,
         transport: PushTransport = "shm",
-        mode: PauseMode = "wait",
+        mode: PushMode = "wait",
         shm_dir: str = SHM_DIR,
     ) -> None:
         self.clients: list[GateWeightClient] = [

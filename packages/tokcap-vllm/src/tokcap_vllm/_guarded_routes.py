@@ -33,6 +33,7 @@ import logging
 import os
 import tempfile
 from typing import Any, Final
+from urllib.parse import parse_qs
 
 import anyio
 import msgspec
@@ -223,7 +224,11 @@ class GuardedRoutes:
 
     async def _observe(self, path: str, ok: bool, scope: Scope) -> None:
         weights = self.weights
-        if path == "/update_weights":
+        if path == "/reset_prefix_cache":
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            if ok and query.get("reset_running_requests") == ["true"]:
+                weights.recomputed()
+        elif path == "/update_weights":
             self._updated = self._updated or ok
             weights.updated() if ok else weights.failed("update_failed")
         elif path in ("/start_weight_update", "/finish_weight_update", "/update_weight_version"):

@@ -220,6 +220,7 @@ class GateMiddleware:
         ticket = Ticket(
             prompt_ids=call.plan.prompt_ids,
             on_finish=lambda result: capture.engine_finished(call, result),
+            salt_version=capture.weights.version if capture.weights is not None else None,
         )
         observer = ResponseObserver(keep=call.idempotency_key is not None, kind=kind)
         held: list[Message] = []  # a plain answer is held until the gate says it may complete
