@@ -16,8 +16,8 @@ The shape is NeMo-RL's single controller, with tokcap's custody in between:
   counted ``stale``, refilled), trains on G groups, pushes the weights, and removes the
   groups from the buffer (freeing their rows) and releases their rollouts in the background.
 
-**Pushes land in flight** (``WeightSync.push(mode="keep")``, ``FleetWeightSync(mode=
-"keep")``): generation pauses, the weights swap, the prefix cache resets with running
+**Pushes land in flight** (``WeightSync.push(mode="recompute")``, ``FleetWeightSync(mode=
+"recompute")``): generation pauses, the weights swap, the prefix cache resets with running
 requests preempted, and in-flight calls *continue on the new weights* with their KV
 recomputed. So a call can span two versions (its span's ``weight_version`` and
 ``weight_version_last`` differ; counted as ``calls_spanning_versions``) and no token is

@@ -68,10 +68,10 @@ class LoopConfig:
         return self.async_in_flight or 2 * self.groups
 
     @property
-    def push_mode(self) -> Literal["wait", "keep"]:
-        """How pushes treat calls in flight: ``wait`` (sync: none run) or ``keep`` (async:
-        they continue on the new weights, their KV recomputed)."""
-        return "keep" if self.mode == "async" else "wait"
+    def push_mode(self) -> Literal["wait", "recompute"]:
+        """How pushes treat calls in flight: ``wait`` (sync: none run) or ``recompute``
+        (async: they continue on the new weights, their KV recomputed by them)."""
+        return "recompute" if self.mode == "async" else "wait"
 
     @property
     def decoupled(self) -> bool:
