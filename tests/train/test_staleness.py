@@ -3,6 +3,7 @@ provenance, the lag watch. A hypothesis simulation drives the two pumps' bookkee
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from collections import deque
 
@@ -20,6 +21,7 @@ from tokcap.loop import (
     provenance,
 )
 from tokcap_core import ConfigError, TrainingRow, placeholder_row
+from tokcap_core.provenance import VersionSpan
 from tokcap_core.rows import CallSpan
 
 
@@ -201,3 +203,25 @@ def test_a_content_witness_repeating_an_earlier_answer_names_the_response_instea
     assert episode.scored == "response_id"
     episode.witness = "none"
     assert episode.scored == "none"
+
+
+def test_provenance_reads_per_token_spans_and_stale_kv_where_calls_carry_them() -> None:
+    plain = row([(4, 3, 4)])
+    (span,) = plain.call_spans
+    per_token = dataclasses.replace(
+        span,
+        weight_versions=(
+            VersionSpan(version=3, start=0, end=1),
+            VersionSpan(version=4, start=1, end=4),
+        ),
+        kv_versions=(VersionSpan(version=3, start=0, end=4),),  # keep mode: KV of the old weights
+    )
+    v3 = dataclasses.replace(plain, call_spans=(per_token,))
+    assert provenance([plain], 5).tokens_by_staleness == {2: 4}  # v2: all at the first version
+    origin = provenance([v3], 5)
+    assert origin.tokens_by_staleness == {1: 3, 2: 1}
+    assert (origin.tokens_stale, origin.tokens_stale_kv, origin.calls_spanning_versions) == (
+        4,
+        3,
+        1,
+    )

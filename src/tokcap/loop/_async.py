@@ -230,7 +230,7 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
     """Close, verify, reserve, reassemble, commit, decide: the group READY or discarded."""
     stack, capture = loop.stack, loop.stack.capture
     start = time.perf_counter()
-    declared = [e for e in group.episodes if e.witness == "declared"]
+    declared = [e for e in group.episodes if e.witness == "declared" and e.response_ids]
     async with anyio.create_task_group() as tg:
         for episode in declared:
             tg.start_soon(
@@ -244,8 +244,9 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
         RolloutClose(
             rollout_id=e.rollout_id,
             reward=e.reward,
-            response_id=e.response_ids[-1] if e.scored == "response_id" else None,
-            content=e.contents[-1] if e.scored == "content" else None,
+            # a rollout whose gate was lost mid-play has no answer: no witness, poisoned
+            response_id=next(reversed(e.response_ids), None) if e.scored == "response_id" else None,
+            content=next(reversed(e.contents), None) if e.scored == "content" else None,
         )
         for e in group.episodes
     ]

@@ -70,7 +70,7 @@ class LoopConfig:
     @property
     def push_mode(self) -> Literal["wait", "recompute"]:
         """How pushes treat calls in flight: ``wait`` (sync: none run) or ``recompute``
-        (async: they continue on the new weights, their KV recomputed)."""
+        (async: they continue on the new weights, their KV recomputed by them)."""
         return "recompute" if self.mode == "async" else "wait"
 
     @property

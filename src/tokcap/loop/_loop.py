@@ -34,7 +34,7 @@ import anyio
 from tokcap_core import CaptureConfig
 from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import InProcessServer, WeightSync
-from tokcap_vllm.weights import PauseMode
+from tokcap_vllm.weights import PushMode
 
 from .._stages import Stages
 from ..compose import in_process_gate, open_stack, services, tq_sink
@@ -151,7 +151,7 @@ async def _drive(
             await train_steps(loop, stages, on_step)
 
 
-def _push(server: InProcessServer, sync: WeightSync, trainer: Any, mode: PauseMode) -> str:
+def _push(server: InProcessServer, sync: WeightSync, trainer: Any, mode: PushMode) -> str:
     """Push the trainer's weights if its version moved; the engine's version label after."""
     if trainer.version > sync.state.version:
         push = functools.partial(sync.push, mode=mode)

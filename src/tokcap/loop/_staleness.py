@@ -16,9 +16,9 @@ and acts on the answer.
   ``max_skipped`` the run stops with `LoopError` ``too_many_skipped`` rather than train on
   ever fewer prompts.
 
-Token staleness reads what rows carry: each call span's ``weight_version`` (its first
-generated token) and ``weight_version_last``. Until per-token spans are captured, a call's
-tokens are all counted at its first version: an upper bound on their staleness.
+Token staleness reads what rows carry: each call span's per-token ``weight_versions`` and
+``kv_versions`` (capture format v3); a v2 call only has its first and last versions, and
+its tokens all count at the first (an upper bound on their staleness).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokcap_core import ConfigError, TokcapError, TrainingRow
+from tokcap_core.provenance import row_staleness
 
 __all__ = [
     "STALE",
@@ -119,7 +120,9 @@ class Provenance:
     tokens_by_staleness: dict[int, int]
     """Loss tokens per staleness (trained version minus the version that sampled them)."""
     calls_spanning_versions: int
-    """Calls whose first and last generated tokens were sampled by different versions."""
+    """Calls whose generated tokens were sampled by more than one version."""
+    tokens_stale_kv: int = 0
+    """Loss tokens conditioned on KV computed by weights older than those that sampled them."""
 
     @property
     def tokens_stale(self) -> int:
@@ -130,19 +133,28 @@ class Provenance:
 def provenance(rows: Iterable[TrainingRow], trained_version: int) -> Provenance:
     """The `Provenance` of valid ``rows`` trained at ``trained_version``.
 
-    A call's generated tokens count at the call's first version (``CallSpan.weight_version``),
-    so a call that spans a push counts all its tokens at the older version.
+    Per token where a call carries its version spans (capture format v3; stale-KV tokens
+    from `tokcap_core.provenance.row_staleness`); a format v2 call's tokens all count at its
+    first version (an upper bound on their staleness), and it spans versions when its first
+    and last differ.
     """
     by_staleness: Counter[int] = Counter()
-    spanning = 0
+    spanning = stale_kv = 0
     for row in rows:
         if not row.sample_mask:
             continue
+        stale_kv += row_staleness(row, trained_version).stale_kv_tokens
         for span in row.call_spans:
-            by_staleness[trained_version - span.weight_version] += span.gen_len
-            spanning += span.weight_version != span.weight_version_last
+            if span.weight_versions is None:
+                by_staleness[trained_version - span.weight_version] += span.gen_len
+                spanning += span.weight_version != span.weight_version_last
+                continue
+            for part in span.weight_versions:
+                by_staleness[trained_version - part.version] += part.length
+            spanning += len({part.version for part in span.weight_versions}) > 1
     return Provenance(
         staleness_max=max(by_staleness, default=None),
         tokens_by_staleness=dict(sorted(by_staleness.items())),
         calls_spanning_versions=spanning,
+        tokens_stale_kv=stale_kv,
     )

@@ -328,6 +328,7 @@ def step_record(
         seconds=seconds,
         calls_spanning_versions=origin.calls_spanning_versions,
         tokens_stale=origin.tokens_stale,
+        tokens_stale_kv=origin.tokens_stale_kv,
         dropped_stale=dropped_stale,
         skipped=skipped or {},
         loop_lag_ms_max=loop_lag_ms_max,
