@@ -27,6 +27,10 @@ if Path(tests.__file__).resolve().parent != _HERE:
 # `pytest --hypothesis-profile=lean`: fewer examples where a test does not pin its own count
 # (tests/test_python_versions.py runs the core's tests this way on each extra Python).
 settings.register_profile("lean", max_examples=10, deadline=None)
+# No per-example deadline: a deadline is a timed assertion, and it fails on a loaded box
+# (hypothesis's 200 ms default did, on the core's advantage laws, with 4 engines running).
+settings.register_profile("tokcap", deadline=None)
+settings.load_profile("tokcap")
 
 # Ray must not re-run `uv run` in its workers (see scripts/setup.sh).
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")

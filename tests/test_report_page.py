@@ -5,11 +5,10 @@ plots found. (tests/e2e/test_demo.py checks the same on a real demo run.)"""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from tests.chromium import dump_dom
 from tokcap.demo import Drift, render_report
 from tokcap_core import assemble_receipt, reassemble, verify_manifest
 from tokcap_core.simulate import simulate_rollout
@@ -57,21 +56,11 @@ def page(tmp_path: Path) -> tuple[Path, int]:
 
 
 def test_the_report_picks_a_trajectory_and_shows_its_plots_in_chromium(tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is missing: bash scripts/setup.sh --with-chromium installs it"
     report, count = page(tmp_path)
     html = report.read_text()
     assert "http://" not in html
     assert "https://" not in html
-    dom = subprocess.run(
-        [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
-            f"{report.as_uri()}#t3",
-        ],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+    dom = dump_dom(f"{report.as_uri()}#t3", tmp_path / "profile")
     sections = re.findall(r'<section class="traj" id="(t\d+)"( hidden="")?', dom)
     assert len(sections) == count
     assert [s for s, hidden in sections if not hidden] == ["t3"]

@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
+    _gate_arguments(demo)
     demo.add_argument(
         "--model-family", choices=("qwen", "mistral"), default="qwen",
         help="qwen: tiny Qwen3, ChatML + hermes tool calls (default); mistral: tiny Mistral "
@@ -117,7 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--rollouts", type=_positive, default=8, help="rollouts per group (default 8)"
     )
-    train.add_argument("--turns", type=_positive, default=1, help="calls per rollout (default 1)")
+    train.add_argument(
+        "--task", choices=("agent", "digits"), default="agent",
+        help="agent: a tool result from the environment between the model's calls (default); "
+        "digits: the user asks for more digits",
+    )  # fmt: skip
+    train.add_argument(
+        "--turns",
+        type=_positive,
+        help="model calls per rollout (default 2 for agent, 1 for digits)",
+    )
     train.add_argument(
         "--max-tokens", type=_positive, default=16, help="tokens per call (default 16)"
     )
@@ -125,16 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, help="run folder (default .tokcap/runs/train-<time>)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
-    train.add_argument(
-        "--gates", type=_positive, default=0,
-        help="start N gates, each its own `tokcap-vllm serve` process on the run's Ray "
-        "(default: one gate in this process)",
-    )  # fmt: skip
-    train.add_argument(
-        "--gate", dest="gate_urls", action="append", default=[], metavar="URL",
-        help="a gate someone else started with --tokcap-sink tq on --ray-address's cluster "
-        "(repeat; its token in TOKCAP_CONTROL_TOKEN)",
-    )  # fmt: skip
+    _gate_arguments(train)
     train.add_argument(
         "--async", dest="mode", action="store_const", const="async", default="sync",
         help="a rollout pump keeps the engine busy while a train pump collects and trains; "
@@ -168,6 +169,20 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", nargs="?", help="a script in bench/ (with or without .py)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
+
+
+def _gate_arguments(command: argparse.ArgumentParser) -> None:
+    """``--gates N`` and ``--gate URL`` (demo and train)."""
+    command.add_argument(
+        "--gates", type=_positive, default=0,
+        help="start N gates, each its own `tokcap-vllm serve` process on the run's Ray "
+        "(default: one gate in this process)",
+    )  # fmt: skip
+    command.add_argument(
+        "--gate", dest="gate_urls", action="append", default=[], metavar="URL",
+        help="a gate someone else started with --tokcap-sink tq on --ray-address's cluster "
+        "(repeat; its token in TOKCAP_CONTROL_TOKEN)",
+    )  # fmt: skip
 
 
 def _positive(text: str) -> int:

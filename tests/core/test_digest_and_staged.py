@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from tokcap_core import StagedCall
 from tokcap_core.errors import InvalidStagedCall
 from tokcap_core.ledger import ZERO_HASH, Admitted, chain_hash, entry_hash, genesis_hash
+from tokcap_core.provenance import VersionSpan, single_span
 from tokcap_core.routes import Routes, routes_from_rows
 from tokcap_core.staged import compute_call_digest, logprob_array, token_array
 from tokcap_core.testing import staged_calls
+
+from ._versions import shifted
 
 ROUTE_MAX = {"int8": 2**7 - 1, "int16": 2**15 - 1, "int32": 2**31 - 1}
 
@@ -36,7 +39,10 @@ def _stage(**overrides: Any) -> StagedCall:
         "logprobs": [-0.5, -1.25],
         "finish_reason": "stop",
         "weight_version": 1,
-        "weight_version_last": 2,
+        "weight_versions": (
+            VersionSpan(version=1, start=0, end=1),
+            VersionSpan(version=2, start=1, end=2),
+        ),
     }
     args.update(overrides)
     return StagedCall.from_engine_output(**args)
@@ -224,9 +230,21 @@ def _altered(call: StagedCall, field: str, data: st.DataObject) -> StagedCall | 
             return None
         return dataclasses.replace(call, parent_id=_other_id(data, call.parent_id, r"c[0-9]{6}"))
     if field == "weight_version":
-        return dataclasses.replace(
-            call, weight_version=call.weight_version + data.draw(st.integers(1, 5))
+        return shifted(call, data.draw(st.integers(1, 5)))
+    if field == "kv_versions":
+        kv = single_span(call.weight_version, call.gen_len)
+        return None if kv == call.kv_versions else dataclasses.replace(call, kv_versions=kv)
+    if field == "span_boundary":
+        spans = call.weight_versions
+        if spans is None or len(spans) < 2 or spans[1].length < 2:
+            return None
+        a, b = spans[0], spans[1]
+        moved = (
+            dataclasses.replace(a, end=a.end + 1),
+            dataclasses.replace(b, start=b.start + 1),
+            *spans[2:],
         )
+        return dataclasses.replace(call, weight_versions=moved, kv_versions=moved)
     if field == "finish_reason":
         return dataclasses.replace(
             call, finish_reason="length" if call.finish_reason == "stop" else "stop"
@@ -248,6 +266,8 @@ ALTERABLE = [
     "prefix_len",
     "parent_id",
     "weight_version",
+    "kv_versions",
+    "span_boundary",
     "finish_reason",
     "rollout_id",
     "call_id",
@@ -269,6 +289,16 @@ def test_altering_any_single_field_changes_the_digest(
 def test_each_alteration_is_constructible_for_a_routed_child(field: str) -> None:
     # guards the property above against silently skipping a field on every example
     call = _stage(routes=routes_from_rows([[[1, 2]]] * 6, dtype="int8"))
+    if field == "span_boundary":  # a second span of two tokens, so its start can move
+        call = _stage(
+            output_ids=[10, 11, 12],
+            logprobs=[-0.5, -1.25, -2.0],
+            routes=routes_from_rows([[[1, 2]]] * 7, dtype="int8"),
+            weight_versions=(
+                VersionSpan(version=1, start=0, end=1),
+                VersionSpan(version=2, start=1, end=3),
+            ),
+        )
 
     @settings(max_examples=3, deadline=None)
     @given(data=st.data())
@@ -296,9 +326,15 @@ def test_call_digest_commits_to_every_length_field(call: StagedCall, field: str,
 
 
 def test_moving_the_prompt_generation_boundary_changes_the_digest() -> None:
-    call = _stage()
+    call = _stage(weight_versions=None, weight_version_last=None)
+    spans = single_span(1, 1)
     moved = dataclasses.replace(
-        call, carry_len=call.carry_len + 1, gen_len=call.gen_len - 1, logprobs=call.logprobs[1:]
+        call,
+        carry_len=call.carry_len + 1,
+        gen_len=call.gen_len - 1,
+        logprobs=call.logprobs[1:],
+        weight_versions=spans,
+        kv_versions=spans,
     )
     assert moved.tokens == call.tokens
     assert moved.compute_digest() != call.digest
@@ -306,7 +342,7 @@ def test_moving_the_prompt_generation_boundary_changes_the_digest() -> None:
 
 def test_tokens_and_logprobs_cannot_trade_elements() -> None:
     # u64 element counts separate adjacent buffers
-    base = _stage(output_ids=[1], logprobs=[-1.0], prompt_ids=[0, 0, 0, 2])
+    base = _stage(output_ids=[1], logprobs=[-1.0], prompt_ids=[0, 0, 0, 2], weight_versions=None)
     fields = _fields(base)
     del fields["digest"], fields["chain_hash"]
     shifted = dict(fields, tokens=array("I", [2]), carry_len=0, gen_len=1)
@@ -344,7 +380,7 @@ def test_call_digest_is_the_documented_canonical_encoding() -> None:
     assert call.routes is not None
     u64 = struct.Struct("<Q").pack
     expected = _h(
-        b"tokcap/call/v2",
+        b"tokcap/call/v3",
         _text("run-1"),
         _text("c000002"),
         b"\x01" + _text("c000001"),
@@ -355,8 +391,29 @@ def test_call_digest_is_the_documented_canonical_encoding() -> None:
         u64(1) + _text("int16") + u64(5) + u64(1) + u64(2),
         # rows 2..6 of the aligned engine routes: four reported rows, then the unreported last token
         u64(10) + struct.pack("<10h", *([1, 2] * 4), -1, -1),
+        # format v3: weight spans, then KV spans, each a count and (version, start, end)s
+        u64(2) + u64(1) + u64(0) + u64(1) + u64(2) + u64(1) + u64(2),
+        u64(2) + u64(1) + u64(0) + u64(1) + u64(2) + u64(1) + u64(2),
     )  # fmt: skip
     assert call.digest == expected
+    v2 = dataclasses.replace(call, weight_versions=None, kv_versions=None)
+    assert v2.compute_digest() == _h(
+        b"tokcap/call/v2", *_v2_parts(call)
+    )  # a stored format v2 call hashes as it always did
+
+
+def _v2_parts(call: StagedCall) -> list[bytes]:
+    u64 = struct.Struct("<Q").pack
+    assert call.routes is not None
+    return [
+        _text(call.rollout_id), _text(call.call_id), b"\x01" + _text(call.parent_id or ""),
+        u64(call.prefix_len), u64(call.carry_len), u64(call.gen_len),
+        u64(call.weight_version), u64(call.weight_version_last), _text(call.finish_reason),
+        u64(len(call.tokens)) + call.tokens.tobytes(),
+        u64(len(call.logprobs)) + call.logprobs.tobytes(),
+        u64(1) + _text(call.routes.dtype) + b"".join(u64(d) for d in call.routes.shape),
+        u64(len(call.routes.data)) + call.routes.data.tobytes(),
+    ]  # fmt: skip
 
 
 def test_digest_domains_are_separated() -> None:

@@ -10,19 +10,50 @@ from typing import Any
 
 import pytest
 
-from tokcap_core import VerificationError
-from tokcap_core.golden import assert_golden_vectors
+from tokcap_core import VerificationError, decode_manifest, verify_manifest
+from tokcap_core.golden import GOLDEN_FORMAT_V2, assert_golden_vectors
+from tokcap_core.ledger import encode_manifest
+from tokcap_core.provenance import receipt_staleness
+from tokcap_core.receipts import assemble_receipt
 
 
-def shipped() -> dict[str, Any]:
+def shipped(name: str = "vectors.json") -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(
-        resources.files("tokcap_core").joinpath("golden/vectors.json").read_text("utf-8")
+        resources.files("tokcap_core").joinpath(f"golden/{name}").read_text("utf-8")
     )
     return doc
 
 
 def test_shipped_golden_vectors_are_recomputed_exactly() -> None:
-    assert assert_golden_vectors() == assert_golden_vectors(shipped()) > 0
+    v3, v2 = assert_golden_vectors(shipped()), assert_golden_vectors(shipped("vectors_v2.json"))
+    assert assert_golden_vectors() == v3 + v2
+    assert v3 > 0
+    assert v2 > 0
+
+
+def test_stored_format_v2_captures_still_verify_and_keep_their_bytes() -> None:
+    doc = shipped("vectors_v2.json")
+    assert doc["format"] == GOLDEN_FORMAT_V2
+    for r in doc["rollouts"]:
+        assert r["manifest"]["format"] == "tokcap/manifest/v2"
+        assert all("weight_versions" not in c for c in r["staged"])
+        manifest = decode_manifest(json.dumps(r["manifest"]))
+        # re-encoded as written then: a v2 manifest stays v2, byte for byte
+        assert json.loads(encode_manifest(manifest)) == r["manifest"]
+        receipt = assemble_receipt(verify_manifest(manifest), segments=r["segments"])
+        assert receipt.to_json() == r["receipt"]
+
+
+def test_golden_vectors_v3_hold_both_push_modes() -> None:
+    (case,) = [r for r in shipped()["rollouts"] if r["name"] == "pushed-in-flight"]
+    recompute, keep = case["staged"]
+    assert recompute["weight_versions"] == recompute["kv_versions"] == [[3, 0, 2], [4, 2, 5]]
+    assert keep["weight_versions"] == [[4, 0, 3], [5, 3, 6]]
+    assert keep["kv_versions"] == [[4, 0, 6]]  # three tokens sampled by 5 on KV of 4
+    receipt = assemble_receipt(verify_manifest(decode_manifest(json.dumps(case["manifest"]))))
+    staleness = receipt_staleness(receipt, trained_version=5)
+    assert (staleness.tokens, staleness.staleness_max, staleness.stale_kv_tokens) == (11, 2, 3)
+    assert (staleness.stale_tokens, staleness.calls_spanning_versions) == (8, 2)
 
 
 def test_golden_vectors_cover_every_terminal_path_in_the_spec() -> None:
@@ -52,6 +83,9 @@ DOMAINS = [
     ("tokcap_core._digest", "CHAIN_DOMAIN"),
     ("tokcap_core._digest", "GENESIS_DOMAIN"),
     ("tokcap_core._ledger", "LEDGER_DOMAIN"),
+    ("tokcap_core._events", "STAGED_ENTRY_DOMAIN"),
+    ("tokcap_core._staged", "CALL_DOMAIN_V2"),
+    ("tokcap_core._events", "LEDGER_DOMAIN"),
 ]
 
 
@@ -76,6 +110,11 @@ EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
     "staged last weight version": lambda d: d["rollouts"][0]["staged"][0].update(
         weight_version_last=d["rollouts"][0]["staged"][0]["weight_version_last"] + 1
     ),
+    "staged weight span": lambda d: _pushed(d)["staged"][1]["weight_versions"][0].__setitem__(2, 2),
+    "staged kv span": lambda d: _pushed(d)["staged"][1].update(kv_versions=[[4, 0, 3], [5, 3, 6]]),
+    "manifest kv span": lambda d: _staged_events(d)[-1]["event"].update(
+        kv_versions=[[4, 0, 3], [5, 3, 6]]
+    ),
     "admitted formation": lambda d: _admitted(d, "splice")[0]["event"].update(
         formation="extend", splice_cause=None
     ),
@@ -89,6 +128,14 @@ EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
         formation="root"
     ),
 }
+
+
+def _pushed(doc: dict[str, Any]) -> dict[str, Any]:
+    return next(r for r in doc["rollouts"] if r["name"] == "pushed-in-flight")
+
+
+def _staged_events(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in _pushed(doc)["manifest"]["entries"] if e["event"]["type"] == "staged"]
 
 
 def _admitted(doc: dict[str, Any], formation: str) -> list[dict[str, Any]]:

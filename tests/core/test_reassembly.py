@@ -31,9 +31,12 @@ from tokcap_core import (
 )
 from tokcap_core.errors import InvalidStagedCall
 from tokcap_core.ledger import Closed, TerminalDeclared
+from tokcap_core.provenance import VersionSpan, single_span
 from tokcap_core.routes import Routes, routes_from_rows, unknown_rows
 from tokcap_core.simulate import SimulatedRollout, admit_call, simulate_rollout, stage_call
 from tokcap_core.testing import simulated_rollouts
+
+from ._versions import shifted
 
 BIG = 1 << 20
 LAYERS, TOPK = 2, 2
@@ -83,6 +86,18 @@ class Turn:
     """The version at the last generated token (None: no weight push during the call)."""
 
 
+def _spans(turn: Turn) -> tuple[VersionSpan, ...] | None:
+    """Two spans, the last token on ``weight_version_last``, for a turn a push interrupted."""
+    last = turn.weight_version_last
+    if last is None or last == turn.weight_version:
+        return None
+    cut = len(turn.output) - 1
+    return (
+        VersionSpan(version=turn.weight_version, start=0, end=cut),
+        VersionSpan(version=last, start=cut, end=len(turn.output)),
+    )
+
+
 def _chain(
     turns: Sequence[Turn], *, rollout_id: str = "run-1", reward: float | None = 1.0
 ) -> tuple[Receipt, dict[str, StagedCall]]:
@@ -108,7 +123,7 @@ def _chain(
             logprobs=[-0.25 * (i + 1) for i in range(len(turn.output))],
             finish_reason=turn.finish_reason,
             weight_version=turn.weight_version,
-            weight_version_last=turn.weight_version_last,
+            weight_versions=_spans(turn),
             routes=routes,
         )
         staged[call.key] = call
@@ -191,7 +206,9 @@ def test_row_concatenates_the_calls_of_the_terminal_chain() -> None:
 
 
 def test_a_call_generated_across_a_weight_push_widens_the_rows_versions() -> None:
-    pushed = dataclasses.replace(THREE_TURNS[2], weight_version=5, weight_version_last=7)
+    pushed = dataclasses.replace(
+        THREE_TURNS[2], output=[25, 26], weight_version=5, weight_version_last=7
+    )
     receipt, staged = _chain((*THREE_TURNS[:2], pushed))
     (row,) = reassemble(receipt, staged, max_seq_len=BIG)
     assert (row.weight_version_min, row.weight_version_max) == (3, 7)
@@ -404,9 +421,11 @@ def _tampered(code: str) -> tuple[Receipt, dict[str, StagedCall]]:
             gen_len=call.gen_len - 1,
             logprobs=call.logprobs[1:],
             routes=None,
+            weight_versions=single_span(call.weight_version, call.gen_len - 1),
+            kv_versions=single_span(call.weight_version, call.gen_len - 1),
         )
     elif code == "metadata_mismatch":
-        staged[key] = dataclasses.replace(call, weight_version=call.weight_version + 1)
+        staged[key] = shifted(call, 1)
     elif code == "digest_mismatch":
         tokens = array("I", call.tokens)
         tokens[-1] += 1

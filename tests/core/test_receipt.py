@@ -23,6 +23,7 @@ from tokcap_core.ledger import (
     TerminalDeclared,
     Witnesses,
 )
+from tokcap_core.provenance import VersionSpan
 from tokcap_core.reasons import (
     AMBIGUOUS_TERMINAL,
     DECLARED_TERMINAL_MISSING,
@@ -77,7 +78,8 @@ class Builder:
         splice_cause: str | None = None,
         weight_version_last: int | None = None,
     ) -> str:
-        """Admit and stage a call with two carried and two generated tokens; return its id."""
+        """Admit and stage a call with two carried and two generated tokens (the second
+        sampled by ``weight_version_last`` when given); return its id."""
         call_id = self.admit(parent, break_cause=break_cause, splice_cause=splice_cause)
         up = self.calls[parent] if parent else None
         call = stage_call(
@@ -87,7 +89,12 @@ class Builder:
             prompt_ids=[0] * (up.cum_len if up else 0) + [self.clock, 7],
             output_ids=[self.clock, 9],
             logprobs=[-0.5, -1.5],
-            weight_version_last=weight_version_last,
+            weight_versions=None
+            if weight_version_last is None
+            else (
+                VersionSpan(version=0, start=0, end=1),
+                VersionSpan(version=weight_version_last, start=1, end=2),
+            ),
             response_id=f"resp-{call_id}",
             output_fingerprint=fingerprint or f"out-{call_id}",
         )
@@ -404,6 +411,11 @@ def test_a_call_generated_across_a_weight_push_reports_both_versions() -> None:
     b.close()
     (link,) = b.receipt().segments[0]
     assert (link.call_id, link.weight_version, link.weight_version_last) == (c1, 0, 3)
+    assert link.weight_versions == (
+        VersionSpan(version=0, start=0, end=1),
+        VersionSpan(version=3, start=1, end=2),
+    )
+    assert link.kv_versions == link.weight_versions
 
 
 def test_receipt_carries_reward_and_ledger_head_and_prints_as_json() -> None:

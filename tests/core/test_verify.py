@@ -23,6 +23,8 @@ from tokcap_core.routes import Routes
 from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 from tokcap_core.testing import simulated_rollouts
 
+from ._versions import shifted
+
 
 def receipt_of(sim: SimulatedRollout, segments: str = "all") -> Receipt:
     return assemble_receipt(verify_manifest(sim.manifest), segments=segments)  # type: ignore[arg-type]
@@ -103,12 +105,14 @@ def test_different_lengths_are_a_length_mismatch(sim: SimulatedRollout) -> None:
 @pytest.mark.parametrize("field", ["weight_version", "finish_reason"])
 def test_different_metadata_is_a_metadata_mismatch(sim: SimulatedRollout, field: str) -> None:
     call = sim.staged[receipt_of(sim).segments[0][0].staging_key]
-    new = (
-        call.weight_version + 1
-        if field == "weight_version"
-        else ("length" if call.finish_reason == "stop" else "stop")
-    )
-    assert_code(sim, tampered(sim, 0, **{field: new}), "metadata_mismatch")
+    if field == "weight_version":
+        staged = dict(sim.staged)
+        staged[call.key] = shifted(call, 1)
+    else:
+        staged = tampered(
+            sim, 0, finish_reason="length" if call.finish_reason == "stop" else "stop"
+        )
+    assert_code(sim, staged, "metadata_mismatch")
 
 
 def test_a_changed_token_is_a_digest_mismatch_even_with_the_claimed_digest_intact(

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokcap.compose import SERVED_ENV, free_port
 from tokcap.compose import ServedGate as _ServedGate
-from tokcap.compose import free_port
 
 __all__ = ["ENGINE_ENV", "VLLM_ARGS", "ServedGate", "free_port"]
 
@@ -36,11 +36,17 @@ ENGINE_ENV = {
 
 
 class ServedGate(_ServedGate):
-    """One ``tokcap-vllm serve`` OS process with the tests' engine options."""
+    """One ``tokcap-vllm serve`` OS process with the tests' engine options (and the
+    environment every served gate of a run gets: vLLM's RL routes, its own engine core)."""
 
     def __init__(
         self, model: Path, options: Sequence[str], *, token: str, log: Path, port: int = 0
     ) -> None:
         super().__init__(
-            model, [*options, *VLLM_ARGS], token=token, log=log, port=port, env=ENGINE_ENV
+            model,
+            [*options, *VLLM_ARGS],
+            token=token,
+            log=log,
+            port=port,
+            env={**SERVED_ENV, **ENGINE_ENV},
         )

@@ -8,55 +8,30 @@ started keeps running or listening.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.chromium import dump_dom, run_chromium
+from tests.e2e._cli import REPO, cli_env, tokcap, tokcap_command
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO_TIMEOUT_S = 420
-
-
-def _demo_command(out: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "tokcap",
-        "demo",
-        "--quick",
-        "--segments",
-        "all",
-        "--out",
-        str(out),
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "COLUMNS": "120"}
+DEMO_ARGS = ("demo", "--quick", "--segments", "all", "--out")
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("demo") / "run"
     started = time.monotonic()
-    proc = subprocess.run(
-        _demo_command(out),
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-        check=False,
-    )
+    proc = tokcap(*DEMO_ARGS, out, timeout=DEMO_TIMEOUT_S)
     elapsed = time.monotonic() - started
     (out.parent / "demo.stderr").write_text(proc.stderr)
     assert proc.returncode == 0, (
@@ -163,10 +138,7 @@ def test_advantages_respect_the_valid_mask(summary: dict[str, Any]) -> None:
 
 def test_show_reprints_the_saved_summary(demo_run: tuple[Path, str]) -> None:
     out, printed = demo_run
-    shown = subprocess.run(
-        [sys.executable, "-m", "tokcap", "show", str(out)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+    shown = tokcap("show", out, timeout=60, check=True)
     for line in ("What was captured", "Checks", "Rollouts", "Timings"):
         assert line in shown.stdout
     assert "rows differing from the engine's own ids" in printed
@@ -183,22 +155,14 @@ def _png_stats(path: Path) -> tuple[int, int, int]:
 
 
 def test_report_renders_in_headless_chromium(demo_run: tuple[Path, str], tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is missing: bash scripts/setup.sh --with-chromium installs it"
     report = demo_run[0] / "report.html"
     html = report.read_text()
     assert "http://" not in html
     assert "https://" not in html
     shot = tmp_path / "report.png"
-    subprocess.run(
-        [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-            f"--screenshot={shot}", "--window-size=1400,1800", report.as_uri(),
-        ],
-        capture_output=True, timeout=120, check=True,
-    )  # fmt: skip
+    run_chromium(
+        tmp_path / "profile", f"--screenshot={shot}", "--window-size=1400,1800", report.as_uri()
+    )
     assert shot.stat().st_size > 20_000
     width, height, colours = _png_stats(shot)
     assert (width, height) == (1400, 1800)
@@ -211,21 +175,11 @@ def test_report_picks_any_trajectory_and_shows_plots_in_chromium(
     """Loads the page with a trajectory picked (``#tN``, what the picker writes), lets its
     script run, and reads the DOM back: the picked trajectory alone is shown, every valid
     row is reachable, the plots are there, prompts start folded."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is missing: bash scripts/setup.sh --with-chromium installs it"
     report = demo_run[0] / "report.html"
     count = report.read_text().count('<section class="traj"')
     assert count == summary["rows"]["valid"]
     picked = f"t{count - 1}"
-    dom = subprocess.run(
-        [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
-            f"{report.as_uri()}#{picked}",
-        ],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+    dom = dump_dom(f"{report.as_uri()}#{picked}", tmp_path / "profile")
     sections = re.findall(r'<section class="traj" id="(t\d+)"( hidden="")?', dom)
     assert len(sections) == count
     assert [s for s, hidden in sections if not hidden] == [picked]
@@ -273,8 +227,8 @@ def _listening_pids() -> set[int]:
 def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     assert shutil.which("ss"), "ss (iproute2) is needed to check listening sockets"
     proc = subprocess.Popen(
-        _demo_command(tmp_path / "run"),
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        tokcap_command(*DEMO_ARGS, tmp_path / "run"),
+        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
     log: list[str] = []

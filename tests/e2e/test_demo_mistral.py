@@ -7,32 +7,22 @@ TransferQueue and Ray. Every tool loop is one verified chain, token-exact with t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e._cli import tokcap
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("demo-mistral") / "run"
-    command = [sys.executable, "-m", "tokcap", "demo", "--quick", "--model-family", "mistral"]
-    proc = subprocess.run(
-        [*command, "--out", str(out)],
-        cwd=REPO,
-        env={**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "COLUMNS": "120"},
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-        check=False,
+    proc = tokcap(
+        "demo", "--quick", "--model-family", "mistral", "--out", out, timeout=DEMO_TIMEOUT_S
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "mistral" in proc.stdout  # the summary names the family it served

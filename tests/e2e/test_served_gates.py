@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.e2e._gates import ServedGate
-from tokcap.compose import reclaim_rollouts
+from tokcap.compose import reclaim_rollouts, served_gate_options
 from tokcap_core import reassemble
 from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import ControlPlaneClient, GateFleet
@@ -42,22 +42,15 @@ def tiny_model() -> Path:
 def gates(
     tq_cluster: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[ServedGate]]:
-    """Two served gates attached to this process's TransferQueue (require-open)."""
+    """Two served gates attached to this process's TransferQueue (require-open), taking
+    weight pushes from this process (vLLM's weight-transfer routes, ``tokcap_shm``)."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
     logs = tmp_path_factory.mktemp("gates")
     options = [
-        "--tokcap-sink",
-        "tq",
-        "--tokcap-ray-address",
-        address,
-        "--tokcap-staging-partition",
-        SINK.staging_partition,
-        "--tokcap-training-partition",
-        SINK.training_partition,
+        *served_gate_options(SINK, address),  # what `tokcap train --gates` gives its gates
         "--tokcap-return-token-ids",
-        "--tokcap-require-open",
         "--tokcap-attach-timeout-s",
         "120",
     ]
@@ -223,31 +216,108 @@ def test_a_restarted_trainer_reclaims_what_the_dead_one_left_on_every_gate(
     anyio.run(run)
 
 
-def test_a_gate_killed_mid_step_poisons_only_its_own_rollouts(
-    gates: list[ServedGate], sink: TQSink
+def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
+    gates: list[ServedGate], sink: TQSink, tiny_model: Path
 ) -> None:
-    """Runs last: it kills the second gate."""
+    """Runs last: it kills the second gate's process (API server and engine core) while a
+    step plays, through the composition ``tokcap train --gates`` runs: its rollouts are
+    poisoned and counted, the step trains on the first gate's, nothing stays in
+    TransferQueue or on the live gate, the push goes to the live gate and the next step
+    trains there at the pushed weights."""
+    import torch
+
+    from tokcap.compose import (
+        Finished,
+        FleetEndpoint,
+        open_stack,
+        play_rollouts,
+        push_to_live_gates,
+    )
+    from tokcap.loop import load_policy
+    from tokcap.train import TrainConfig, Trainer
+    from tokcap_core import CaptureConfig
+    from tokcap_vllm.weights import FleetWeightSync
+
+    urls = [g.url for g in gates]
+    capture = CaptureConfig(segments="terminal", max_seq_len=1024, min_valid_fraction=0.5)
+    policy = load_policy(tiny_model, 0)
+    trainer = Trainer(
+        policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), config=TrainConfig(), version=0
+    )
+
+    async def step(stack: Any, fleet: GateFleet, rids: list[str], kill_at: int | None) -> Any:
+        engine_ids: dict[str, list[int]] = {}
+        for rid in rids:
+            await fleet.open(rid)
+
+        async def play(client: openai.AsyncOpenAI, model: str, rollout: Finished, n: int) -> None:
+            if n == kill_at:  # mid-step: two rollouts played on each gate, four to come
+                await anyio.to_thread.run_sync(gates[1].kill)
+            answer: Any = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": f"count to {n}"}],
+                max_tokens=8,
+                temperature=1.0,
+                extra_body={"return_token_ids": True},
+            )
+            engine_ids[rollout.rollout_id] = [
+                *answer.prompt_token_ids,
+                *answer.choices[0].token_ids,
+            ]
+
+        finished = [Finished(rid, rid[:-3], reward=float(i % 2)) for i, rid in enumerate(rids)]
+        await play_rollouts(stack.gate, finished, play, concurrency=1)
+        batch = await stack.collect(finished)
+        report = await anyio.to_thread.run_sync(trainer.step, batch.rows, batch.advantages)
+        assert report.parity.k3 <= 1e-9  # the engine that sampled holds the trainer's weights
+        for row in batch.rows:
+            if row.sample_mask:
+                assert list(row.input_ids) == engine_ids[row.rollout_id]
+        return batch, report
 
     async def run() -> None:
-        rids = [f"kill-{i}" for i in range(4)]
-        async with GateFleet([g.url for g in gates], TOKEN, retries=1) as fleet:
-            engine_ids = await _play(fleet, rids)
-            gates[1].kill()
-            heads = {rid: await fleet.close(rid, reward=1.0) for rid in rids}
-            trained = await _train_rows(fleet, sink, rids, heads)
-            receipts = trained["receipts"]
-            for rid in ("kill-0", "kill-2"):  # the live gate's rollouts train
-                assert receipts[rid].status == "verified"
-                assert list(trained["rows"][rid].input_ids) == engine_ids[rid]
-            for rid in ("kill-1", "kill-3"):
-                assert receipts[rid].status == "poisoned"
-                assert receipts[rid].failure_reason.startswith("gate_unreachable")
-            alive, dead = fleet.report()
-            assert (alive.alive, alive.unreachable, alive.released) == (True, 0, 2)
-            assert (dead.alive, dead.unreachable) == (False, 2)
-            assert fleet.metrics()["fleet/gate1/unreachable"] == 2.0
-        assert not [k for k in await sink.staged_keys() if k.startswith("kill-")]
-        async with ControlPlaneClient(gates[0].url, TOKEN) as cp:
-            assert await cp.rollouts() == []
+        async with (
+            GateFleet(urls, TOKEN, retries=1) as fleet,
+            FleetWeightSync([(url, TOKEN) for url in urls]) as weights,
+        ):
+            endpoint = FleetEndpoint(fleet, str(tiny_model), urls)
+            async with open_stack(
+                [endpoint], sink=sink, capture=capture, workers=1, control=fleet
+            ) as stack:
+                rids = [f"kill-g{g}-r{i}" for g in range(2) for i in range(4)]
+                batch, report = await step(stack, fleet, rids, kill_at=4)
+                lost = {rid for rid in rids if fleet.gate_url(rid) == gates[1].url}
+                assert lost == {rid for i, rid in enumerate(rids) if i % 2}
+                for rid, receipt in batch.receipts.items():
+                    if rid in lost:
+                        assert receipt.status == "poisoned"
+                        assert receipt.failure_reason.startswith("gate_unreachable")
+                    else:
+                        assert receipt.status == "verified"
+                assert batch.accepted == ["kill-g0", "kill-g1"]  # 2 of 4 valid in each
+                assert report.rows_valid == 4
+                assert report.rows_placeholder == 4
+                alive, dead = fleet.report()
+                assert (alive.alive, alive.unreachable, dead.alive, dead.unreachable) == (
+                    True, 0, False, 4,
+                )  # fmt: skip
+                assert fleet.metrics()["fleet/gate1/unreachable"] == 4.0
+                (info,) = await push_to_live_gates(
+                    fleet, weights, trainer.weights(), trainer.version
+                )
+                assert (info.version, info.phase) == (trainer.version, "READY")
+                assert [c.base_url for c in weights.clients] == [gates[0].url]
+                await stack.finish(batch)
+                assert not [k for k in await sink.staged_keys() if k.startswith("kill-")]
+                async with ControlPlaneClient(gates[0].url, TOKEN) as cp:
+                    assert await cp.rollouts() == []
+
+                rids = [f"next-g0-r{i}" for i in range(4)]  # the run goes on, on gate 0
+                batch, report = await step(stack, fleet, rids, kill_at=None)
+                assert {fleet.gate_url(rid) for rid in rids} == {gates[0].url}
+                assert batch.receipts_verified == 4
+                assert {row.weight_version_max for row in batch.rows} == {info.version}
+                await stack.finish(batch)
+        assert not [k for k in await sink.staged_keys() if k.startswith(("kill-", "next-"))]
 
     anyio.run(run)

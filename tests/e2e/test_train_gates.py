@@ -12,16 +12,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e._cli import tokcap
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 HANG_GUARD_S = 1800
 
@@ -29,11 +27,9 @@ HANG_GUARD_S = 1800
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("train-gates") / "run"
-    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "COLUMNS": "120"}
-    command = [sys.executable, "-m", "tokcap", "train", "--gates", "2", "--steps", str(STEPS)]
-    proc = subprocess.run(
-        [*command, "--groups", "2", "--rollouts", "4", "--seed", "0", "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+    proc = tokcap(
+        "train", "--gates", "2", "--steps", str(STEPS),
+        "--groups", "2", "--rollouts", "4", "--seed", "0", "--out", out, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode == 0, (
         f"tokcap train failed ({proc.returncode}):\n{proc.stdout}\n" + proc.stderr[-4000:]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tokcap.loop import (
     STALE,
+    DigitsEpisode,
     LagWatch,
     LoopError,
     SkipCount,
@@ -190,3 +191,13 @@ def test_the_lag_watch_keeps_the_window_and_run_maxima() -> None:
     assert watch.take() == 3.0
     watch.note(2.0)
     assert (watch.take(), watch.take(), watch.run_ms) == (2.0, 0.0, 3.0)
+
+
+def test_a_content_witness_repeating_an_earlier_answer_names_the_response_instead() -> None:
+    episode = DigitsEpisode(rollout_id="r", group_id="g", witness="content", prompt="p")
+    episode.contents = ["1111", "2222"]
+    assert episode.scored == "content"
+    episode.contents = ["1111", "1111"]  # one fingerprint, two calls: ambiguous at the gate
+    assert episode.scored == "response_id"
+    episode.witness = "none"
+    assert episode.scored == "none"

@@ -59,6 +59,21 @@ def client(server: InProcessServer, rollout_id: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.rollout_url(rollout_id), api_key="x", max_retries=0)
 
 
+async def long_stream(
+    c: openai.AsyncOpenAI, server: InProcessServer, max_tokens: int, **options: Any
+) -> Any:
+    """A streamed chat call that runs ``max_tokens`` tokens (EOS ignored): one to interrupt."""
+    return await c.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "long story"}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        **options,
+    )
+
+
 def close_and_reassemble(
     server: InProcessServer, rollout_id: str, *, segments: str = "terminal"
 ) -> tuple[Any, list[TrainingRow], dict[str, StagedCall]]:

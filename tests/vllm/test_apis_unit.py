@@ -11,10 +11,10 @@ import pytest
 
 from tokcap_vllm._answers import MessagesAnswer, ResponsesAnswer
 from tokcap_vllm._apis import decode_request, stream_error_event
-from tokcap_vllm._errors import BadRequest, GateError, Unsupported
 from tokcap_vllm._rollouts import RolloutBook
 from tokcap_vllm._routing import route_request
 from tokcap_vllm._wire import ResponseObserver
+from tokcap_vllm.errors import BadRequest, GateError, Unsupported
 
 PREFIX = "/tokcap/rollouts/"
 

@@ -147,3 +147,50 @@ def test_a_failed_fsync_is_reported_for_every_rollout_of_the_batch(
     assert isinstance(unknown.error, ControlNotFound)
     assert after[0].ok
     assert server.gate.ledger(rids[0]).status is CLOSED  # closed all the same, as `close`
+
+
+def test_a_batch_body_is_checked_whole_and_each_rollout_on_its_own() -> None:
+    """No engine: a real gate's control plane over ASGI. Repeated ids refuse the batch
+    (422); a bad witness or id fails its own rollout only, with the single close's code."""
+    import httpx
+
+    from tokcap_vllm import Gate
+    from tokcap_vllm.extend import ControlPlane
+
+    gate = Gate()
+    gate.open("cm-unit-a")
+    plane = ControlPlane(gate, environ={"TOKCAP_CONTROL_TOKEN": "unit-token"})
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(plane),
+            base_url="http://gate",
+            headers={"authorization": "Bearer unit-token"},
+        ) as http:
+            twice = await http.post(
+                "/tokcap/v1/close",
+                json={"rollouts": [{"rollout_id": "cm-unit-a"}, {"rollout_id": "cm-unit-a"}]},
+            )
+            mixed = await http.post(
+                "/tokcap/v1/close",
+                json={
+                    "rollouts": [
+                        {"rollout_id": "cm-unit-a", "reward": 1.0},
+                        {"rollout_id": "bad id!"},
+                        {
+                            "rollout_id": "cm-unit-b",
+                            "witnesses": {"content_fingerprint": "not-hex"},
+                        },
+                    ]
+                },
+            )
+        return twice, mixed
+
+    twice, mixed = anyio.run(main)
+    assert twice.status_code == 422
+    assert twice.json()["error"]["code"] == "bad_body"
+    assert mixed.status_code == 200
+    ok, bad_id, bad_witness = mixed.json()["results"]
+    assert ok["head"]["seq"] >= 1
+    assert (bad_id["error"]["status"], bad_id["error"]["code"]) == (400, "bad_rollout_id")
+    assert bad_witness["error"]["code"] == "bad_content_fingerprint"

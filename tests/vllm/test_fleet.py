@@ -11,7 +11,14 @@ import anyio
 import httpx
 import pytest
 
-from tokcap_vllm import ControlNotFound, Gate, GateConfig, GateFleet
+from tokcap_vllm import (
+    ControlConflict,
+    ControlNotFound,
+    Gate,
+    GateConfig,
+    GateFleet,
+    RolloutClose,
+)
 from tokcap_vllm.errors import RolloutNotFound
 from tokcap_vllm.extend import ControlPlane
 
@@ -109,5 +116,59 @@ def test_a_gate_that_stops_answering_poisons_only_its_open_rollouts() -> None:
             for rid in rids:
                 await fleet.release(rid)
             assert fleet.lost() == {}
+
+    anyio.run(run)
+
+
+def test_a_batch_close_goes_to_each_gate_once_and_a_dead_gate_loses_only_its_own() -> None:
+    async def run() -> None:
+        fleet, _, hosts = _fleet()
+        async with fleet:
+            rids = [f"b{i}" for i in range(4)]  # b0, b2 on gate-a; b1, b3 on gate-b
+            for rid in rids:
+                await fleet.open(rid)
+            hosts.down.add("gate-b:8000")
+            closes = [RolloutClose(rollout_id=rid, reward=0.5) for rid in rids]
+            results = await fleet.close_many(closes)
+            assert [r.rollout_id for r in results] == rids
+            assert all(r.ok for r in results)  # the lost ones get their genesis head
+            assert set(fleet.lost()) == {"b1", "b3"}
+            again = await fleet.close_many([RolloutClose(rollout_id="b0")])
+            assert isinstance(again[0].error, ControlConflict)
+            heads = {r.rollout_id: r.head_or_raise() for r in results}
+            receipts = await fleet.fetch_receipts(rids, expected_heads=heads)
+            assert [r.failure_reason for r in receipts] == [
+                "no_terminal",
+                "gate_unreachable:ConnectError",
+            ] * 2
+            await fleet.release_many(rids)
+            a, b = fleet.report()
+            assert (a.closed, a.released, b.unreachable) == (2, 2, 2)
+
+    anyio.run(run)
+
+
+def test_a_probe_marks_a_gate_that_stopped_answering_lost_and_keeps_one_that_answers() -> None:
+    """What a trainer asks when a harness call to a gate failed in transport."""
+
+    async def run() -> None:
+        fleet, _, hosts = _fleet()
+        async with fleet:
+            for i in range(4):
+                await fleet.open(f"p{i}")
+            assert await fleet.probe(URLS[0] + "/")
+            hosts.down.add("gate-b:8000")
+            assert not await fleet.probe(URLS[1])
+            assert fleet.lost() == {
+                "p1": "gate_unreachable:ConnectError",
+                "p3": "gate_unreachable:ConnectError",
+            }
+            hosts.down.clear()
+            assert not await fleet.probe(URLS[1])  # a lost gate stays lost
+            await fleet.open("p4")
+            assert fleet.gate_url("p4") == URLS[0]
+            assert [(r.alive, r.unreachable) for r in fleet.report()] == [(True, 0), (False, 2)]
+            with pytest.raises(ValueError, match="not a gate of this fleet"):
+                await fleet.probe("http://gate-c:8000")
 
     anyio.run(run)

@@ -15,7 +15,6 @@ import pytest
 
 from tests.vllm._rules import Flag, NoLock
 from tokcap_core import TokcapError
-from tokcap_vllm._errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
 from tokcap_vllm._host import EngineResult
 from tokcap_vllm._lifecycle import COMMITTED, FAILED
 from tokcap_vllm._planning import Observed, ParentIndex, PlannedRequest
@@ -31,6 +30,7 @@ from tokcap_vllm._records import GateCall, answerable, gone
 from tokcap_vllm._rollouts import CLOSING, EMPTY, OPEN, UNCAPTURED, RolloutBook
 from tokcap_vllm._routing import route_request
 from tokcap_vllm._staging import staged_call, staged_entry
+from tokcap_vllm.errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
 from tokcap_vllm.fingerprints import message_fingerprints, normalize_message, output_fingerprint
 
 PREFIX = "/tokcap/rollouts/"

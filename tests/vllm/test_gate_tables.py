@@ -23,7 +23,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from tests.vllm._rules import Flag, NoLock
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Closed, Failed, Poisoned, Witnesses
-from tokcap_vllm._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 from tokcap_vllm._lifecycle import (
     ABANDONED,
     ADMITTED,
@@ -47,6 +46,7 @@ from tokcap_vllm._rollouts import (
     RolloutBook,
     RolloutRecord,
 )
+from tokcap_vllm.errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 
 ROLLOUTS = ("ra", "rb", "rc")
 KEYS = (None, "k1", "k2")

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.vllm._helpers import CONTROL_TOKEN, client, control, events
+from tests.vllm._helpers import CONTROL_TOKEN, client, control, events, long_stream
 from tokcap_core import assemble_receipt, verify_manifest
 from tokcap_core.ledger import Admitted, Failed, Staged, manifest_of
 from tokcap_vllm import InProcessServer
@@ -93,14 +93,7 @@ def test_release_and_reuse_during_a_stream_never_mixes_rollouts(server: InProces
     async def main() -> tuple[str, str]:
         old_id = new_id = ""
         async with client(server, "hx-reuse") as c, control(server) as cp:
-            stream = await c.chat.completions.create(
-                model=server.model,
-                messages=[{"role": "user", "content": "long story"}],
-                max_tokens=300,
-                temperature=0.0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
+            stream = await long_stream(c, server, 300)
             chunks = 0
             ended: openai.APIError | None = None
             try:  # the stream ends with an error event, never a normal end

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.vllm._helpers import client, control, events
+from tests.vllm._helpers import client, control, events, long_stream
 from tests.vllm.test_containment import _file_size_limit
 from tests.vllm.test_hostile import AUTH, _assert_serving, _body, _code, _post, _verified
 from tokcap_core.ledger import Admitted, Failed, Staged
@@ -256,15 +256,7 @@ def test_b6_close_while_a_stream_generates_ends_it_with_an_error_event(
     async def main() -> tuple[int, str]:
         chunks, error = 0, ""
         async with client(server, "hx2-b6s") as c, control(server) as cp:
-            stream = await c.chat.completions.create(
-                model=server.model,
-                messages=[{"role": "user", "content": "long story"}],
-                max_tokens=4000,
-                temperature=0.0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-                extra_headers={"x-request-id": "b6-stream"},
-            )
+            stream = await long_stream(c, server, 4000, extra_headers={"x-request-id": "b6-stream"})
             try:
                 async for _ in stream:
                     chunks += 1
@@ -434,14 +426,7 @@ def test_q6_a_push_in_abort_mode_answers_in_flight_calls_with_an_error_not_a_200
 
             async def streamed() -> None:
                 out["stream"] = ""
-                stream = await c.chat.completions.create(
-                    model=server.model,
-                    messages=[{"role": "user", "content": "long story"}],
-                    max_tokens=4000,
-                    temperature=0.0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
+                stream = await long_stream(c, server, 4000)
                 try:
                     async for _ in stream:
                         pass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokcap_vllm._errors import BadRequest
 from tokcap_vllm._weight_state import begin
+from tokcap_vllm.errors import BadRequest
 from tokcap_vllm.fingerprints import normalize_message, output_fingerprint
 from tokcap_vllm.weights import WeightPhase, WeightPushError, WeightState
 
@@ -47,8 +47,8 @@ def test_a_weight_version_the_ledger_cannot_store_is_refused_before_the_push(ver
 def test_the_rollout_header_refuses_what_the_path_form_refuses(path: str) -> None:
     """B4/B5: a POST naming a rollout by header on an endpoint the gate does not capture is
     ``uncaptured_endpoint``, as on the rollout path; without the header it passes untouched."""
-    from tokcap_vllm._errors import RolloutNotFound
     from tokcap_vllm._routing import route_request
+    from tokcap_vllm.errors import RolloutNotFound
 
     prefix = "/tokcap/rollouts/"
     for raw, headers in ((path, ["r1"]), (f"{prefix}r1{path}", [])):
@@ -99,8 +99,8 @@ def test_truncate_prompt_tokens_is_refused_not_ignored(kind: str, value: int) ->
     """Q5: vLLM would truncate the prompt the gate admitted; refused before admission."""
     import json
 
-    from tokcap_vllm._errors import Unsupported
     from tokcap_vllm._wire import decode_body
+    from tokcap_vllm.errors import Unsupported
 
     body = {"truncate_prompt_tokens": value}
     body |= {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}

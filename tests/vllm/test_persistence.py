@@ -8,25 +8,19 @@ serve`` process with SIGKILL and starts it again on the same ledger file.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import openai
 import pytest
 
 from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS
+from tokcap.compose import ServedGate
 from tokcap_core import assemble_receipt, verify_manifest
 from tokcap_core.ledger import Closed, Poisoned, encode_manifest, manifest_of
 from tokcap_core.simulate import simulate_rollout
 from tokcap_vllm import (
-    CONTROL_TOKEN_ENV,
     LEDGER_PATH_ENV,
     ControlPlaneClient,
     Gate,
@@ -195,70 +189,15 @@ def test_ledger_file_open_on_a_missing_file_creates_it(tmp_path: Path) -> None:
 # ---- a real gate process, killed and restarted on its ledger file ------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _GateProcess:
-    """``tokcap-vllm serve`` in its own process group, output captured to a file."""
-
-    def __init__(self, model: Path, ledger: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        env = {
-            **os.environ,
-            CONTROL_TOKEN_ENV: CONTROL_TOKEN,
-            LEDGER_PATH_ENV: str(ledger),
-            "VLLM_LOGGING_LEVEL": "INFO",  # the most the server ever says, checked for the token
-        }
-        command = [
-            str(Path(sys.executable).parent / "tokcap-vllm"),
-            "serve",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--tokcap-sink",
-            "memory",  # a served gate names its sink; this test reads manifests only
-            *VLLM_ARGS,
-        ]
-        self._log = log.open("ab")
-        self.process = subprocess.Popen(
-            command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the gate process exited with {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("the gate process did not become ready")
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (the API server and its engine core)."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(60)
-        self._log.close()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(60)
-        self._log.close()
+def _gate(model: Path, ledger: Path, log: Path) -> ServedGate:
+    """``tokcap-vllm serve`` on the ledger file, in its own process group, output to ``log``."""
+    env = {
+        LEDGER_PATH_ENV: str(ledger),
+        "VLLM_LOGGING_LEVEL": "INFO",  # the most the server ever says, checked for the token
+    }
+    # a served gate names its sink; this test reads manifests only
+    options = ["--tokcap-sink", "memory", *VLLM_ARGS]
+    return ServedGate(model, options, token=CONTROL_TOKEN, log=log, env=env)
 
 
 async def _converse(base_url: str, model: str, rollout_id: str, turns: int) -> Any:
@@ -282,17 +221,17 @@ async def _converse(base_url: str, model: str, rollout_id: str, turns: int) -> A
 def test_a_killed_gate_restarts_on_its_ledger_file(tiny_model: Path, tmp_path: Path) -> None:
     """SIGKILL mid-run, restart: closed manifests byte-identical, open rollouts poisoned,
     a torn last record ignored, and the token in no line the server printed."""
-    ledger, log = tmp_path / "ledger.jsonl", tmp_path / "server.log"
+    ledger, logs = tmp_path / "ledger.jsonl", [tmp_path / "first.log", tmp_path / "second.log"]
     model = str(tiny_model)
 
-    first = _GateProcess(tiny_model, ledger, log)
+    first = _gate(tiny_model, ledger, logs[0])
     try:
-        first.wait_ready()
+        first.wait_healthy(CONTROL_TOKEN)
 
         async def before_crash() -> tuple[Any, ...]:
-            await _converse(first.base_url, model, "kept", turns=2)
-            await _converse(first.base_url, model, "in-flight", turns=1)
-            async with ControlPlaneClient(first.base_url, CONTROL_TOKEN) as cp:
+            await _converse(first.url, model, "kept", turns=2)
+            await _converse(first.url, model, "in-flight", turns=1)
+            async with ControlPlaneClient(first.url, CONTROL_TOKEN) as cp:
                 head = await cp.close("kept", reward=1.0)
                 kept = await cp.manifest_bytes("kept")
                 with anyio.fail_after(60):  # the open rollout's call is committed (on file)
@@ -306,19 +245,19 @@ def test_a_killed_gate_restarts_on_its_ledger_file(tiny_model: Path, tmp_path: P
     with ledger.open("ab") as f:  # the crash also cut a record short
         f.write(b'{"format":"tokcap/manifest/v1","rollout_id":"in-fl')
 
-    second = _GateProcess(tiny_model, ledger, log)
+    second = _gate(tiny_model, ledger, logs[1])
     try:
-        second.wait_ready()
+        second.wait_healthy(CONTROL_TOKEN)
 
         async def after_restart() -> tuple[Any, ...]:
-            async with ControlPlaneClient(second.base_url, CONTROL_TOKEN) as cp:
+            async with ControlPlaneClient(second.url, CONTROL_TOKEN) as cp:
                 served = await cp.manifest_bytes("kept")
                 receipts = await cp.fetch_receipts(
                     ["kept", "in-flight"], expected_heads={"kept": head}
                 )
                 listed = {r.rollout_id: r.state for r in await cp.rollouts()}
             with pytest.raises(openai.ConflictError, match="rollout_closed"):
-                await _converse(second.base_url, model, "in-flight", turns=1)
+                await _converse(second.url, model, "in-flight", turns=1)
             return served, receipts, listed
 
         served, (kept_receipt, open_receipt), listed = anyio.run(after_restart)
@@ -329,5 +268,6 @@ def test_a_killed_gate_restarts_on_its_ledger_file(tiny_model: Path, tmp_path: P
     assert (kept_receipt.status, kept_receipt.ledger_head) == ("verified", head)
     assert (open_receipt.status, open_receipt.failure_reason) == ("poisoned", "gate_restarted")
     assert listed == {"kept": "closed", "in-flight": "closed"}
-    assert CONTROL_TOKEN.encode() not in log.read_bytes()
-    assert log.read_bytes()  # the server did print: the check above looked at real output
+    for log in logs:
+        assert CONTROL_TOKEN.encode() not in log.read_bytes()
+        assert log.read_bytes()  # the server did print: the check above looked at real output

@@ -11,6 +11,7 @@ import anyio
 import pytest
 import torch
 
+from tokcap_vllm import Gate
 from tokcap_vllm._guarded_routes import GUARDED_PATHS, WEIGHTS_PATH, guarded_path
 from tokcap_vllm._served_weights import ServedWeights
 from tokcap_vllm._shm import map_push_file, write_push_file
@@ -69,6 +70,28 @@ def test_the_tracker_is_ready_only_after_a_finish_that_loaded_and_labelled() -> 
     weights.finished("3")
     assert (weights.state.phase, weights.state.version) == (WeightPhase.READY, 3)
     assert seen == [WeightPhase.PUSHING, WeightPhase.READY]
+
+
+def test_a_push_keeps_kv_until_running_requests_are_reset_and_the_gate_learns_which() -> None:
+    weights = ServedWeights(version=0)
+    gate = Gate()
+    gate.watch_weights(weights)  # type: ignore[arg-type]
+    weights.started("0")
+    weights.updated()
+    weights.finished("1")
+    assert weights.state.kv_kept  # until the push's KV reset comes
+    assert gate.capture.kv_kept == {1}
+    weights.recomputed()  # /reset_prefix_cache?reset_running_requests=true: mode recompute
+    assert not weights.state.kv_kept
+    assert gate.capture.kv_kept == set()
+    weights.started("1")  # mode keep: no reset before the next push
+    weights.updated()
+    weights.finished("2")
+    weights.started("2")
+    weights.updated()
+    weights.finished("3")
+    weights.recomputed()
+    assert gate.capture.kv_kept == {2}
 
 
 def test_a_finish_without_a_label_is_ready_once_the_label_is_set() -> None:

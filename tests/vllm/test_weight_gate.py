@@ -22,8 +22,9 @@ import torch
 
 from tests.vllm._helpers import client, close_and_reassemble
 from tokcap_core.ledger import Admitted, Staged
+from tokcap_core.provenance import VersionSpan, row_staleness
 from tokcap_vllm import InProcessServer, WeightSync
-from tokcap_vllm._host import _weight_versions
+from tokcap_vllm._host import _weight_spans
 from tokcap_vllm.weights import WeightPhase, WeightState
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -121,15 +122,24 @@ async def chat(server: InProcessServer, rollout_id: str, **kwargs: Any) -> Any:
 # ---- vLLM's weight-version spans, as the capture host reads them ------------------------------
 
 
-def test_the_host_records_the_first_and_last_span_and_maps_each_label_on_its_own() -> None:
+def test_the_host_keeps_every_span_and_maps_each_label_on_its_own() -> None:
     from vllm.outputs import WeightVersionSpan as Span
 
-    assert _weight_versions([], 7) == (7, 7)
-    assert _weight_versions([Span("default", 0, 5)], 7) == (7, 7)
+    def spans(*triples: tuple[int, int, int]) -> tuple[VersionSpan, ...]:
+        return tuple(VersionSpan(version=v, start=a, end=b) for v, a, b in triples)
+
+    assert _weight_spans([], 7, 5) == spans((7, 0, 5))
+    assert _weight_spans([Span("default", 0, 5)], 7, 5) == spans((7, 0, 5))
     # vLLM's initial "default" label no longer hides a later integer version
-    assert _weight_versions([Span("default", 0, 5), Span("3", 5, 9)], 7) == (7, 3)
-    assert _weight_versions([Span("2", 0, 1), Span("x", 1, 2), Span("4", 2, 3)], 0) == (2, 4)
-    assert _weight_versions([Span("5", 0, 4), Span("-1", 4, 8)], 1) == (5, 1)
+    assert _weight_spans([Span("default", 0, 5), Span("9", 5, 9)], 7, 9) == spans(
+        (7, 0, 5), (9, 5, 9)
+    )
+    # a label that reads as the version before it merges into its span
+    assert _weight_spans([Span("2", 0, 1), Span("x", 1, 2), Span("4", 2, 3)], 2, 3) == spans(
+        (2, 0, 2), (4, 2, 3)
+    )
+    # the spans tile exactly the tokens returned (a stop string trimmed the last two)
+    assert _weight_spans([Span("5", 0, 4), Span("6", 4, 8)], 1, 6) == spans((5, 0, 4), (6, 4, 6))
 
 
 # ---- a failed push ----------------------------------------------------------------------------
@@ -237,13 +247,17 @@ def test_a_call_that_arrives_during_a_push_is_admitted_and_runs_on_the_new_weigh
 
 
 @pytest.mark.usefixtures("restore")
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
 def test_a_call_generated_across_a_push_records_both_versions_down_to_the_row(
-    server: InProcessServer, sync: WeightSync, original: Weights
+    server: InProcessServer, sync: WeightSync, original: Weights, mode: str
 ) -> None:
-    """A streamed captured call; after its 8th chunk a push with mode ``keep`` freezes it and
-    resumes it on the new weights: staged call, ledger, receipt and row name both versions."""
+    """A streamed captured call; after its 8th chunk a push in ``mode`` freezes it and
+    resumes it on the new weights: staged call, ledger, receipt and row name both versions,
+    span by span. ``recompute``: the KV of the resumed call was recomputed by the new
+    weights (its KV spans are its weight spans); ``keep``: it kept the old KV, so every
+    token after the push is a stale-KV token."""
     new = nudged(original, seed=13)
-    spanning = rollout("span")
+    spanning = rollout(f"span-{mode}")
     old = sync.state.version
 
     async def scenario() -> WeightState:
@@ -262,12 +276,13 @@ def test_a_call_generated_across_a_push_records_both_versions_down_to_the_row(
             async for _ in stream:
                 chunks += 1
                 if chunks == 8:
-                    push = asyncio.ensure_future(sync.push(new, old + 1, mode="keep"))
+                    push = asyncio.ensure_future(sync.push(new, old + 1, mode=mode))  # type: ignore[arg-type]
             assert push is not None
             return await push
 
     state = on_loop(server, scenario)
     assert state.version == old + 1
+    assert state.kv_kept is (mode == "keep")
     assert staged_versions(server, spanning) == [(old, old + 1)]
     receipt, rows, calls = close_and_reassemble(server, spanning)
     assert receipt.ok
@@ -276,3 +291,20 @@ def test_a_call_generated_across_a_push_records_both_versions_down_to_the_row(
     ((staged),) = calls.values()
     assert (staged.weight_version, staged.weight_version_last) == (old, old + 1)
     assert [(r.weight_version_min, r.weight_version_max) for r in rows] == [(old, old + 1)]
+    first, second = staged.weight_versions or ()
+    assert (first.version, first.start, second.version, second.end) == (old, 0, old + 1, 400)
+    assert first.end == second.start >= 7
+    if mode == "recompute":
+        assert staged.kv_versions == staged.weight_versions
+    else:
+        assert staged.kv_versions == (VersionSpan(version=old, start=0, end=400),)
+    # the ledger, the receipt and the row carry the same spans as the staged row
+    assert (link.weight_versions, link.kv_versions) == (
+        staged.weight_versions,
+        staged.kv_versions,
+    )
+    ((span,),) = [row.call_spans for row in rows]
+    assert (span.weight_versions, span.kv_versions) == (link.weight_versions, link.kv_versions)
+    staleness = row_staleness(rows[0], old + 1)
+    assert staleness.calls_spanning_versions == 1
+    assert staleness.stale_kv_tokens == (0 if mode == "recompute" else second.length)

@@ -6,6 +6,7 @@ import json
 import struct
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from hypothesis import given
@@ -15,6 +16,7 @@ from tokcap_vllm._shm import write_push_file as _write_file
 from tokcap_vllm._weight_state import begin, fail, succeed
 from tokcap_vllm._weights import _chunks
 from tokcap_vllm.weights import (
+    FleetWeightSync,
     WeightPhase,
     WeightPushError,
     WeightState,
@@ -229,3 +231,23 @@ def test_the_shared_memory_file_holds_each_tensor_at_its_offset(tmp_path: Path) 
     padding = bytes(64 - 24)
     assert blob == tensors[0][1].numpy().tobytes() + padding + tensors[1][1].numpy().tobytes()
     assert Path(path).stat().st_mode & 0o077 == 0  # readable by this user only
+
+
+# ---- a fleet that loses a gate ---------------------------------------------------------------
+
+
+def test_a_fleet_drops_a_lost_gate_but_never_its_last() -> None:
+    async def run() -> None:
+        urls = ["http://gate-a:8000", "http://gate-b:8000/"]
+        async with FleetWeightSync([(url, "t") for url in urls]) as fleet:
+            with pytest.raises(WeightPushError) as unknown:
+                await fleet.drop("http://gate-c:8000")
+            assert unknown.value.code == "unknown_gate"
+            await fleet.drop("http://gate-b:8000")
+            assert [c.base_url for c in fleet.clients] == ["http://gate-a:8000"]
+            with pytest.raises(WeightPushError) as last:
+                await fleet.drop("http://gate-a:8000/")
+            assert last.value.code == "no_gates"
+            assert len(fleet.clients) == 1
+
+    anyio.run(run)

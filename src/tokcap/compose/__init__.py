@@ -15,13 +15,17 @@ example; `tokcap demo` and `tokcap train` are built on this module.
 
 Gates as their own processes: `served_gates` starts N ``tokcap-vllm serve`` gates with
 `served_gate_options` (TransferQueue on the run's Ray, weight pushes from the trainer);
-`FleetEndpoint` plays rollouts on a `tokcap_vllm.GateFleet` over them.
+`FleetEndpoint` plays rollouts on a `tokcap_vllm.GateFleet` over them. `fleet_gates`
+starts a run's gates (or takes running ones), `push_to_live_gates` pushes weights to the
+gates that still answer, `gate_entries` reports each gate; a gate lost mid-step poisons
+only its own rollouts (`play_rollouts` lets them go, `finish` clears what they staged).
 """
 
-from . import _harness, _served, _stack, _trainer
+from . import _fleet, _harness, _served, _stack, _trainer
+from ._fleet import *  # noqa: F403
 from ._harness import *  # noqa: F403
 from ._served import *  # noqa: F403
 from ._stack import *  # noqa: F403
 from ._trainer import *  # noqa: F403
 
-__all__ = [*_harness.__all__, *_served.__all__, *_stack.__all__, *_trainer.__all__]
+__all__ = [*_fleet.__all__, *_harness.__all__, *_served.__all__, *_stack.__all__, *_trainer.__all__]

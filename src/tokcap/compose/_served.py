@@ -27,6 +27,7 @@ from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import ControlPlaneClient, ControlPlaneError, GateFleet
 
 __all__ = [
+    "SERVED_ENV",
     "FleetEndpoint",
     "ServedGate",
     "free_port",

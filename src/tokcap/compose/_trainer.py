@@ -236,9 +236,19 @@ async def collect(
 
 
 async def finish(control: ControlPlane, sink: TokenSink, batch: Batch) -> FinishTimings:
-    """After the optimizer step: free the batch's rows and release its rollouts on the gate."""
+    """After the optimizer step: free the batch's rows and release its rollouts on the gate.
+
+    Over a fleet (a ``control`` with ``orphaned_keys``, `tokcap_vllm.GateFleet`), the
+    staged calls that rollouts of a lost gate left in the sink are cleared too: no receipt
+    names them, so nothing else would.
+    """
     t0 = time.perf_counter()
     await sink.clear_rows([row.key for row in batch.rows])
+    orphaned = getattr(control, "orphaned_keys", None)
+    if orphaned is not None:
+        keys = orphaned(await sink.staged_keys())
+        if keys:
+            await sink.clear(keys)
     t1 = time.perf_counter()
     await control.release_many(list(batch.receipts))
     return FinishTimings(free_s=t1 - t0, release_s=time.perf_counter() - t1)

@@ -36,6 +36,8 @@ class DemoOptions:
     cache: Path = Path(".tokcap")
     ray_address: str | None = None
     model_family: str = "qwen"
+    gates: int = 0
+    gate_urls: tuple[str, ...] | list[str] = ()
 
 
 def run_demo(options: DemoOptions, console: Console | None = None) -> int:
@@ -72,6 +74,8 @@ def _run(
             seed=options.seed,
             ray_address=options.ray_address,
             family=family.name,
+            gates=options.gates,
+            gate_urls=tuple(options.gate_urls),
         )
         run = run_pipeline(
             config,
@@ -113,6 +117,9 @@ def summary_problems(summary: dict[str, Any]) -> list[str]:
         problems.append(f"{par['rows_differing']} rows differ from the engine's own ids")
     if summary["advantages"]["placeholder_rows_nonzero"]:
         problems.append("a placeholder row got a non-zero advantage")
+    for gate in summary.get("gates", []):
+        if gate["rollouts"] == 0:
+            problems.append(f"gate {gate['url']} served no rollout")
     return problems
 
 

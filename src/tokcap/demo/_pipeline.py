@@ -25,11 +25,12 @@ import anyio
 import openai
 
 from tokcap_core import CaptureConfig, FinalizedGroup, Manifest, Receipt, TrainingRow
-from tokcap_tq import TQSink
-from tokcap_vllm import InProcessServer
+from tokcap_tq import TQSink, TQSinkConfig
+from tokcap_vllm import GateFleet, InProcessServer
 
 from .._stages import Stages
 from ..compose import (
+    Batch,
     ControlPlane,
     Finished,
     GateEndpoint,
@@ -65,6 +66,10 @@ class DemoConfig:
     """An existing Ray cluster to run TransferQueue and the pool on (None: start one here)."""
     family: str = "qwen"
     """The model family served (`tokcap.demo._families`; recorded in the summary)."""
+    gates: int = 0
+    """Start this many ``tokcap-vllm serve`` gates (0: one gate in this process)."""
+    gate_urls: tuple[str, ...] = ()
+    """Gates someone else started (``--tokcap-sink tq`` on ``ray_address``'s cluster)."""
 
 
 @dataclass(slots=True)
@@ -79,6 +84,10 @@ class DemoRun:
     decisions: dict[str, str] = field(default_factory=dict)
     rows: list[TrainingRow] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
+    gates: list[dict[str, Any]] = field(default_factory=list)
+    """Served gates only: ``summary.json``'s ``gates`` (`tokcap.compose.gate_entries`)."""
+    gate_calls: dict[str, int] = field(default_factory=dict)
+    """Captured calls per gate URL (those its receipts name)."""
 
 
 def capture_config(config: DemoConfig) -> CaptureConfig:
@@ -113,7 +122,13 @@ def run_pipeline(
     )
     run = DemoRun(config)
     capture = capture_config(config)
-    sink = tq_sink(config.tag)
+    # gates someone else started stage into their default partitions (--tokcap-*-partition)
+    sink = TQSink(TQSinkConfig()) if config.gate_urls else tq_sink(config.tag)
+    if config.gates or config.gate_urls:
+        from ._fleet import run_fleet
+
+        run_fleet(run, sink, capture, stages, vllm_args, functools.partial(play, harness))
+        return run
     server = in_process_gate(str(config.model), capture=capture, sink=sink, vllm_args=vllm_args)
     with services(
         server, workers=config.workers, ray_address=config.ray_address, stage=stages.stage
@@ -140,27 +155,48 @@ async def _drive(
         alongside=[ready],
         stage=stages.stage,
     ) as stack:
-        await _rollouts(run, stack.gate, stages, harness)
-        await _declare_terminals(run, stack.control)
-        finished = [
-            Finished(
-                rollout_id=e.rollout_id,
-                group_id=f"{config.tag}-g{e.group:02d}",
-                reward=e.reward,
-                response_id=e.final.response_id
-                if e.behaviour in ("response_id", "rewrite")
-                else None,
-                content=e.final.content if e.behaviour == "content" else None,
-            )
-            for e in run.episodes
-        ]
-        with stages.stage("close, receipts, Ray pool, policy"):
-            batch = await stack.collect(finished)
-        run.receipts, run.groups = batch.receipts, batch.groups
-        run.decisions = {g: type(d).__name__ for g, d in batch.decisions.items()}
-        run.rows, run.advantages = batch.rows, batch.advantages
-        await _manifests(run, stack, stages)
-        await stack.finish(batch)
+        await play(harness, run, stack, stages)
+
+
+async def play(
+    harness: Callable[..., Awaitable[Episode]],
+    run: DemoRun,
+    stack: Stack,
+    stages: Stages,
+    fleet: GateFleet | None = None,
+) -> Batch:
+    """The demo on a running stack: the harness plays every rollout (each opened through
+    ``fleet`` first, if any), then close, receipts, the pool, the policy, the manifests
+    for the checks, and everything freed; the step's batch."""
+    config = run.config
+    episodes(run)
+    if fleet is not None:
+        for episode in run.episodes:
+            await fleet.open(episode.rollout_id)
+    await _rollouts(run, stack.gate, stages, harness)
+    await _declare_terminals(run, stack.control)
+    finished = [
+        Finished(
+            rollout_id=e.rollout_id,
+            group_id=f"{config.tag}-g{e.group:02d}",
+            reward=e.reward,
+            response_id=e.final.response_id if e.behaviour in ("response_id", "rewrite") else None,
+            content=e.final.content if e.behaviour == "content" else None,
+        )
+        for e in run.episodes
+    ]
+    with stages.stage("close, receipts, Ray pool, policy"):
+        batch = await stack.collect(finished)
+    run.receipts, run.groups = batch.receipts, batch.groups
+    run.decisions = {g: type(d).__name__ for g, d in batch.decisions.items()}
+    run.rows, run.advantages = batch.rows, batch.advantages
+    await _manifests(run, stack, stages)
+    if fleet is not None:
+        for receipt in batch.receipts.values():
+            url = fleet.gate_url(receipt.rollout_id)
+            run.gate_calls[url] = run.gate_calls.get(url, 0) + len(receipt.sink_keys)
+    await stack.finish(batch)
+    return batch
 
 
 async def _manifests(run: DemoRun, stack: Stack, stages: Stages) -> None:
@@ -171,12 +207,8 @@ async def _manifests(run: DemoRun, stack: Stack, stages: Stages) -> None:
             advance(1)
 
 
-async def _rollouts(
-    run: DemoRun,
-    gate: GateEndpoint,
-    stages: Stages,
-    harness: Callable[..., Awaitable[Episode]],
-) -> None:
+def episodes(run: DemoRun) -> None:
+    """The run's G x N episodes (the behaviours in `BEHAVIOURS` order, then plain)."""
     config = run.config
     for g in range(config.groups):
         task = Task.for_group(config.seed, g)
@@ -184,6 +216,15 @@ async def _rollouts(
             behaviour = BEHAVIOURS[i] if i < len(BEHAVIOURS) else "plain"
             rollout_id = f"{config.tag}-g{g:02d}-r{i:02d}"
             run.episodes.append(Episode(rollout_id, g, behaviour, task))
+
+
+async def _rollouts(
+    run: DemoRun,
+    gate: GateEndpoint,
+    stages: Stages,
+    harness: Callable[..., Awaitable[Episode]],
+) -> None:
+    config = run.config
     with stages.stage("rollouts (harness)", total=len(run.episodes)) as advance:
 
         async def play(client: openai.AsyncOpenAI, model: str, episode: Episode, n: int) -> None:

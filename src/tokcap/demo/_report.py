@@ -280,6 +280,25 @@ def _plots(
     ) + "</div>"  # fmt: skip
 
 
+def fleet_table(gates: Sequence[Mapping[str, Any]]) -> str:
+    """The served gates of a run (``--gates`` / ``--gate``), one row each, under a heading;
+    nothing without them (`tokcap demo` and `tokcap train` reports)."""
+    if not gates:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_e(g['url'])}</td><td class=n>{_e(g['pid'] or '-')}</td>"
+        f"<td class=n>{g['rollouts']}</td><td class=n>{g['calls']}</td>"
+        f"<td class=n>{_e(g['weight_version'])}</td>"
+        f"<td>{'yes' if g.get('alive', True) else 'lost'}</td></tr>"
+        for g in gates
+    )
+    return (
+        f"<h2>Fleet: {len(gates)} gates, each its own tokcap-vllm serve</h2><table><tr>"
+        "<th>gate</th><th>pid</th><th>rollouts</th><th>calls</th><th>weight version</th>"
+        f"<th>answering</th></tr>{rows}</table>\n"
+    )
+
+
 def render_report(
     summary: dict[str, Any],
     samples: Sequence[tuple[TrainingRow, Receipt, Drift | None]],
@@ -386,7 +405,8 @@ def render_report(
         f"<style>{_CSS}</style></head><body><main><h1>tokcap demo</h1><div class=sub>"
         f"{cfg['groups']} groups x {cfg['rollouts']} rollouts x {cfg['turns']} turns · segments="
         f"{_e(cfg['segments'])} · tiny random model (its text is gibberish; its tokens are exact)"
-        f"</div><div class=cards>{cards}</div><h2>Figures</h2><div class=grid>{tables}</div>"
+        f"</div><div class=cards>{cards}</div>{fleet_table(summary.get('gates', []))}"
+        f"<h2>Figures</h2><div class=grid>{tables}</div>"
         f"<h2>Plots</h2>{_plots(summary, samples)}"
         f"<h2>Rollouts</h2>{rollouts}<h2>Trajectories</h2>{picker}{legend}{sections}</main><script>{_JS}</script></body></html>"
     )

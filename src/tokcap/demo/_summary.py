@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
     from ._checks import Drift, Parity
     from ._pipeline import DemoRun
 
-__all__ = ["SUMMARY_VERSION", "build_summary", "print_summary", "summary_console"]
+__all__ = ["SUMMARY_VERSION", "build_summary", "print_fleet", "print_summary", "summary_console"]
 
 SUMMARY_VERSION = 2
 BEHAVIOUR_NOTES = {
@@ -64,6 +64,7 @@ def build_summary(
     return {
         "version": SUMMARY_VERSION,
         "config": {k: str(v) if k == "model" else v for k, v in asdict(run.config).items()},
+        **({"gates": run.gates} if run.gates else {}),
         "rollouts": {
             "total": len(receipts),
             "verified": sum(r.ok for r in receipts),
@@ -187,6 +188,21 @@ def summary_console() -> Console:
     return console if console.is_terminal else Console(width=120)
 
 
+def print_fleet(gates: list[dict[str, Any]], console: Console) -> None:
+    """The served gates of a run (``--gates`` / ``--gate``) as a table; nothing without."""
+    if not gates:
+        return
+    fleet = Table(title="gates (tokcap-vllm serve)", box=box.SIMPLE_HEAVY)
+    for name in ("gate", "pid", "rollouts", "calls", "weight version", "answering"):
+        fleet.add_column(name, justify="right")
+    for g in gates:
+        fleet.add_row(
+            g["url"], str(g["pid"] or "-"), str(g["rollouts"]), str(g["calls"]),
+            str(g["weight_version"]), "yes" if g.get("alive", True) else "lost",
+        )  # fmt: skip
+    console.print(fleet)
+
+
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """Render a summary dict (as saved in ``summary.json``) as rich tables."""
     console = console or summary_console()
@@ -216,6 +232,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     ):
         overview.add_row(label, value)
     console.print(overview)
+    print_fleet(summary.get("gates", []), console)
 
     paths = _table("Terminal selection · failures · breaks · splices", "", "count")
     for method, n in summary["terminal_selection"].items():

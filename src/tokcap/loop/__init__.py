@@ -9,12 +9,13 @@ from ._loop import LoopConfig, StepRecord, TrainRun, load_policy, run_loop
 from ._report import render_train_report
 from ._staleness import STALE, LoopError, Provenance, SkipCount, StalenessPolicy, provenance
 from ._summary import build_train_summary, print_train_summary, tokcap_share, train_problems
-from ._task import SYSTEM
+from ._task import SYSTEM, DigitsEpisode
 from ._watchdog import LagWatch
 
 __all__ = [
     "STALE",
     "SYSTEM",
+    "DigitsEpisode",
     "LagWatch",
     "LoopConfig",
     "LoopError",

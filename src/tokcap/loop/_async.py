@@ -6,7 +6,8 @@ The shape is NeMo-RL's single controller, with tokcap's custody in between:
   policy admits them (`StalenessPolicy.may_start`: at most ``(steps_done + K + 1) * G``
   live groups), a bounded number at a time, and hands every played group to
 - the **collectors** (one task per group, in the train pump's task group): declare
-  terminals, close every rollout, fetch receipts verified against the closes' heads,
+  terminals, close the group's rollouts in one batch (one shared fsync), fetch receipts
+  verified against the closes' heads,
   ``reserve`` a slot in the replay buffer (`tokcap_tq.TQGroupBuffer`), reassemble on the
   Ray pool, ``commit_finalized`` (READY), and let the group policy decide; a group the
   policy rejects is removed at once and a spare prompt starts in its place;
@@ -15,8 +16,8 @@ The shape is NeMo-RL's single controller, with tokcap's custody in between:
   counted ``stale``, refilled), trains on G groups, pushes the weights, and removes the
   groups from the buffer (freeing their rows) and releases their rollouts in the background.
 
-**Pushes land in flight** (``WeightSync.push(mode="keep")``, ``FleetWeightSync(mode=
-"keep")``): generation pauses, the weights swap, the prefix cache resets with running
+**Pushes land in flight** (``WeightSync.push(mode="recompute")``, ``FleetWeightSync(mode=
+"recompute")``): generation pauses, the weights swap, the prefix cache resets with running
 requests preempted, and in-flight calls *continue on the new weights* with their KV
 recomputed. So a call can span two versions (its span's ``weight_version`` and
 ``weight_version_last`` differ; counted as ``calls_spanning_versions``) and no token is
@@ -30,6 +31,7 @@ collected, and every group still in the buffer is removed and its rollouts relea
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -49,6 +51,7 @@ from tokcap_core import (
     grpo,
 )
 from tokcap_tq import TQGroupBuffer
+from tokcap_vllm import RolloutClose
 
 from .._stages import Stages
 from ..compose import Batch
@@ -166,9 +169,9 @@ async def async_steps(
 async def _rollout_pump(
     loop: StepContext, pumps: _Pumps, send: MemoryObjectSendStream[_Group]
 ) -> None:
-    """Start groups while admitted, ``config.concurrency // rollouts`` at a time."""
+    """Start groups while admitted, `LoopConfig.groups_in_flight` at a time."""
     config = loop.run.config
-    in_flight = anyio.Semaphore(max(1, config.concurrency // config.rollouts))
+    in_flight = anyio.Semaphore(config.groups_in_flight)
     async with send, anyio.create_task_group() as tg:
         index = 0
         while True:
@@ -227,23 +230,27 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
     """Close, verify, reserve, reassemble, commit, decide: the group READY or discarded."""
     stack, capture = loop.stack, loop.stack.capture
     start = time.perf_counter()
-    heads: dict[str, tuple[int, str]] = {}
-
-    async def close(episode: DigitsEpisode) -> None:
-        if episode.witness == "declared":
-            await stack.control.declare_terminal(
-                episode.rollout_id, response_id=episode.response_ids[-1]
-            )
-        heads[episode.rollout_id] = await stack.control.close(
-            episode.rollout_id,
-            reward=episode.reward,
-            response_id=episode.response_ids[-1] if episode.witness == "response_id" else None,
-            content=episode.contents[-1] if episode.witness == "content" else None,
-        )
-
+    declared = [e for e in group.episodes if e.witness == "declared"]
     async with anyio.create_task_group() as tg:
-        for episode in group.episodes:
-            tg.start_soon(close, episode)
+        for episode in declared:
+            tg.start_soon(
+                functools.partial(
+                    stack.control.declare_terminal,
+                    episode.rollout_id,
+                    response_id=episode.response_ids[-1],
+                )
+            )
+    closes = [
+        RolloutClose(
+            rollout_id=e.rollout_id,
+            reward=e.reward,
+            response_id=e.response_ids[-1] if e.scored == "response_id" else None,
+            content=e.contents[-1] if e.scored == "content" else None,
+        )
+        for e in group.episodes
+    ]
+    # one request per gate, one shared fsync (group commit)
+    heads = {r.rollout_id: r.head_or_raise() for r in await stack.control.close_many(closes)}
     ids = group.rollout_ids
     group.receipts = await stack.control.fetch_receipts(
         ids,
@@ -253,7 +260,7 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
     verified = time.perf_counter()
     group.seconds["capture_verify"] = verified - start
     by_id = {r.rollout_id: r for r in group.receipts}
-    await buffer.reserve(group.group_id, ids, pumps.steps_done, pumps.steps_done)
+    await buffer.reserve(group.group_id, ids, loop.trainer.version, pumps.steps_done)
     group.finalized = await stack.pool.submit(
         ReassemblyRequest(
             group_id=group.group_id,
@@ -276,10 +283,7 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
 async def _free(loop: StepContext, buffer: TQGroupBuffer, groups: list[_Group]) -> None:
     """Remove READY groups (their training rows cleared) and release their rollouts."""
     await buffer.remove([g.group_id for g in groups])
-    async with anyio.create_task_group() as tg:
-        for group in groups:
-            for rollout_id in group.rollout_ids:
-                tg.start_soon(loop.stack.control.release, rollout_id)
+    await loop.stack.control.release_many([r for g in groups for r in g.rollout_ids])
 
 
 async def _train_step(

@@ -33,7 +33,9 @@ class TrainOptions:
     steps: int = 40
     groups: int = 4
     rollouts: int = 8
-    turns: int = 1
+    turns: int | None = None
+    """None: 2 for the agent task, 1 for digits."""
+    task: Literal["agent", "digits"] = "agent"
     max_tokens: int = 16
     lr: float = 1e-2
     seed: int = 0
@@ -79,7 +81,8 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
             steps=options.steps,
             groups=options.groups,
             rollouts=options.rollouts,
-            turns=options.turns,
+            turns=options.turns or (2 if options.task == "agent" else 1),
+            task=options.task,
             max_tokens=options.max_tokens,
             lr=options.lr,
             seed=options.seed,

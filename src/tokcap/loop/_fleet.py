@@ -11,11 +11,7 @@ through `tokcap_vllm.FleetWeightSync` and reads every gate's version after each 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,11 +24,15 @@ from tokcap_vllm.weights import FleetWeightSync
 from .._stages import Stages
 from ..compose import (
     FleetEndpoint,
+    FleetGate,
+    fleet_services,
+    fleet_token,
+    gate_entries,
+    gate_versions,
     open_stack,
+    push_to_live_gates,
     reclaim_rollouts,
-    served_gate_options,
-    served_gates,
-    services,
+    served_model,
 )
 from ..demo import QWEN_VLLM_ARGS
 from ._run import train_steps
@@ -48,8 +48,6 @@ from ._step import (
 
 __all__ = ["run_fleet"]
 
-TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
-
 
 def run_fleet(
     run: TrainRun,
@@ -61,39 +59,24 @@ def run_fleet(
 ) -> None:
     """Start the services and the gates (or take ``config.gate_urls``), train, stop."""
     config = run.config
-    token = os.environ.get(TOKEN_ENV) or capture.control_token
-    if config.gate_urls and not os.environ.get(TOKEN_ENV):
-        raise ConfigError("token_env_missing", f"--gate URL needs the gates' token in {TOKEN_ENV}")
-    assert token is not None
-    with (
-        services(None, workers=config.workers, ray_address=config.ray_address, stage=stages.stage),
-        tempfile.TemporaryDirectory(prefix="tokcap-gates-") as logs,
-        contextlib.ExitStack() as gates,
-    ):
-        urls: list[str] = list(config.gate_urls)
-        pids: list[int | None] = [None] * len(urls)
-        if config.gates:
-            import ray
-
-            options = [*served_gate_options(sink.config, ray.get_runtime_context().gcs_address)]
-            with stages.stage(f"start {config.gates} tokcap-vllm serve gates"):
-                started = gates.enter_context(
-                    served_gates(
-                        config.model,
-                        config.gates,
-                        [*options, *QWEN_VLLM_ARGS],
-                        token=token,
-                        log_dir=Path(logs),
-                    )
-                )
-            urls, pids = [g.url for g in started], [g.pid for g in started]
-        anyio.run(_drive, run, urls, pids, token, sink, capture, stages, on_step, observe)
+    token = fleet_token(config.gate_urls, capture)
+    with fleet_services(
+        config.model,
+        count=config.gates,
+        urls=config.gate_urls,
+        ray_address=config.ray_address,
+        workers=config.workers,
+        sink=sink.config,
+        token=token,
+        vllm_args=QWEN_VLLM_ARGS,
+        stage=stages.stage,
+    ) as gates:
+        anyio.run(_drive, run, gates, token, sink, capture, stages, on_step, observe)
 
 
 async def _drive(
     run: TrainRun,
-    urls: list[str],
-    pids: list[int | None],
+    gates: list[FleetGate],
     token: str,
     sink: TQSink,
     capture: CaptureConfig,
@@ -102,6 +85,7 @@ async def _drive(
     observe: Observer | None,
 ) -> None:
     config = run.config
+    urls = [g.url for g in gates]
     policy: list[Any] = []
 
     async def load() -> None:
@@ -114,7 +98,8 @@ async def _drive(
         if config.gate_urls:  # gates that outlive trainers: take back what a dead one held
             reclaimed = await reclaim_rollouts(urls, token, sink)
             stages.log(f"reclaimed rollouts a previous trainer left: {reclaimed}")
-        endpoint = FleetEndpoint(fleet, str(config.model), urls)
+        model = await served_model(urls[0]) if config.gate_urls else str(config.model)
+        endpoint = FleetEndpoint(fleet, model, urls)
         async with open_stack(
             [endpoint],
             sink=sink,
@@ -126,7 +111,7 @@ async def _drive(
             label="Ray pool, trainer",
         ) as stack:
             (model,) = policy
-            start = await _pushed(weights)
+            start = await _pushed(fleet, weights)
             if len(set(start.gate_versions)) != 1:
                 raise ConfigError("bad_gates", f"gates at different versions: {start}")
             run.params = sum(p.numel() for p in model.parameters())
@@ -137,9 +122,9 @@ async def _drive(
 
             async def push(trainer: Any) -> Pushed:
                 if trainer.version > pushed[-1]:
-                    await weights.push(trainer.weights(), trainer.version)
+                    await push_to_live_gates(fleet, weights, trainer.weights(), trainer.version)
                     pushed.append(trainer.version)
-                return await _pushed(weights)
+                return await _pushed(fleet, weights)
 
             async with anyio.create_task_group() as background:
                 loop = StepContext(
@@ -152,23 +137,13 @@ async def _drive(
                     observe=observe,
                 )
                 await train_steps(loop, stages, on_step)
-            final = await _pushed(weights)
-            run.gates = [
-                {
-                    "url": report.url,
-                    "pid": pid,
-                    "rollouts": report.opened,
-                    "calls": run.gate_calls.get(report.url, 0),
-                    "weight_version": version,
-                }
-                for report, pid, version in zip(
-                    fleet.report(), pids, final.gate_versions, strict=True
-                )
-            ]
+            run.gates = gate_entries(
+                fleet, gates, run.gate_calls, await gate_versions(fleet, weights)
+            )
 
 
-async def _pushed(weights: FleetWeightSync) -> Pushed:
-    """Every gate's version now; the label is the engines' one label (else all of them)."""
+async def _pushed(fleet: GateFleet, weights: FleetWeightSync) -> Pushed:
+    """Every live gate's version now; the label is the engines' one label (else all)."""
     infos = await weights.infos()
     labels = sorted({info.engine_version for info in infos})
     return Pushed(

@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 
 from tokcap_core import CaptureConfig
-from tokcap_tq import TQSink
+from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import InProcessServer, WeightSync
 from tokcap_vllm.weights import PauseMode
 
@@ -81,7 +81,8 @@ def run_loop(
     capture = CaptureConfig(
         segments="terminal", max_seq_len=config.max_seq_len, min_valid_fraction=0.5
     ).with_derived(environ=os.environ)
-    sink = tq_sink(config.tag)
+    # gates someone else started stage into their default partitions (--tokcap-*-partition)
+    sink = TQSink(TQSinkConfig()) if config.gate_urls else tq_sink(config.tag)
     if config.gates or config.gate_urls:
         run_fleet(run, sink, capture, stages, on_step, observe)
         return run

@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..demo import fleet_table
+
 __all__ = ["render_train_report", "svg_chart"]
 
 _CSS = """
@@ -160,22 +162,6 @@ def _legend(items: Sequence[tuple[str, str]]) -> str:
     return f'<div class="legend">{spans}</div>'
 
 
-def _fleet_table(gates: Sequence[dict[str, Any]]) -> str:
-    """The served gates (``--gates`` / ``--gate``): one row each; nothing without them."""
-    if not gates:
-        return ""
-    rows = "".join(
-        f"<tr><td class=l>{_e(g['url'])}</td><td>{_e(g['pid'] or '-')}</td>"
-        f"<td>{g['rollouts']}</td><td>{g['calls']}</td><td>{g['weight_version']}</td></tr>"
-        for g in gates
-    )
-    return (
-        f"<h2>Fleet: {len(gates)} gates, each its own tokcap-vllm serve</h2><table><tr>"
-        '<th style="text-align:left">gate</th><th>pid</th><th>rollouts</th><th>calls</th>'
-        f"<th>weight version</th></tr>{rows}</table>\n"
-    )
-
-
 def _card(label: str, value: str, kind: str = "") -> str:
     return f'<div class="card {kind}"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
 
@@ -239,7 +225,7 @@ def render_train_report(summary: dict[str, Any]) -> str:
         f"<tr><td>{x['step']}</td><td>{x['reward']:.3f}</td><td class=l>{_e(x['answer'])}</td></tr>"
         for x in summary.get("samples", [])
     )
-    fleet = _fleet_table(summary.get("gates", []))
+    fleet = fleet_table(summary.get("gates", []))
     staleness_note = (
         f"Mode {train.get('mode', 'sync')}, bound {train.get('max_staleness', 0)}: "
         f"{train.get('tokens_stale', 0)} tokens trained one or more versions behind, "

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 
 import anyio
+import openai
 
 from .._stages import Stages
 from ._async import async_steps
@@ -21,7 +22,7 @@ async def train_steps(
     """Run every step of ``loop`` (sync or async, `LoopConfig.mode`), recording each one,
     with a watchdog on the event loop's lag."""
     lag = LagWatch()
-    async with anyio.create_task_group() as watch:
+    async with openai.DefaultAsyncHttpxClient() as loop.http, anyio.create_task_group() as watch:
         watch.start_soon(lag.run)
         if loop.run.config.mode == "async":
             await async_steps(loop, stages, on_step, lag)

@@ -7,22 +7,23 @@ to run while the next step generates.
 
 from __future__ import annotations
 
-import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import openai
 from anyio.abc import TaskGroup
 
-from tokcap_core import ConfigError, Receipt, TrainingRow
+from tokcap_core import Receipt, TrainingRow
 from tokcap_vllm import GateFleet
 
 from ..compose import Batch, Finished, Stack, play_rollouts
+from ._config import LoopConfig
 from ._staleness import provenance
 from ._task import WITNESSES, DigitsEpisode, group_prompt, play_digits
 
@@ -39,80 +40,6 @@ __all__ = [
     "run_step",
     "step_record",
 ]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LoopConfig:
-    """What to train: ``steps`` steps of ``groups`` x ``rollouts`` chats of ``turns`` calls."""
-
-    model: Path
-    steps: int = 40
-    groups: int = 4
-    rollouts: int = 8
-    turns: int = 1
-    max_tokens: int = 16
-    lr: float = 1e-2
-    seed: int = 0
-    workers: int = 2
-    concurrency: int = 32
-    tag: str = "train"
-    max_seq_len: int = 4096
-    ray_address: str | None = None
-    """An existing Ray cluster to run TransferQueue and the pool on (None: start one here)."""
-    gates: int = 0
-    """Start this many ``tokcap-vllm serve`` gates (0: one gate in this process)."""
-    gate_urls: tuple[str, ...] = ()
-    """Gates someone else started (``--tokcap-sink tq`` on ``ray_address``'s cluster)."""
-    mode: Literal["sync", "async"] = "sync"
-    """``sync``: generate, then collect, train, push (staleness 0). ``async``: a rollout
-    pump and a train pump overlap, weights pushed in flight (`tokcap.loop._async`)."""
-    max_staleness: int = 2
-    """Async: the most versions a trained token may lag the version being trained."""
-    max_skipped: int | None = None
-    """Async: groups the run may discard (stale, too few valid) before it stops (None:
-    ``max(groups, steps * groups // 2)``)."""
-    importance: bool | None = None
-    """Decoupled PPO with TIS/MIS from the engine's logprobs (None: on in async mode)."""
-
-    @property
-    def skip_bound(self) -> int:
-        """`max_skipped`, resolved."""
-        if self.max_skipped is not None:
-            return self.max_skipped
-        return max(self.groups, self.steps * self.groups // 2)
-
-    @property
-    def push_mode(self) -> Literal["wait", "keep"]:
-        """How pushes treat calls in flight: ``wait`` (sync: none run) or ``keep`` (async:
-        they continue on the new weights, their KV recomputed)."""
-        return "keep" if self.mode == "async" else "wait"
-
-    @property
-    def decoupled(self) -> bool:
-        """Whether the loss takes importance weights against the engine (`importance`)."""
-        return self.mode == "async" if self.importance is None else self.importance
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "groups", "rollouts", "turns", "max_tokens", "workers"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"bad_{name}", f"{name} must be an int >= 1: {value!r}")
-        if self.rollouts < 2:
-            raise ConfigError("bad_rollouts", "GRPO needs >= 2 rollouts per group")
-        if type(self.gates) is not int or self.gates < 0:
-            raise ConfigError("bad_gates", f"gates must be an int >= 0: {self.gates!r}")
-        if self.gate_urls and (self.gates or not self.ray_address):
-            raise ConfigError(
-                "bad_gates", "--gate URL needs --ray-address and no --gates (they are started)"
-            )
-        if self.mode not in ("sync", "async"):
-            raise ConfigError("bad_mode", f"mode is 'sync' or 'async': {self.mode!r}")
-        for name in ("max_staleness", "max_skipped"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 0):
-                raise ConfigError(f"bad_{name}", f"{name} must be an int >= 0: {value!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError("bad_lr", f"lr must be finite and > 0: {self.lr!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,6 +84,8 @@ class StepRecord:
     """The driver's largest event-loop lag during the step (ms)."""
     parity_by_staleness: dict[str, dict[str, float]] = field(default_factory=dict)
     """Parity over rows by their staleness (``"0"``, ``"1"``, ...)."""
+    placeholders: dict[str, int] = field(default_factory=dict)
+    """Placeholder rows by failure bucket (why a receipt or reassembly failed)."""
 
     def as_json(self) -> dict[str, Any]:
         """A plain JSON object (floats rounded for reading)."""
@@ -187,6 +116,7 @@ class StepRecord:
             "skipped": dict(self.skipped),
             "loop_lag_ms_max": round(self.loop_lag_ms_max, 3),
             "parity_by_staleness": self.parity_by_staleness,
+            "placeholders": dict(self.placeholders),
         }
 
 
@@ -253,6 +183,8 @@ class StepContext:
     background: TaskGroup
     """Where each step's `finish` runs, overlapping the next step."""
     observe: Observer | None = None
+    http: Any = None
+    """The harness's shared HTTP client (``httpx.AsyncClient``; set by ``train_steps``)."""
 
 
 async def run_step(loop: StepContext, step: int) -> StepRecord:
@@ -274,17 +206,19 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         await play_group(loop, episodes, step)
     with clock.time("capture_verify"):
         for episode in episodes:
-            if episode.witness == "declared":
+            if episode.witness == "declared" and episode.response_ids:
                 await stack.control.declare_terminal(
                     episode.rollout_id, response_id=episode.response_ids[-1]
                 )
+    # A rollout whose gate was lost mid-play has no answer: it closes without a witness
+    # (its receipt is poisoned gate_unreachable) and trains no row.
     finished = [
         Finished(
             rollout_id=e.rollout_id,
             group_id=e.group_id,
             reward=e.reward,
-            response_id=e.response_ids[-1] if e.witness == "response_id" else None,
-            content=e.contents[-1] if e.witness == "content" else None,
+            response_id=_last(e.response_ids) if e.scored == "response_id" else None,
+            content=_last(e.contents) if e.scored == "content" else None,
         )
         for e in episodes
     ]
@@ -329,10 +263,18 @@ async def play_group(loop: StepContext, episodes: list[DigitsEpisode], index: in
     async def play(client: openai.AsyncOpenAI, model: str, episode: DigitsEpisode, n: int) -> None:
         seed = (config.seed * 10_000 + index) * 1_000 + n
         await play_digits(
-            client, model, episode, turns=config.turns, max_tokens=config.max_tokens, seed=seed
+            client,
+            model,
+            episode,
+            turns=config.turns,
+            max_tokens=config.max_tokens,
+            seed=seed,
+            task=config.task,
         )
 
-    await play_rollouts(loop.stack.gate, episodes, play, concurrency=config.concurrency)
+    await play_rollouts(
+        loop.stack.gate, episodes, play, concurrency=config.concurrency, http_client=loop.http
+    )
 
 
 def step_record(
@@ -389,10 +331,15 @@ def step_record(
         dropped_stale=dropped_stale,
         skipped=skipped or {},
         loop_lag_ms_max=loop_lag_ms_max,
+        placeholders=dict(Counter(r.reason_bucket for r in rows if r.reason_bucket)),
         parity_by_staleness={
             str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
         },
     )
+
+
+def _last(answers: list[str]) -> str | None:
+    return answers[-1] if answers else None
 
 
 def _parity_json(parity: Any) -> dict[str, float]:

@@ -17,6 +17,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ..demo import print_fleet
+
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
     from ._loop import TrainRun
 
@@ -26,6 +28,11 @@ SUMMARY_VERSION = 1
 PARITY_K3 = 1e-9
 """The most K3 a step may show (fp32 trainer and engine on the same weights: ~1e-14)."""
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
+TASK_NOTES = {
+    "agent": "agent: the answers with a digit checker's tool result between calls; reward = "
+    "share of the answers' non-space characters that are digits",
+    "digits": "digits: reward = share of the answers' non-space characters that are digits",
+}
 WINDOW = 5
 """Steps averaged at each end of the run for the reward gain."""
 
@@ -60,7 +67,7 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
             "lr": config.lr,
             "seed": config.seed,
             "ray_address": config.ray_address,
-            "task": "digits: reward = share of the answer's non-space characters that are digits",
+            "task": TASK_NOTES[config.task],
             "model_params": run.params,
         },
         "train": {
@@ -143,7 +150,10 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
         if not (math.isfinite(k3) and k3 <= PARITY_K3):
             problems.append(f"{at}: parity K3 {k3:.2e} > {PARITY_K3:.0e} (a push did not land)")
         if s["receipts_verified"] != s["receipts_total"]:
-            problems.append(f"{at}: {s['receipts_total'] - s['receipts_verified']} receipts fail")
+            problems.append(
+                f"{at}: {s['receipts_total'] - s['receipts_verified']} receipts fail "
+                f"({s.get('placeholders', {})})"
+            )
         if s["rows_valid"] == 0:
             problems.append(f"{at}: no valid row")
         if s["engine_version"] != str(s["weight_version"]):
@@ -193,16 +203,7 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
             f"{s['seconds']['total']:.1f}",
         )
     console.print(table)
-    if summary.get("gates"):
-        fleet = Table(title="gates (tokcap-vllm serve)", box=box.SIMPLE_HEAVY)
-        for name in ("gate", "pid", "rollouts", "calls", "weight version"):
-            fleet.add_column(name, justify="right")
-        for g in summary["gates"]:
-            fleet.add_row(
-                g["url"], str(g["pid"] or "-"), str(g["rollouts"]), str(g["calls"]),
-                str(g["weight_version"]),
-            )  # fmt: skip
-        console.print(fleet)
+    print_fleet(summary.get("gates", []), console)
     shares = ", ".join(f"{k} {v:.0%}" for k, v in train["stage_shares"].items())
     ok = train["parity_k3_max"] <= train["parity_k3_limit"]
     fresh_note = " (rows sampled by the trained version)" if train.get("mode") == "async" else ""

@@ -1,11 +1,22 @@
-"""``tokcap train``'s task and harness: a black box that asks for digits over the OpenAI API.
+"""``tokcap train``'s tasks and harness: a black box that asks for digits over the OpenAI API.
 
-Each rollout is a short chat: the user asks for a long number, the model answers, the
-user asks for more digits, the model answers again (``turns`` calls, each a real chat
-call through the gate, the second one extending the first). The scorer sees text only:
-the reward is the share of the answers' non-space characters that are digits, in [0, 1].
-A random tiny model writes almost no digits (about 0.2 %); a policy-gradient loop on
-these rewards teaches it to write mostly digits within a few dozen steps.
+Each rollout is a short chat: the user asks for a long number, the model answers, then the
+environment speaks and the model answers again (``turns`` calls, each a real chat call
+through the gate, each one extending the one before). Two tasks:
+
+- ``agent`` (the default, two calls): after each answer the environment runs a digit
+  checker on it and hands back its result as a tool response (``<tool_response>`` JSON in a
+  user turn, exactly how Qwen's ChatML renders a ``tool`` message), and the model goes on.
+  The model's own turns are free text: nothing is forced by guided decoding, so every
+  trained token was sampled from the policy's unmasked distribution and its captured
+  logprob is the behaviour policy's (no token needs masking out of the loss or the
+  importance weights).
+- ``digits``: the user just asks for more digits between calls.
+
+The scorer sees text only: the reward is the share of the answers' non-space characters
+that are digits, in [0, 1]. A random tiny model writes almost no digits (about 0.2 %); a
+policy-gradient loop on these rewards teaches it to write mostly digits within a few dozen
+steps.
 
 The scorer's witnesses follow the demo: per rollout slot, the scored response id, the
 scored content, a declared terminal, or none (the gate's deepest-chain choice).
@@ -13,13 +24,26 @@ scored content, a declared terminal, or none (the gate's deepest-chain choice).
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import openai
 
-__all__ = ["WITNESSES", "DigitsEpisode", "Witness", "digit_share", "play_digits"]
+__all__ = [
+    "TASKS",
+    "WITNESSES",
+    "DigitsEpisode",
+    "Task",
+    "Witness",
+    "digit_share",
+    "play_digits",
+    "tool_response",
+]
+
+Task = Literal["agent", "digits"]
+TASKS: tuple[Task, ...] = ("agent", "digits")
 
 Witness = Literal["response_id", "content", "declared", "none"]
 WITNESSES: tuple[Witness, ...] = ("response_id", "content", "declared", "none")
@@ -34,6 +58,17 @@ def digit_share(text: str) -> float:
     """The share of ``text``'s non-space characters that are digits (0.0 for none)."""
     chars = [c for c in text if not c.isspace()]
     return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+def tool_response(answer: str) -> str:
+    """The digit checker's result on ``answer``, as the environment's tool-response turn."""
+    chars = [c for c in answer if not c.isspace()]
+    result = {
+        "tool": "count_digits",
+        "digits": sum(c.isdigit() for c in chars),
+        "chars": len(chars),
+    }
+    return f"<tool_response>\n{json.dumps(result)}\n</tool_response>"
 
 
 def group_prompt(seed: int, group: int) -> str:
@@ -54,6 +89,20 @@ class DigitsEpisode:
     contents: list[str] = field(default_factory=list)
     reward: float = 0.0
 
+    @property
+    def scored(self) -> Witness:
+        """The witness the scorer gives: ``content`` falls back to ``response_id`` when the
+        scored answer repeats an earlier answer of the rollout (a content fingerprint shared
+        by two calls names neither, and the gate poisons the rollout as ambiguous: seen once
+        a policy writes the same digits twice)."""
+        if (
+            self.witness == "content"
+            and self.contents[-1:]
+            and self.contents[-1] in self.contents[:-1]
+        ):
+            return "response_id"
+        return self.witness
+
 
 async def play_digits(
     client: openai.AsyncOpenAI,
@@ -63,15 +112,18 @@ async def play_digits(
     turns: int,
     max_tokens: int,
     seed: int,
+    task: Task = "digits",
 ) -> DigitsEpisode:
-    """Play ``turns`` chat calls (sampled at temperature 1); fill the answers and the reward."""
+    """Play ``turns`` chat calls (sampled at temperature 1) of ``task``; fill the answers and
+    the reward."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": episode.prompt},
     ]
     for turn in range(turns):
         if turn:
-            messages.append({"role": "user", "content": MORE})
+            said = MORE if task == "digits" else tool_response(episode.contents[-1])
+            messages.append({"role": "user", "content": said})
         response = await client.chat.completions.create(
             model=model,
             messages=messages,  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -15,6 +16,14 @@ from tokcap_core.interop import gym
 from tokcap_core.routes import decode_routes, encode_routes, routes_from_rows
 from tokcap_core.simulate import simulate_rollout
 from tokcap_core.testing import simulated_rollouts
+
+
+def _without_spans(row: Any) -> Any:
+    """Gym's format keeps a call's first and last weight version only, not tokcap's spans."""
+    spans = tuple(
+        dataclasses.replace(s, weight_versions=None, kv_versions=None) for s in row.call_spans
+    )
+    return dataclasses.replace(row, call_spans=spans)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,7 +46,7 @@ def test_export_is_accepted_by_gyms_rules_and_imports_back_to_the_same_row(
     assert linear.model_call_ids[-1] == receipt.terminal_call_id
     result = gym.verify_gym_rollout(wire_receipt, wire_snapshots)
     (original,) = reassemble(receipt, rollout.calls, max_seq_len=1 << 30)
-    assert result.row == original
+    assert result.row == _without_spans(original)
     assert result.receipt.terminal_call_id == receipt.terminal_call_id
     assert [c.call_digest for c in result.receipt.segments[0]] == [
         r.digest for r in capture.receipt.manifest if r.model_call_id in linear.model_call_ids
@@ -51,7 +60,7 @@ def test_routes_and_truncation_survive_the_round_trip() -> None:
         capture = gym.export_gym_capture(receipt, rollout.calls)
         row = gym.verify_gym_rollout(capture.receipt, capture.snapshots).row
         (original,) = reassemble(receipt, rollout.calls, max_seq_len=1 << 30)
-        assert row == original
+        assert row == _without_spans(original)
         assert row.routes is not None
         assert row.backfilled_route_rows == original.backfilled_route_rows
         assert row.truncated == (

@@ -112,6 +112,27 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="tokcap: the ledger head kept when the rollout closed (pins the whole chain)",
     )
     verify.add_argument(
+        "--max-staleness",
+        metavar="K",
+        type=int,
+        help="tokcap: fail (exit 3, stale_tokens) when a generated token the receipt names was "
+        "sampled more than K versions behind --trained-version (from the ledger's spans alone)",
+    )
+    verify.add_argument(
+        "--trained-version",
+        metavar="V",
+        type=int,
+        help="tokcap: the weight version the batch is trained at (with --max-staleness)",
+    )
+    verify.add_argument(
+        "--batch-manifest",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="tokcap: another manifest of the same batch, checked against the staleness bound "
+        "too (repeat for each)",
+    )
+    verify.add_argument(
         "--strict",
         action="store_true",
         help="fail (exit 3) when anything staged or recorded is left uncovered",
@@ -138,6 +159,14 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("--format gym-record checks one record alone: no --staged")
     if args.format != "tokcap" and (args.segments or args.expected_head):
         parser.error("--segments and --expected-head apply to the tokcap format only")
+    if (args.max_staleness is None) != (args.trained_version is None):
+        parser.error("--max-staleness and --trained-version go together")
+    if args.max_staleness is not None and (args.max_staleness < 0 or args.trained_version < 0):
+        parser.error("--max-staleness and --trained-version are >= 0")
+    if args.batch_manifest and args.max_staleness is None:
+        parser.error("--batch-manifest needs --max-staleness and --trained-version")
+    if args.format != "tokcap" and args.max_staleness is not None:
+        parser.error("--max-staleness applies to the tokcap format only")
     if args.manifest == "-" and args.staged == "-":
         parser.error("only one of FILE and --staged can be read from stdin")
     if args.expected_head is not None:

@@ -10,6 +10,7 @@ format it looks like.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ._coverage import Uncovered, uncovered_calls
-from ._errors import TokcapError
+from ._errors import TokcapError, VerificationError
 from ._manifest import MAX_MANIFEST_BYTES, decode_manifest, verify_manifest
+from ._provenance import check_staleness, receipt_staleness
 from ._receipt import Receipt, assemble_receipt
 from ._rows import TrainingRow
 from ._staged import StagedCall
@@ -144,7 +146,39 @@ def _verify_tokcap(args: argparse.Namespace, inputs: _Inputs) -> Outcome:
             }
     uncovered = uncovered_calls(state, receipt, staged)
     report["uncovered"] = [u.to_json() for u in uncovered]
+    if args.max_staleness is not None:
+        _check_batch_staleness(args, receipt, report)
     return _covered_outcome(args.strict, receipt, uncovered, report)
+
+
+def _check_batch_staleness(
+    args: argparse.Namespace, receipt: Receipt, report: dict[str, Any]
+) -> None:
+    """Report each receipt's staleness against ``--trained-version``; raise
+    `VerificationError` ``stale_tokens`` over ``--max-staleness`` (receipts alone)."""
+    receipts = [receipt]
+    for path in args.batch_manifest:
+        try:
+            data = _read(path, MAX_MANIFEST_BYTES, "--batch-manifest")
+        except _ReadError as e:
+            raise VerificationError(e.code, e.message) from e
+        other = verify_manifest(decode_manifest(data))
+        receipts.append(assemble_receipt(other, segments=args.segments or "all"))
+    report["staleness"] = {
+        "trained_version": args.trained_version,
+        "max_staleness": args.max_staleness,
+        "rollouts": {
+            r.rollout_id: dataclasses.asdict(receipt_staleness(r, args.trained_version))
+            for r in receipts
+            if r.ok
+        },
+    }
+    check_staleness(
+        receipts,
+        trained_version=args.trained_version,
+        max_staleness=args.max_staleness,
+        raise_=True,
+    )
 
 
 def _covered_outcome(

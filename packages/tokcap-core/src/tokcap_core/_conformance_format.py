@@ -19,15 +19,14 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, TypeAlias
 
 from ._errors import TokcapError
 from ._manifest import decode_manifest, verify_manifest
 from ._reassembly import reassemble
 from ._receipt import assemble_receipt
-from ._staged_json import STAGED_FORMAT, decode_staged_calls
-from .golden import assert_golden_vectors
+from ._staged_json import STAGED_FORMAT, STAGED_FORMAT_V2, decode_staged_calls
+from .golden import GOLDEN_FORMAT, GOLDEN_FORMAT_V2, assert_golden_vectors, shipped_vectors
 
 __all__ = [
     "FormatReport",
@@ -91,17 +90,14 @@ def tokcap_irrelevant(document: int, path: tuple[Any, ...], sample: Sample) -> s
 
 
 def golden_samples() -> list[Sample]:
-    """tokcap's golden rollouts as samples (for checking another verifier implementation)."""
-    doc = json.loads(
-        resources.files("tokcap_core").joinpath("golden/vectors.json").read_text("utf-8")
-    )
-    return [
-        (
-            json.dumps(r["manifest"]).encode(),
-            json.dumps({"format": STAGED_FORMAT, "calls": r["staged"]}).encode(),
-        )
-        for r in doc["rollouts"]
-    ]
+    """tokcap's golden rollouts, of capture formats v3 and v2, as samples (for checking
+    another verifier implementation)."""
+    out = []
+    for golden, staged in ((GOLDEN_FORMAT, STAGED_FORMAT), (GOLDEN_FORMAT_V2, STAGED_FORMAT_V2)):
+        for r in shipped_vectors(golden)["rollouts"]:
+            calls = json.dumps({"format": staged, "calls": r["staged"]}).encode()
+            out.append((json.dumps(r["manifest"]).encode(), calls))
+    return out
 
 
 def _alternatives(value: Any) -> Iterator[Any]:

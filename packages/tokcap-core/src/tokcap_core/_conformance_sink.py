@@ -174,7 +174,9 @@ def check_conflicting_puts(factory: SinkFactory, *, max_examples: int = 10) -> N
         held = data.draw(st.integers(1, len(calls)))
         first, rest = calls[:held], calls[held:]
         victim = data.draw(st.sampled_from(first))
-        changed = dataclasses.replace(victim, weight_version=victim.weight_version + 1)
+        changed = dataclasses.replace(
+            victim, finish_reason="length" if victim.finish_reason == "stop" else "stop"
+        )
 
         async def body(sink: TokenSink) -> None:
             await sink.put(first)

@@ -18,18 +18,27 @@ from typing import Final
 
 __all__ = [
     "CALL_DOMAIN",
+    "CALL_DOMAIN_V2",
     "CHAIN_DOMAIN",
     "GENESIS_DOMAIN",
     "LEDGER_DOMAIN",
+    "STAGED_ENTRY_DOMAIN",
     "ZERO_HASH",
     "Canon",
     "chain_hash",
     "genesis_hash",
 ]
 
-CALL_DOMAIN: Final = b"tokcap/call/v2"
+CALL_DOMAIN: Final = b"tokcap/call/v3"
+"""Capture format v3: the call digest commits to the per-token weight and KV spans."""
+CALL_DOMAIN_V2: Final = b"tokcap/call/v2"
+"""Capture format v2 calls (first and last weight version only): still verifiable."""
 CHAIN_DOMAIN: Final = b"tokcap/chain/v1"
 LEDGER_DOMAIN: Final = b"tokcap/ledger/v2"
+"""Ledger entries; unchanged in format v3 except for `STAGED_ENTRY_DOMAIN`."""
+STAGED_ENTRY_DOMAIN: Final = b"tokcap/ledger/staged/v3"
+"""The entry hash of a format v3 ``Staged`` event (one that carries spans): a v2 entry
+and a v3 entry can never hash alike, so spans cannot be stripped from a ledger."""
 GENESIS_DOMAIN: Final = b"tokcap/genesis/v1"
 ZERO_HASH: Final = "0" * 64
 """The chain hash a root call links to (32 zero bytes, hex)."""

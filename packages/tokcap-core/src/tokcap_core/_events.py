@@ -12,9 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Final, Literal, TypeAlias
 
-from ._digest import Canon
-from ._errors import LedgerProtocolError
-from ._staged import FINISH_REASONS, StagedCall
+from ._digest import LEDGER_DOMAIN, STAGED_ENTRY_DOMAIN, Canon
+from ._errors import InvalidStagedCall, LedgerProtocolError
+from ._provenance import Spans
+from ._staged import FINISH_REASONS, StagedCall, check_provenance
 from .ids import validate_call_id
 
 __all__ = [
@@ -157,6 +158,10 @@ class Staged:
     chain_hash: str
     response_id: str | None = None
     output_fingerprint: str | None = None
+    weight_versions: Spans | None = None
+    """Format v3: which weights sampled which generated tokens (None: a format v2 event)."""
+    kv_versions: Spans | None = None
+    """Format v3: the oldest weights whose KV each generated token was conditioned on."""
 
     def __post_init__(self) -> None:
         validate_call_id(self.call_id)
@@ -170,6 +175,21 @@ class Staged:
         _check_hash("chain_hash", self.chain_hash)
         _check_label("response_id", self.response_id, optional=True)
         _check_label("output_fingerprint", self.output_fingerprint, optional=True)
+        try:
+            check_provenance(
+                self.gen_len,
+                self.weight_version,
+                self.weight_version_last,
+                self.weight_versions,
+                self.kv_versions,
+            )
+        except InvalidStagedCall as e:
+            raise _bad("bad_event_field", e.message) from e
+
+    @property
+    def domain(self) -> bytes:
+        """The entry-hash domain: format v3 events (with spans) hash apart from v2 ones."""
+        return LEDGER_DOMAIN if self.weight_versions is None else STAGED_ENTRY_DOMAIN
 
     @classmethod
     def for_call(
@@ -191,14 +211,21 @@ class Staged:
             chain_hash=call.chain_hash,
             response_id=response_id,
             output_fingerprint=output_fingerprint,
+            weight_versions=call.weight_versions,
+            kv_versions=call.kv_versions,
         )
 
     def write(self, canon: Canon) -> None:
-        """Write this event's canonical fields."""
+        """Write this event's canonical fields (format v3: the spans after the v2 fields)."""
         canon.text(self.call_id).u64(self.carry_len).u64(self.gen_len).u64(self.weight_version)
         canon.u64(self.weight_version_last).text(self.finish_reason)
         canon.raw_hash(self.call_digest).raw_hash(self.chain_hash)
         canon.opt_text(self.response_id).opt_text(self.output_fingerprint)
+        if self.weight_versions is not None:
+            for spans in (self.weight_versions, self.kv_versions or ()):
+                canon.u64(len(spans))
+                for span in spans:
+                    canon.u64(span.version).u64(span.start).u64(span.end)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

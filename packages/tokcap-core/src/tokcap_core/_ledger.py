@@ -131,8 +131,10 @@ class RolloutState:
 
 
 def entry_hash(prev_hash: str, event: Event) -> str:
-    """The hash of an entry holding ``event`` after ``prev_hash``."""
-    canon = Canon(LEDGER_DOMAIN).raw_hash(prev_hash).text(event.KIND)
+    """The hash of an entry holding ``event`` after ``prev_hash`` (a format v3 ``Staged``
+    event hashes under its own domain, `Staged.domain`)."""
+    domain = event.domain if isinstance(event, Staged) else LEDGER_DOMAIN
+    canon = Canon(domain).raw_hash(prev_hash).text(event.KIND)
     event.write(canon)
     return canon.hexdigest()
 

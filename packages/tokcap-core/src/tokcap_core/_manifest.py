@@ -19,10 +19,12 @@ from typing import Any, Final
 from ._errors import ManifestError, TokcapError, VerificationError
 from ._events import Admitted, Closed, Event, Failed, Poisoned, Staged, TerminalDeclared, Witnesses
 from ._ledger import Entry, Ledger, RolloutState, replay
+from ._provenance import spans_from_json, spans_to_json
 from .ids import validate_rollout_id
 
 __all__ = [
     "MANIFEST_FORMAT",
+    "MANIFEST_FORMAT_V2",
     "MAX_MANIFEST_BYTES",
     "Manifest",
     "decode_manifest",
@@ -31,7 +33,13 @@ __all__ = [
     "verify_manifest",
 ]
 
-MANIFEST_FORMAT: Final = "tokcap/manifest/v2"
+MANIFEST_FORMAT: Final = "tokcap/manifest/v3"
+"""Capture format v3: ``staged`` events may carry ``weight_versions`` and ``kv_versions``
+(``[[version, start, end], ...]``)."""
+MANIFEST_FORMAT_V2: Final = "tokcap/manifest/v2"
+"""Capture format v2 (no spans): still decoded and verified; a manifest none of whose
+events carries spans is encoded in it, byte for byte as before."""
+_SPAN_FIELDS: Final = ("weight_versions", "kv_versions")
 MAX_MANIFEST_BYTES: Final = 16 * 1024 * 1024
 """Default bound on an encoded manifest; larger inputs are rejected before parsing."""
 
@@ -88,6 +96,10 @@ def _event_to_json(event: Event) -> dict[str, Any]:
     body: dict[str, Any] = {"type": event.KIND}
     for f in fields(event):
         value = getattr(event, f.name)
+        if f.name in _SPAN_FIELDS:
+            if value is None:
+                continue  # a format v2 event
+            value = spans_to_json(value)
         if isinstance(value, Witnesses):
             value = {
                 "response_id": value.response_id,
@@ -99,8 +111,9 @@ def _event_to_json(event: Event) -> dict[str, Any]:
 
 def encode_manifest(manifest: Manifest) -> bytes:
     """Canonical JSON bytes (compact, ASCII, fields in a fixed order)."""
+    v3 = any(isinstance(e.event, Staged) and e.event.weight_versions for e in manifest.entries)
     doc = {
-        "format": MANIFEST_FORMAT,
+        "format": MANIFEST_FORMAT if v3 else MANIFEST_FORMAT_V2,
         "rollout_id": manifest.rollout_id,
         "head": {"seq": manifest.head_seq, "hash": manifest.head_hash},
         "entries": [
@@ -204,17 +217,24 @@ _FIELD_READERS: Final[dict[str, Callable[[object, str], object]]] = {
 }
 
 
-def _decode_event(value: object, where: str) -> Event:
+def _decode_event(value: object, where: str, *, v3: bool) -> Event:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise ManifestError("wrong_type", f"{where} must be an object with a string 'type'")
     cls = _EVENTS.get(value["type"])
     if cls is None:
         raise ManifestError("unknown_event", f"{where}: unknown event type {value['type']!r}")
     names = tuple(f.name for f in fields(cls))
+    if not (v3 and cls is Staged and "weight_versions" in value):
+        names = tuple(n for n in names if n not in _SPAN_FIELDS)
     body = _obj(value, where, ("type", *names))
     kwargs: dict[str, Any] = {}
     for name in names:
-        if name == "witnesses":
+        if name in _SPAN_FIELDS:
+            try:
+                kwargs[name] = spans_from_json(body[name])
+            except TokcapError as e:
+                raise ManifestError("bad_event", f"{where}.{name}: {e.message}") from e
+        elif name == "witnesses":
             w = _obj(body[name], f"{where}.witnesses", ("response_id", "content_fingerprint"))
             kwargs[name] = Witnesses(
                 response_id=_opt_str(w["response_id"], f"{where}.witnesses.response_id"),
@@ -248,8 +268,11 @@ def decode_manifest(data: bytes | str, *, max_bytes: int = MAX_MANIFEST_BYTES) -
     ) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ManifestError("bad_json", f"not JSON: {e}") from None
     top = _obj(doc, "manifest", ("format", "rollout_id", "head", "entries"))
-    if top["format"] != MANIFEST_FORMAT:
-        raise ManifestError("bad_format", f"format must be {MANIFEST_FORMAT!r}")
+    if top["format"] not in (MANIFEST_FORMAT, MANIFEST_FORMAT_V2):
+        raise ManifestError(
+            "bad_format", f"format must be {MANIFEST_FORMAT!r} (or {MANIFEST_FORMAT_V2!r})"
+        )
+    v3 = top["format"] == MANIFEST_FORMAT
     rollout_id = _str(top["rollout_id"], "rollout_id")
     try:
         validate_rollout_id(rollout_id)
@@ -267,7 +290,7 @@ def decode_manifest(data: bytes | str, *, max_bytes: int = MAX_MANIFEST_BYTES) -
                 seq=_int(body["seq"], f"{where}.seq"),
                 prev_hash=_hash(body["prev_hash"], f"{where}.prev_hash"),
                 hash=_hash(body["hash"], f"{where}.hash"),
-                event=_decode_event(body["event"], f"{where}.event"),
+                event=_decode_event(body["event"], f"{where}.event", v3=v3),
             )
         )
     return Manifest(

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from ._errors import ReassemblyError, RoutesError, VerificationError
+from ._provenance import clip_spans
 from ._receipt import Receipt
 from ._rows import CallSpan, TrainingRow
 from ._staged import StagedCall
@@ -74,6 +75,8 @@ def _segment_row(
                 gen_len=call.gen_len,
                 weight_version=call.weight_version,
                 weight_version_last=call.weight_version_last,
+                weight_versions=call.weight_versions,
+                kv_versions=call.kv_versions,
             )
         )
         input_ids.extend(call.tokens)
@@ -123,7 +126,15 @@ def _clip_spans(spans: list[CallSpan], length: int) -> list[CallSpan]:
             break
         carry = min(span.carry_len, length - span.start)
         gen = min(span.gen_len, length - span.start - carry)
-        clipped.append(replace(span, carry_len=carry, gen_len=gen))
+        clipped.append(
+            replace(
+                span,
+                carry_len=carry,
+                gen_len=gen,
+                weight_versions=clip_spans(span.weight_versions, gen),
+                kv_versions=clip_spans(span.kv_versions, gen),
+            )
+        )
     return clipped
 
 

@@ -22,6 +22,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 from ._errors import VerificationError
 from ._ledger import ADMITTED, CLOSED, FAILED, STAGED, CallRecord, RolloutState
+from ._provenance import Spans, spans_to_json
 from .ids import StagingKey, staging_key
 from .reasons import (
     AMBIGUOUS_TERMINAL,
@@ -74,6 +75,10 @@ class ReceiptCall:
     formation: str
     """How the ledger says its prompt was formed: ``root``, ``extend`` or ``splice``."""
     splice_cause: str | None
+    weight_versions: Spans | None = None
+    """Which weights sampled which generated tokens, as the ledger committed (format v3)."""
+    kv_versions: Spans | None = None
+    """The oldest weights whose KV each generated token was conditioned on (format v3)."""
 
     @property
     def cum_len(self) -> int:
@@ -123,7 +128,12 @@ class Receipt:
 
 
 def _call_json(call: ReceiptCall) -> dict[str, Any]:
-    return {name: getattr(call, name) for name in ReceiptCall.__dataclass_fields__}
+    out = {name: getattr(call, name) for name in ReceiptCall.__dataclass_fields__}
+    for name in ("weight_versions", "kv_versions"):  # absent for a format v2 call
+        value = out.pop(name)
+        if value is not None:
+            out[name] = spans_to_json(value)
+    return out
 
 
 def _receipt_call(state: RolloutState, record: CallRecord) -> ReceiptCall:
@@ -143,6 +153,8 @@ def _receipt_call(state: RolloutState, record: CallRecord) -> ReceiptCall:
         chain_hash=staged.chain_hash,
         formation=record.admitted.formation,
         splice_cause=record.admitted.splice_cause,
+        weight_versions=staged.weight_versions,
+        kv_versions=staged.kv_versions,
     )
 
 

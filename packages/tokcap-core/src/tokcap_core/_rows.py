@@ -13,6 +13,7 @@ from array import array
 from dataclasses import dataclass
 
 from ._errors import InvalidStagedCall
+from ._provenance import Spans
 from .ids import TrainingKey, training_key
 from .reasons import reason_bucket
 from .routes import Routes, unknown_routes
@@ -32,6 +33,11 @@ class CallSpan:
     """The engine's weight version at the call's first generated token."""
     weight_version_last: int
     """The version at its last generated token (differs when weights were pushed mid-call)."""
+    weight_versions: Spans | None = None
+    """Which weights sampled which of the call's generated tokens (format v3; spans index
+    its generated tokens, which start at ``start + carry_len`` in the row)."""
+    kv_versions: Spans | None = None
+    """The oldest weights whose KV each generated token was conditioned on (format v3)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

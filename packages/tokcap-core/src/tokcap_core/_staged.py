@@ -16,16 +16,24 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
-from ._digest import CALL_DOMAIN, Canon, chain_hash
+from ._digest import CALL_DOMAIN, CALL_DOMAIN_V2, Canon, chain_hash
 from ._errors import InvalidStagedCall, RoutesError
+from ._provenance import Spans, VersionSpan, check_spans, single_span, token_versions
 from .ids import StagingKey, staging_key, validate_call_id, validate_rollout_id
 from .routes import Routes, align_routes
 
-__all__ = ["FINISH_REASONS", "StagedCall", "compute_call_digest", "logprob_array", "token_array"]
+__all__ = [
+    "FINISH_REASONS",
+    "StagedCall",
+    "check_provenance",
+    "compute_call_digest",
+    "logprob_array",
+    "token_array",
+]
 
 FINISH_REASONS: Final[tuple[str, ...]] = ("stop", "length")
 """Finish reasons a staged (served, completed) call may carry."""
@@ -79,6 +87,10 @@ class StagedCall:
     routes: Routes | None
     digest: str
     chain_hash: str
+    weight_versions: Spans | None = None
+    """Which weights sampled which generated tokens (format v3; None: a format v2 call)."""
+    kv_versions: Spans | None = None
+    """The oldest weights whose KV each generated token was conditioned on (format v3)."""
 
     def __post_init__(self) -> None:
         validate_rollout_id(self.rollout_id)
@@ -128,6 +140,18 @@ class StagedCall:
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) != 64 or not _HEX.issuperset(value):
                 raise InvalidStagedCall("bad_hash", f"{name} must be 64 lowercase hex characters")
+        check_provenance(
+            self.gen_len,
+            self.weight_version,
+            self.weight_version_last,
+            self.weight_versions,
+            self.kv_versions,
+        )
+
+    @property
+    def format(self) -> int:
+        """The capture format of this call: 3 with spans, 2 without."""
+        return 2 if self.weight_versions is None else 3
 
     @property
     def cum_len(self) -> int:
@@ -164,6 +188,8 @@ class StagedCall:
             tokens=self.tokens,
             logprobs=self.logprobs,
             routes=self.routes,
+            weight_versions=self.weight_versions,
+            kv_versions=self.kv_versions,
         )
 
     @classmethod
@@ -182,17 +208,32 @@ class StagedCall:
         weight_version: int,
         weight_version_last: int | None = None,
         routes: Routes | None = None,
+        weight_versions: Sequence[VersionSpan] | None = None,
+        kv_versions: Sequence[VersionSpan] | None = None,
     ) -> StagedCall:
-        """Build a staged call from raw engine data and compute its digest and chain hash.
+        """Build a format v3 staged call from raw engine data, with its digest and chain hash.
 
         ``prompt_ids`` is the full prompt the engine saw (its first ``parent_cum_len``
         tokens are the parent's cumulative tokens); ``routes``, if any, cover the
         prompt and output as the engine returns them (``[tokens-1]`` or ``[tokens]`` rows).
-        ``weight_version_last`` defaults to ``weight_version`` (no push during the call).
+        ``weight_versions`` (the sampling spans) default to ``weight_version`` over every
+        token; a call that spans versions must give them (``weight_version_last`` then
+        only has to agree). ``kv_versions`` default to ``weight_versions`` (every token
+        conditioned on KV of its own version: no push kept stale KV).
         """
         last = weight_version if weight_version_last is None else weight_version_last
-        prompt = token_array(prompt_ids)
         output = token_array(output_ids)
+        if weight_versions is None:
+            if last != weight_version:
+                raise InvalidStagedCall(
+                    "bad_spans", "a call sampled by two versions needs its weight_versions spans"
+                )
+            weight_versions = single_span(weight_version, len(output)) if output else ()
+        spans = tuple(weight_versions)
+        kv = spans if kv_versions is None else tuple(kv_versions)
+        if spans:
+            weight_version, last = spans[0].version, spans[-1].version
+        prompt = token_array(prompt_ids)
         if parent_id is None and parent_cum_len != 0:
             raise InvalidStagedCall("parent_prefix_mismatch", "a root call has parent_cum_len == 0")
         if not 0 <= parent_cum_len <= len(prompt):
@@ -223,6 +264,8 @@ class StagedCall:
             routes=routes,
             digest=_UNSEALED,
             chain_hash=_UNSEALED,
+            weight_versions=spans,
+            kv_versions=kv,
         )
         digest = unsealed.compute_digest()
         return replace(unsealed, digest=digest, chain_hash=chain_hash(parent_chain_hash, digest))
@@ -242,10 +285,14 @@ def compute_call_digest(
     tokens: array[int],
     logprobs: array[float],
     routes: Routes | None,
+    weight_versions: Spans | None = None,
+    kv_versions: Spans | None = None,
 ) -> str:
-    """The call digest: commits to every field of a staged call (domain ``tokcap/call/v2``)."""
+    """The call digest: commits to every field of a staged call (domain ``tokcap/call/v3``
+    with its spans; a format v2 call, without spans, hashes as before under
+    ``tokcap/call/v2``)."""
     canon = (
-        Canon(CALL_DOMAIN)
+        Canon(CALL_DOMAIN_V2 if weight_versions is None else CALL_DOMAIN)
         .text(rollout_id)
         .text(call_id)
         .opt_text(parent_id)
@@ -265,7 +312,35 @@ def compute_call_digest(
         for dim in routes.shape:
             canon.u64(dim)
         canon.buffer(routes.data)
+    if weight_versions is not None:
+        for spans in (weight_versions, kv_versions or ()):
+            canon.u64(len(spans))
+            for span in spans:
+                canon.u64(span.version).u64(span.start).u64(span.end)
     return canon.hexdigest()
+
+
+def check_provenance(
+    gen_len: int, first: int, last: int, weight_versions: Spans | None, kv_versions: Spans | None
+) -> None:
+    """Raise `InvalidStagedCall` ``bad_spans`` unless the spans (both or neither) cover the
+    generated tokens, agree with ``first``/``last`` and no token's KV is newer than the
+    weights that sampled it."""
+    if weight_versions is None:
+        if kv_versions is not None:
+            raise InvalidStagedCall("bad_spans", "kv_versions without weight_versions")
+        return
+    if kv_versions is None:
+        raise InvalidStagedCall("bad_spans", "weight_versions without kv_versions")
+    check_spans(weight_versions, gen_len, what="weight_versions")
+    check_spans(kv_versions, gen_len, what="kv_versions")
+    if (weight_versions[0].version, weight_versions[-1].version) != (first, last):
+        raise InvalidStagedCall(
+            "bad_spans", "weight_version and weight_version_last must be the spans' first and last"
+        )
+    sampled = token_versions(weight_versions)
+    if any(k > v for k, v in zip(token_versions(kv_versions), sampled, strict=True)):
+        raise InvalidStagedCall("bad_spans", "a token's KV is newer than the weights sampling it")
 
 
 def _route_rows(routes: Routes, first: int) -> Routes:

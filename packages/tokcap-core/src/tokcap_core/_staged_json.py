@@ -1,8 +1,11 @@
 """Staged calls as strict JSON (examples, golden vectors, debug dumps; sinks use their own layout).
 
-A document is ``{"format": "tokcap/staged/v2", "calls": [...]}``; each call lists every
+A document is ``{"format": "tokcap/staged/v3", "calls": [...]}``; each call lists every
 `StagedCall` field, tokens and logprobs as JSON arrays, routes as an ``nrlre1`` envelope
-or null. Logprobs are f32 values written as the shortest decimal that reads back the same.
+or null, ``weight_versions`` and ``kv_versions`` as ``[[version, start, end], ...]``. A
+``tokcap/staged/v2`` document (calls without spans) still decodes; calls without spans
+are encoded in it, as before. Logprobs are f32 values written as the shortest decimal
+that reads back the same.
 """
 
 from __future__ import annotations
@@ -14,30 +17,35 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ._errors import InvalidStagedCall, TokcapError
+from ._provenance import spans_from_json, spans_to_json
 from ._staged import StagedCall
 from .routes import decode_routes, encode_routes
 
 __all__ = [
     "MAX_STAGED_BYTES",
     "STAGED_FORMAT",
+    "STAGED_FORMAT_V2",
     "decode_staged_calls",
     "encode_staged_calls",
     "staged_from_json",
     "staged_to_json",
 ]
 
-STAGED_FORMAT: Final = "tokcap/staged/v2"
+STAGED_FORMAT: Final = "tokcap/staged/v3"
+STAGED_FORMAT_V2: Final = "tokcap/staged/v2"
+"""The format before per-token provenance: read, and written for calls without spans."""
 MAX_STAGED_BYTES: Final = 256 * 1024 * 1024
 """The largest staged-calls document `decode_staged_calls` reads by default."""
 _FIELDS: Final = (
     "rollout_id", "call_id", "parent_id", "prefix_len", "carry_len", "gen_len", "weight_version",
     "weight_version_last", "finish_reason", "tokens", "logprobs", "routes", "digest", "chain_hash",
 )  # fmt: skip
+_SPAN_FIELDS: Final = ("weight_versions", "kv_versions")
 
 
 def staged_to_json(call: StagedCall) -> dict[str, Any]:
-    """A JSON-ready dict of one staged call."""
-    return {
+    """A JSON-ready dict of one staged call (with its spans if it has them: format v3)."""
+    out: dict[str, Any] = {
         "rollout_id": call.rollout_id,
         "call_id": call.call_id,
         "parent_id": call.parent_id,
@@ -53,14 +61,19 @@ def staged_to_json(call: StagedCall) -> dict[str, Any]:
         "digest": call.digest,
         "chain_hash": call.chain_hash,
     }
+    if call.weight_versions is not None:
+        out["weight_versions"] = spans_to_json(call.weight_versions)
+        out["kv_versions"] = spans_to_json(call.kv_versions)
+    return out
 
 
-def staged_from_json(obj: object) -> StagedCall:
+def staged_from_json(obj: object, *, v3: bool = True) -> StagedCall:
     """Strictly decode one staged call; `InvalidStagedCall` with a code on any deviation."""
     if not isinstance(obj, dict):
         raise InvalidStagedCall("wrong_type", "a staged call must be an object")
-    if set(obj) != set(_FIELDS):
-        raise InvalidStagedCall("bad_fields", f"fields must be exactly {sorted(_FIELDS)}")
+    names = {*_FIELDS, *_SPAN_FIELDS} if v3 and "weight_versions" in obj else set(_FIELDS)
+    if set(obj) != names:
+        raise InvalidStagedCall("bad_fields", f"fields must be exactly {sorted(names)}")
     ints = ("prefix_len", "carry_len", "gen_len", "weight_version", "weight_version_last")
     if any(isinstance(obj[k], bool) or not isinstance(obj[k], int) for k in ints):
         raise InvalidStagedCall("wrong_type", f"{ints} must be integers")
@@ -91,6 +104,8 @@ def staged_from_json(obj: object) -> StagedCall:
             routes=routes,
             digest=obj["digest"],
             chain_hash=obj["chain_hash"],
+            weight_versions=spans_from_json(obj.get("weight_versions")),
+            kv_versions=spans_from_json(obj.get("kv_versions")),
         )
     except InvalidStagedCall:
         raise
@@ -101,8 +116,10 @@ def staged_from_json(obj: object) -> StagedCall:
 
 
 def encode_staged_calls(calls: Iterable[StagedCall]) -> bytes:
-    """A staged-calls JSON document."""
-    doc = {"format": STAGED_FORMAT, "calls": [staged_to_json(c) for c in calls]}
+    """A staged-calls JSON document (format v2 when no call carries spans)."""
+    items = [staged_to_json(c) for c in calls]
+    v3 = any("weight_versions" in c for c in items)
+    doc = {"format": STAGED_FORMAT if v3 else STAGED_FORMAT_V2, "calls": items}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
@@ -122,14 +139,15 @@ def decode_staged_calls(
     if (
         not isinstance(doc, dict)
         or set(doc) != {"format", "calls"}
-        or doc["format"] != STAGED_FORMAT
+        or doc["format"] not in (STAGED_FORMAT, STAGED_FORMAT_V2)
     ):
         raise InvalidStagedCall(
             "bad_format", f"expected {{'format': {STAGED_FORMAT!r}, 'calls': [...]}}"
         )
     if not isinstance(doc["calls"], list):
         raise InvalidStagedCall("wrong_type", "calls must be a list")
-    return [staged_from_json(c) for c in doc["calls"]]
+    v3 = doc["format"] == STAGED_FORMAT
+    return [staged_from_json(c, v3=v3) for c in doc["calls"]]
 
 
 def _reject(name: str) -> float:

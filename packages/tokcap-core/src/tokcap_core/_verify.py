@@ -1,7 +1,7 @@
 """Verification of staged calls against a receipt.
 
 Every call of every segment must be present, be the call the ledger committed
-(identity, parent, lengths, weight versions, finish reason), hash to the
+(identity, parent, lengths, weight versions and their spans, finish reason), hash to the
 committed digest, and link by chain hash to the call before it; segment 0 must
 end at the terminal. Any mismatch is a `VerificationError` with a stable code.
 """
@@ -70,10 +70,18 @@ def _check_call(
         link.gen_len,
     ):
         raise VerificationError("length_mismatch", f"{where}: lengths differ from the ledger")
-    if (call.weight_version, call.weight_version_last, call.finish_reason) != (
+    if (
+        call.weight_version,
+        call.weight_version_last,
+        call.finish_reason,
+        call.weight_versions,
+        call.kv_versions,
+    ) != (
         link.weight_version,
         link.weight_version_last,
         link.finish_reason,
+        link.weight_versions,
+        link.kv_versions,
     ):
         raise VerificationError(
             "metadata_mismatch", f"{where}: weight versions or finish reason differ"

@@ -1,9 +1,12 @@
 """Golden vectors: fixed inputs and the digests, entry hashes and receipts they must give.
 
-The vectors ship in ``golden/vectors.json``; `assert_golden_vectors` recomputes every
+The vectors ship in ``golden/vectors.json`` (capture format v3: calls carry per-token
+weight and KV spans) and ``golden/vectors_v2.json`` (the format before, kept as written
+then: stored v2 captures must stay verifiable); `assert_golden_vectors` recomputes every
 value from the stored inputs, so any change to canonical bytes, domains or terminal
 selection shows up as ``golden_mismatch``. ``python -m tokcap_core.golden`` rewrites
-the file (and the shipped example) — only ever on purpose, with a format version bump.
+the v3 file (and the shipped example) — only ever on purpose, with a format version
+bump; the v2 file is never rewritten.
 """
 
 from __future__ import annotations
@@ -14,18 +17,65 @@ from pathlib import Path
 from typing import Any, Final
 
 from ._digest import chain_hash, genesis_hash
-from ._errors import VerificationError
-from ._events import Closed, TerminalDeclared
-from ._ledger import entry_hash
+from ._errors import InvalidStagedCall, VerificationError
+from ._events import Closed, TerminalDeclared, Witnesses
+from ._ledger import Ledger, entry_hash
 from ._manifest import decode_manifest, encode_manifest, manifest_of, verify_manifest
+from ._provenance import VersionSpan
 from ._receipt import SegmentMode, assemble_receipt
-from ._staged_json import STAGED_FORMAT, decode_staged_calls, encode_staged_calls
+from ._staged import StagedCall
+from ._staged_json import (
+    STAGED_FORMAT,
+    STAGED_FORMAT_V2,
+    decode_staged_calls,
+    encode_staged_calls,
+)
 from ._verify import verify_staged
-from .simulate import simulate_rollout
+from .simulate import SimulatedRollout, admit_call, simulate_rollout, stage_call
 
-__all__ = ["GOLDEN_FORMAT", "assert_golden_vectors", "build_golden_vectors"]
+__all__ = ["GOLDEN_FORMAT", "GOLDEN_FORMAT_V2", "assert_golden_vectors", "build_golden_vectors"]
 
-GOLDEN_FORMAT: Final = "tokcap/golden/v2"
+GOLDEN_FORMAT: Final = "tokcap/golden/v3"
+GOLDEN_FORMAT_V2: Final = "tokcap/golden/v2"
+"""The vectors of capture format v2 (``golden/vectors_v2.json``), still checked."""
+_FILES: Final = {GOLDEN_FORMAT: "golden/vectors.json", GOLDEN_FORMAT_V2: "golden/vectors_v2.json"}
+
+
+def _pushed_in_flight() -> SimulatedRollout:
+    """Two calls generated across pushes: the first under ``recompute`` (its KV follows
+    its weights), the second under ``keep`` (tokens after the push sit on older KV)."""
+    ledger = Ledger("golden-e")
+    first = admit_call(ledger, None, admitted_at=1, request_fingerprint="req-e1")
+    spans = (VersionSpan(version=3, start=0, end=2), VersionSpan(version=4, start=2, end=5))
+    parent = stage_call(
+        ledger,
+        first,
+        None,
+        prompt_ids=[1, 2, 3],
+        output_ids=[4, 5, 6, 7, 8],
+        logprobs=[-0.5, -1.0, -1.5, -2.0, -2.5],
+        weight_version=3,
+        weight_versions=spans,
+        kv_versions=spans,
+        response_id="resp-e1",
+    )
+    second = admit_call(ledger, parent, admitted_at=2, request_fingerprint="req-e2")
+    spans = (VersionSpan(version=4, start=0, end=3), VersionSpan(version=5, start=3, end=6))
+    child = stage_call(
+        ledger,
+        second,
+        parent,
+        prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        output_ids=[11, 12, 13, 14, 15, 16],
+        logprobs=[-0.25] * 6,
+        weight_version=4,
+        weight_versions=spans,
+        kv_versions=(VersionSpan(version=4, start=0, end=6),),
+        response_id="resp-e2",
+    )
+    ledger.append(Closed(reward=1.0, witnesses=Witnesses(response_id="resp-e2")))
+    staged: dict[str, StagedCall] = {c.key: c for c in (parent, child)}
+    return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
 
 
 def build_golden_vectors() -> dict[str, Any]:
@@ -52,6 +102,7 @@ def build_golden_vectors() -> dict[str, Any]:
             type(missing)(ledger=ledger, manifest=manifest_of(ledger), staged=missing.staged),
         )
     )
+    cases.append(("pushed-in-flight", "terminal", _pushed_in_flight()))
     rollouts = []
     for name, mode, sim in cases:
         receipt = assemble_receipt(verify_manifest(sim.manifest), segments=mode)
@@ -88,16 +139,16 @@ def _mismatch(what: str) -> VerificationError:
 
 
 def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
-    """Recompute every shipped vector; return how many values were checked.
+    """Recompute every value of ``doc`` (None: both shipped files, v3 and v2); return how
+    many values were checked.
 
     Raises `VerificationError` (``golden_mismatch``) naming the first value that differs.
     """
     if doc is None:
-        doc = json.loads(
-            resources.files("tokcap_core").joinpath("golden/vectors.json").read_text("utf-8")
-        )
-    if doc.get("format") != GOLDEN_FORMAT:
+        return sum(assert_golden_vectors(shipped_vectors(f)) for f in _FILES)
+    if doc.get("format") not in _FILES:
         raise _mismatch("format")
+    staged_format = STAGED_FORMAT if doc["format"] == GOLDEN_FORMAT else STAGED_FORMAT_V2
     checked = 0
     for g in doc["genesis"]:
         if genesis_hash(g["rollout_id"]) != g["hash"]:
@@ -114,7 +165,12 @@ def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
             if entry_hash(entry.prev_hash, entry.event) != entry.hash:
                 raise _mismatch(f"{name}: entry {entry.seq} hash")
             checked += 1
-        staged = decode_staged_calls(json.dumps({"format": STAGED_FORMAT, "calls": r["staged"]}))
+        try:
+            staged = decode_staged_calls(
+                json.dumps({"format": staged_format, "calls": r["staged"]})
+            )
+        except InvalidStagedCall as e:
+            raise _mismatch(f"{name}: staged calls do not decode ({e.code})") from e
         chains = {c.call_id: c.chain_hash for c in staged}
         for call in staged:
             if call.compute_digest() != call.digest:
@@ -130,6 +186,12 @@ def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
             verify_staged(receipt, staged)
         checked += 1
     return checked
+
+
+def shipped_vectors(golden_format: str = GOLDEN_FORMAT) -> dict[str, Any]:
+    """The shipped golden document of ``golden_format`` (v3, or `GOLDEN_FORMAT_V2`)."""
+    path = _FILES[golden_format]
+    return json.loads(resources.files("tokcap_core").joinpath(path).read_text("utf-8"))  # type: ignore[no-any-return]
 
 
 def _write() -> None:  # pragma: no cover - maintenance entry point

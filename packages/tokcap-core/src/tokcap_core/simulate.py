@@ -15,6 +15,7 @@ from typing import Literal
 from ._events import SPLICE_CAUSES, Admitted, Closed, Failed, Staged, TerminalDeclared, Witnesses
 from ._ledger import Ledger
 from ._manifest import Manifest, manifest_of
+from ._provenance import Spans, VersionSpan, single_span
 from ._staged import StagedCall
 from .routes import Routes, routes_from_rows
 
@@ -57,7 +58,8 @@ def simulate_rollout(
     ``terminal`` picks how the terminal is named at close; ``routes`` adds MoE routes
     (2 layers, top-2, 8 experts) in the engine's ``[tokens-1]`` shape. About a third of
     the children are splices (with a cause from `SPLICE_CAUSES`) and about one call in
-    five spans a weight push (``weight_version_last > weight_version``).
+    five spans a weight push (two ``weight_versions`` spans; half of those kept their KV,
+    leaving stale-KV tokens).
     """
     rng = random.Random(seed)
     ledger = Ledger(rollout_id)
@@ -83,6 +85,16 @@ def simulate_rollout(
             ]
             output = [rng.randrange(vocab) for _ in range(rng.randint(1, max_delta))]
             prompt = history + carry
+            version = rng.randint(0, 2)
+            spans = single_span(version, len(output))
+            if len(output) > 1 and rng.random() < 0.2:  # a push while the call generated
+                cut = rng.randint(1, len(output) - 1)
+                spans = (
+                    VersionSpan(version=version, start=0, end=cut),
+                    VersionSpan(version=version + 1, start=cut, end=len(output)),
+                )
+            # half the pushes keep the call's KV: its later tokens sit on the first version's
+            kv = single_span(version, len(output)) if rng.random() < 0.5 else spans
             call = stage_call(
                 ledger,
                 call_id,
@@ -91,8 +103,9 @@ def simulate_rollout(
                 output_ids=output,
                 logprobs=[-rng.random() * 4 for _ in output],
                 finish_reason="length" if rng.random() < 0.1 else "stop",
-                weight_version=(version := rng.randint(0, 2)),
-                weight_version_last=version + (rng.random() < 0.2),
+                weight_version=version,
+                weight_versions=spans,
+                kv_versions=kv,
                 routes=_routes(rng, len(prompt) + len(output) - 1) if routes else None,
                 response_id=f"resp-{rollout_id}-{call_id}",
                 output_fingerprint=lambda digest: f"out-{digest[:16]}",
@@ -145,6 +158,8 @@ def stage_call(
     finish_reason: str = "stop",
     weight_version: int = 0,
     weight_version_last: int | None = None,
+    weight_versions: Spans | None = None,
+    kv_versions: Spans | None = None,
     routes: Routes | None = None,
     response_id: str | None = None,
     output_fingerprint: str | Callable[[str], str] | None = None,
@@ -166,6 +181,8 @@ def stage_call(
         finish_reason=finish_reason,
         weight_version=weight_version,
         weight_version_last=weight_version_last,
+        weight_versions=weight_versions,
+        kv_versions=kv_versions,
         routes=routes,
     )
     if callable(output_fingerprint):

@@ -28,7 +28,7 @@ from tokcap_core import ConfigError, SinkError
 from tokcap_core.config import at_least, non_empty_text, positive_number
 
 from ._deps import ray, tq
-from ._local import init_tq, loopback_env, short_temp_dir
+from ._local import WORKER_RUNTIME_ENV, init_tq, loopback_env, short_temp_dir
 
 __all__ = ["ClusterNode", "ClusterTQ", "LocalCluster", "NodeSpec", "connect_tq", "local_cluster"]
 
@@ -104,7 +104,12 @@ def _on_loopback(address: str) -> bool:
 def _connected(
     address: str, storage_units: int, storage_resource: str | None, init_timeout_s: float
 ) -> Iterator[ClusterTQ]:
-    ray.init(address=address, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address=address,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env=WORKER_RUNTIME_ENV,  # TransferQueue's actors at normal priority
+    )
     owned = False
     try:
         hosts = [

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from tokcap_core import SinkError, StagedCall, TrainingRow
+from tokcap_core.provenance import spans_from_json, spans_to_json
 from tokcap_core.routes import Routes, widen
 from tokcap_core.rows import CallSpan
 
@@ -133,6 +134,8 @@ def encode_staged(calls: Sequence[StagedCall]) -> Any:
     for c in calls:
         m = {name: getattr(c, name) for name in _STAGED_META}
         m["routes"] = _routes_meta(c.routes)
+        m["weight_versions"] = spans_to_json(c.weight_versions)
+        m["kv_versions"] = spans_to_json(c.kv_versions)
         meta.append(_json_encode(m).decode())
     return _td.TensorDict(
         {
@@ -194,8 +197,23 @@ def _decode_staged(td: Any, make: Callable[[dict[str, Any]], StagedCall]) -> lis
         m["tokens"] = tokens.array(i, "I")
         m["logprobs"] = logprobs.array(i, "f")
         m["routes"] = None if shape is None else _routes_from(routes.row(i), shape)
+        m["weight_versions"] = spans_from_json(m.get("weight_versions"))
+        m["kv_versions"] = spans_from_json(m.get("kv_versions"))
         out.append(make(m))
     return out
+
+
+def _span_meta(span: CallSpan) -> dict[str, Any]:
+    m = {n: getattr(span, n) for n in _SPAN_FIELDS}
+    m["weight_versions"] = spans_to_json(span.weight_versions)
+    m["kv_versions"] = spans_to_json(span.kv_versions)
+    return m
+
+
+def _span_from(m: dict[str, Any]) -> CallSpan:
+    m["weight_versions"] = spans_from_json(m.get("weight_versions"))
+    m["kv_versions"] = spans_from_json(m.get("kv_versions"))
+    return CallSpan(**m)
 
 
 def encode_rows(rows: Sequence[TrainingRow]) -> Any:
@@ -203,7 +221,7 @@ def encode_rows(rows: Sequence[TrainingRow]) -> Any:
     meta = []
     for r in rows:
         m = {name: getattr(r, name) for name in _ROW_META}
-        m["call_spans"] = [{n: getattr(s, n) for n in _SPAN_FIELDS} for s in r.call_spans]
+        m["call_spans"] = [_span_meta(s) for s in r.call_spans]
         m["routes"] = _routes_meta(r.routes)
         meta.append(_json_encode(m).decode())
     return _td.TensorDict(
@@ -241,7 +259,7 @@ def decode_rows(td: Any) -> list[TrainingRow]:
         shape = m.pop("routes")
         input_ids = array("I")
         input_ids.frombytes(ids.row(i).astype(np.uint32).data.cast("B"))
-        spans = tuple(CallSpan(**span) for span in m.pop("call_spans"))
+        spans = tuple(_span_from(span) for span in m.pop("call_spans"))
         out.append(
             TrainingRow(
                 input_ids=input_ids,

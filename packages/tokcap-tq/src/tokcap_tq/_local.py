@@ -25,7 +25,7 @@ from tokcap_core.config import at_least, positive_number
 
 from ._deps import ray, tq
 
-__all__ = ["LocalTQ", "init_tq", "local_tq", "loopback_env", "short_temp_dir"]
+__all__ = ["WORKER_RUNTIME_ENV", "LocalTQ", "init_tq", "local_tq", "loopback_env", "short_temp_dir"]
 
 # Ray puts unix sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store:
 # about 64 characters past <temp>, and a unix socket path must stay under 108 bytes.
@@ -37,6 +37,13 @@ _ENV = {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",  # workers must not re-run `uv run`
     "TQ_NUM_THREADS": "2",  # silences a warning TQ logs on every op
 }
+
+WORKER_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
+"""The job's runtime env for every Ray worker a trainer starts (TransferQueue's controller
+and storage units, the reassembler pool): normal priority. Ray starts workers at nice 15
+by default; beside vLLM servers and other busy processes at nice 0, a nice-15 worker
+importing TransferQueue (~10 s of CPU) got ~1 % of a loaded 2-core box and ``tq.init``
+timed out. Ray reads the variable in each worker at start-up."""
 
 
 @attrs.frozen(kw_only=True)
@@ -148,6 +155,7 @@ def local_tq(
                 _temp_dir=str(temp_dir),
                 log_to_driver=False,
                 configure_logging=False,
+                runtime_env=WORKER_RUNTIME_ENV,
                 # Idle workers prestarted per CPU only slow start-up; actors start their own.
                 _system_config={"prestart_worker_first_driver": False},
             )

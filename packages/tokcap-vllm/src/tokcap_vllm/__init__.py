@@ -28,7 +28,14 @@ gate).
 from ._client import ControlPlaneClient
 from ._closes import CloseResult, RolloutClose
 from ._config import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, GateConfig
-from ._errors import (
+from ._fleet import FleetGateReport, GateFleet
+from ._gate import Gate
+from ._inproc import InProcessServer
+from ._middleware import GateMiddleware, install_gate
+from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
+from ._weights import WeightSync
+from ._worker import WeightSyncWorker
+from .errors import (
     ControlAuthError,
     ControlConflict,
     ControlNotFound,
@@ -37,13 +44,6 @@ from ._errors import (
     ControlUnreachable,
     GateError,
 )
-from ._fleet import FleetGateReport, GateFleet
-from ._gate import Gate
-from ._inproc import InProcessServer
-from ._middleware import GateMiddleware, install_gate
-from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
-from ._weights import WeightSync
-from ._worker import WeightSyncWorker
 from .persist import LedgerFileError
 
 __all__ = [

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ._api import error_json
-from ._errors import Unsupported
 from ._messages import messages_request
 from ._responses import ResponsesTurn, responses_request
 from ._wire import ChatBody, CompletionBody, check_request_id, decode_body
+from .api import error_json
+from .errors import Unsupported
 
 if TYPE_CHECKING:
     from ._planning import PlannedRequest

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, TypeAlias
 
-from ._errors import BadRequest
+from .errors import BadRequest
 
 __all__ = ["App", "Message", "Receive", "Scope", "Send", "header_values", "read_body", "send_body"]
 

@@ -42,7 +42,6 @@ from tokcap_core.reasons import (
 from tokcap_core.sink import TokenSink
 
 from ._config import GateConfig
-from ._errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from ._hooks import GateHooks
 from ._host import EngineResult
 from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING
@@ -53,6 +52,7 @@ from ._responses import ResponsesTurn
 from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
+from .errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
 from .persist import LedgerFileError
 
 __all__ = ["CapturePath", "check_accepting"]
@@ -80,6 +80,8 @@ class CapturePath:
         """The task group of the gate's `serve` (None: not serving)."""
         self.weights: WeightState | None = None
         """The watched weight state (`Gate.watch_weights`)."""
+        self.kv_kept: set[int] = set()
+        """Versions whose push let calls in flight keep their older KV (push mode ``keep``)."""
 
     async def enter(
         self,
@@ -202,7 +204,9 @@ class CapturePath:
             if self.book.step(call, "finish") is ABANDONED:
                 return  # the harness left (or the rollout closed) while it generated
             call.result = result
-            call.staged = staged_call(call, result, self.config.capture.capture_routes)
+            call.staged = staged_call(
+                call, result, self.config.capture.capture_routes, kv_kept=self.kv_kept
+            )
         except TokcapError as e:
             call.stage_error = e.code
         except Exception as e:  # containment: never let one call's bug reach the engine

@@ -33,10 +33,13 @@ from tokcap_core import (
 from tokcap_core.errors import ManifestError
 from tokcap_core.ids import StagingKey, staging_key, validate_rollout_id
 from tokcap_core.ledger import MAX_MANIFEST_BYTES, Admitted, genesis_hash
-from tokcap_core.reasons import MANIFEST_INVALID, make_reason
+from tokcap_core.reasons import make_reason
 
-from ._api import (
+from ._closes import CloseResult, RolloutClose, error_of_status, release_all
+from ._http import AsyncClosing, bearer_http
+from .api import (
     CONTROL_PREFIX,
+    MANIFEST_FAILURE_BUCKET,
     MAX_CLOSE_BATCH,
     CloseBody,
     CloseManyBody,
@@ -49,18 +52,15 @@ from ._api import (
     TerminalBody,
     WitnessBody,
 )
-from ._closes import CloseResult, RolloutClose, error_of_status, release_all
-from ._errors import (
+from .errors import (
     ControlNotFound,
     ControlPlaneError,
     ControlRequestError,
     ControlUnreachable,
 )
 
-__all__ = ["MANIFEST_FAILURE_BUCKET", "ControlPlaneClient"]
+__all__ = ["ControlPlaneClient"]
 
-MANIFEST_FAILURE_BUCKET = MANIFEST_INVALID
-"""The failure bucket of a receipt whose manifest was missing or did not verify."""
 
 _RESPONSE_LIMIT = 64 * 1024 * 1024
 
@@ -74,7 +74,7 @@ def _error(status: int, body: bytes, what: str) -> ControlPlaneError:
     return error_of_status(status, code, message)
 
 
-class ControlPlaneClient:
+class ControlPlaneClient(AsyncClosing):
     """Typed async client of ``/tokcap/v1``; use as ``async with ControlPlaneClient(...) as c``.
 
     ``token`` goes into the ``authorization`` header only (never into ``repr`` or errors).
@@ -98,21 +98,10 @@ class ControlPlaneClient:
         self.backoff_s = backoff_s
         self.max_manifest_bytes = max_manifest_bytes
         self.max_concurrency = max_concurrency
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url + CONTROL_PREFIX,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-            transport=transport,
-        )
+        self._http = bearer_http(self.base_url + CONTROL_PREFIX, token, timeout_s, transport)
 
     def __repr__(self) -> str:
         return f"ControlPlaneClient({self.base_url!r})"
-
-    async def __aenter__(self) -> ControlPlaneClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 import attrs
 
-from ._api import CloseManyItem, CloseOutcome, WitnessBody
-from ._errors import (
+from .api import CloseManyItem, CloseOutcome, WitnessBody
+from .errors import (
     ControlAuthError,
     ControlConflict,
     ControlNotFound,

@@ -40,7 +40,13 @@ from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId
 from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 
-from ._api import (
+from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
+from ._gate import Gate
+from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ._routing import parse_rollout_id
+from ._served import describe_sink
+from ._wire import decode_json
+from .api import (
     CONTROL_PREFIX,
     MAX_CLOSE_BATCH,
     CloseBody,
@@ -59,8 +65,7 @@ from ._api import (
     WitnessBody,
     error_json,
 )
-from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
-from ._errors import (
+from .errors import (
     BadRequest,
     ControlUnavailable,
     GateError,
@@ -71,10 +76,6 @@ from ._errors import (
     TooLarge,
     Unauthorized,
 )
-from ._gate import Gate
-from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ._routing import parse_rollout_id
-from ._served import describe_sink
 from .fingerprints import output_fingerprint
 from .persist import LedgerFileError
 
@@ -383,14 +384,4 @@ def _one(params: dict[str, list[str]], name: str) -> str | None:
 
 
 async def _body(receive: Receive, kind: type[_Body]) -> _Body:
-    raw = await read_body(receive, _MAX_BODY)
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as e:
-        raise InvalidBody("bad_body", f"invalid body: {e}") from e
-    except msgspec.DecodeError as e:
-        raise BadRequest("bad_json", f"body is not JSON: {e}") from e
-    except RecursionError as e:
-        raise BadRequest("bad_json", "body is nested too deeply") from e
-    except UnicodeDecodeError as e:
-        raise BadRequest("bad_json", "body is not valid UTF-8") from e
+    return decode_json(await read_body(receive, _MAX_BODY), kind, "body", InvalidBody)

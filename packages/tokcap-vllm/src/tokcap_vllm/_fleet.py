@@ -30,7 +30,8 @@ from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
 
 from ._client import ControlPlaneClient, poisoned_receipt
 from ._closes import CloseResult, RolloutClose, release_all
-from ._errors import ControlNotFound, ControlPlaneError, ControlUnreachable
+from ._http import AsyncClosing
+from .errors import ControlNotFound, ControlPlaneError, ControlUnreachable
 
 __all__ = ["FleetGateReport", "GateFleet"]
 
@@ -64,7 +65,7 @@ class _Gate:
     unreachable: int = 0
 
 
-class GateFleet:
+class GateFleet(AsyncClosing):
     """Typed async client over gates at ``urls``; use as ``async with GateFleet(...)``.
 
     ``token`` is the fleet's control token (every gate's); ``path_prefix`` is the gates'
@@ -90,12 +91,6 @@ class GateFleet:
 
     def __repr__(self) -> str:
         return f"GateFleet({[g.url for g in self._gates]!r})"
-
-    async def __aenter__(self) -> GateFleet:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close every gate's connection pool."""
@@ -143,6 +138,24 @@ class GateFleet:
     def gate_url(self, rollout_id: str) -> str:
         """The URL of the gate that owns ``rollout_id``."""
         return self._gate_of(rollout_id).url
+
+    async def probe(self, url: str) -> bool:
+        """Whether the gate at ``url`` still answers (``/tokcap/v1/health``; any HTTP answer
+        counts). One that does not is marked lost now: its open rollouts are poisoned
+        (``gate_unreachable``) and it gets no new rollout. A lost gate stays lost. What a
+        trainer asks when a harness call or a weight push to that gate failed in transport."""
+        gate = self._gate_at(url)
+        if not gate.alive:
+            return False
+        try:
+            await gate.client.health()
+        except ControlUnreachable as e:
+            if e.code == _UNREACHABLE:
+                self._gate_lost(gate, e)
+                return False
+        except ControlPlaneError:
+            pass  # it answers, if only to say it is down: not lost
+        return True
 
     def lost(self) -> dict[str, str]:
         """``{rollout_id: reason}`` of rollouts poisoned because their gate stopped answering."""
@@ -327,6 +340,12 @@ class GateFleet:
                 "unknown_rollout", f"{rollout_id} was not opened through this fleet", 404
             )
         return gate
+
+    def _gate_at(self, url: str) -> _Gate:
+        for gate in self._gates:
+            if gate.url == url.rstrip("/"):
+                return gate
+        raise ValueError(f"{url} is not a gate of this fleet")
 
     def _base_url(self, gate: _Gate, rollout_id: str) -> str:
         return f"{gate.url}{self.path_prefix}{rollout_id}/v1"

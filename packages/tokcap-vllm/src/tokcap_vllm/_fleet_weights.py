@@ -27,10 +27,11 @@ import anyio
 from tokcap_core import TokcapError
 
 from ._guarded_routes import WeightInfo
+from ._http import AsyncClosing, each_concurrently
 from ._shm import SHM_DIR, write_push_file
 from ._weight_client import GateWeightClient, PushTransport, StagedPush
 from ._weight_state import WeightPushError, WeightSyncError
-from ._weights import PauseMode
+from ._weights import PushMode
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,7 @@ class FleetPushError(WeightSyncError):
     outcomes: tuple[GateOutcome, ...] = ()
 
 
-class FleetWeightSync:
+class FleetWeightSync(AsyncClosing):
     """Pushes to N gates as one; build from ``[(url, token), ...]`` or from clients."""
 
     def __init__(
@@ -61,7 +62,7 @@ class FleetWeightSync:
         gates: Iterable[tuple[str, str] | GateWeightClient],
         *,
         transport: PushTransport = "shm",
-        mode: PauseMode = "wait",
+        mode: PushMode = "wait",
         shm_dir: str = SHM_DIR,
     ) -> None:
         self.clients: list[GateWeightClient] = [
@@ -77,28 +78,28 @@ class FleetWeightSync:
     def __repr__(self) -> str:
         return f"FleetWeightSync({[c.base_url for c in self.clients]!r})"
 
-    async def __aenter__(self) -> FleetWeightSync:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     async def aclose(self) -> None:
         """Close every gate's connections."""
         for client in self.clients:
             await client.aclose()
 
+    async def drop(self, url: str) -> None:
+        """Stop pushing to the gate at ``url`` (one the trainer lost; its connections are
+        closed): the fleet's version is then the remaining gates'. `WeightPushError`
+        ``no_gates`` if it is the last one, ``unknown_gate`` if it is not in the fleet."""
+        kept = [c for c in self.clients if c.base_url != url.rstrip("/")]
+        if len(kept) == len(self.clients):
+            raise WeightPushError("unknown_gate", f"{url} is not a gate of this fleet")
+        if not kept:
+            raise WeightPushError("no_gates", f"{url} was the fleet's last gate")
+        dropped = [c for c in self.clients if c not in kept]
+        self.clients = kept
+        for client in dropped:
+            await client.aclose()
+
     async def infos(self) -> list[WeightInfo]:
         """Every gate's `WeightInfo`, in order (concurrently)."""
-        results: list[WeightInfo | None] = [None] * len(self.clients)
-
-        async def one(i: int) -> None:
-            results[i] = await self.clients[i].info()
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(self.clients)):
-                tg.start_soon(one, i)
-        return [r for r in results if r is not None]
+        return await each_concurrently(self.clients, GateWeightClient.info)
 
     async def current_version(self) -> int | None:
         """The fleet's version: the one every gate serves READY and unheld, else None."""
@@ -192,15 +193,7 @@ class FleetWeightSync:
         return shared[0]
 
     async def _release_all(self) -> list[WeightInfo]:
-        results: list[WeightInfo | None] = [None] * len(self.clients)
-
-        async def one(i: int) -> None:
-            results[i] = await self.clients[i].release()
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(self.clients)):
-                tg.start_soon(one, i)
-        return [r for r in results if r is not None]
+        return await each_concurrently(self.clients, GateWeightClient.release)
 
 
 async def _checked(

@@ -29,12 +29,12 @@ from tokcap_core.sink import TokenSink
 
 from ._capture import CapturePath
 from ._config import GateConfig
-from ._errors import InvalidBody
 from ._hooks import GateHooks
 from ._lifecycle import COMMITTED, FAILED, FINISHED, RESPONDED
 from ._metrics import GateMetrics
 from ._rollouts import RolloutBook, RolloutRecord
 from ._weight_state import WeightState
+from .errors import InvalidBody
 from .persist import LedgerFile
 
 if TYPE_CHECKING:
@@ -122,12 +122,23 @@ class Gate:
         `WeightsUnavailable` (503, ``weights_unavailable``) until a full push succeeds.
         During PUSHING calls are admitted: the engine queues them and generates them on the
         new weights once the push resumes it.
+
+        The capture path also learns which versions' pushes let calls in flight keep their
+        KV (``WeightState.kv_kept``): a captured call's KV spans (`tokcap_core.provenance`)
+        follow from it.
         """
         capture = self.capture
-        capture.weights = sync.state
 
         def follow(state: WeightState) -> None:
             capture.weights = state
+            if not state.serving:
+                return  # only READY says how the push that loaded ``version`` treated KV
+            if state.kv_kept:
+                capture.kv_kept.add(state.version)
+            else:
+                capture.kv_kept.discard(state.version)
+
+        follow(sync.state)
 
         unsubscribe = sync.subscribe(follow)
 

@@ -33,18 +33,19 @@ import logging
 import os
 import tempfile
 from typing import Any, Final
+from urllib.parse import parse_qs
 
 import anyio
 import msgspec
 
-from ._api import CONTROL_PREFIX, error_json
 from ._asgi import App, Message, Receive, Scope, Send, read_body, send_body
 from ._control import ControlPlane
-from ._errors import BadRequest, GateError, InvalidBody, MethodNotAllowed, RolloutNotFound, TooLarge
 from ._gate import Gate
 from ._served_weights import ServedWeights
 from ._shm import PUSH_PREFIX, SHM_DIR
 from ._spec import engine_spec
+from .api import CONTROL_PREFIX, error_json
+from .errors import BadRequest, GateError, InvalidBody, MethodNotAllowed, RolloutNotFound, TooLarge
 
 __all__ = [
     "GUARDED_PATHS",
@@ -223,7 +224,11 @@ class GuardedRoutes:
 
     async def _observe(self, path: str, ok: bool, scope: Scope) -> None:
         weights = self.weights
-        if path == "/update_weights":
+        if path == "/reset_prefix_cache":
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            if ok and query.get("reset_running_requests") == ["true"]:
+                weights.recomputed()
+        elif path == "/update_weights":
             self._updated = self._updated or ok
             weights.updated() if ok else weights.failed("update_failed")
         elif path in ("/start_weight_update", "/finish_weight_update", "/update_weight_version"):

@@ -24,12 +24,13 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokcap_core.provenance import Spans, VersionSpan, single_span
 from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
 
 from ._logprob_text import SKIP_LOGPROB_TEXT, install_logprob_text_switch
 from ._vllm import require_vllm
 
-__all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket"]
+__all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket", "cache_salt"]
 
 
 @dataclass(slots=True)
@@ -46,6 +47,10 @@ class EngineResult:
     """The version at the last generated token (differs when weights were pushed mid-call)."""
     text: str
     routes: Routes | None = None
+    weight_versions: Spans = ()
+    """Which weights sampled which output tokens (vLLM's spans, labels read as integers)."""
+    salt_version: int = 0
+    """The version the call's prompt was salted with (its prompt KV is of no older one)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +61,14 @@ class Ticket:
     on_finish: Callable[[EngineResult], None]
     used: bool = False
     result: EngineResult | None = None
+    salt_version: int | None = None
+    """The weight version at admission: the prompt's ``cache_salt`` (``tokcap-w<version>``),
+    so the prefix cache never hands the call blocks an older version computed."""
+
+
+def cache_salt(version: int) -> str:
+    """The prefix-cache salt of calls admitted at ``version``."""
+    return f"tokcap-w{version}"
 
 
 CURRENT_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
@@ -141,7 +154,8 @@ class CaptureHost:
         delta = params.output_kind == RequestOutputKind.DELTA
         output_ids, logprobs, text = array("I"), array("f"), ""
         prompt_ids: Sequence[int] = ticket.prompt_ids
-        engine_input = tokens_input(list(ticket.prompt_ids))
+        salt = self.default_weight_version if ticket.salt_version is None else ticket.salt_version
+        engine_input = tokens_input(list(ticket.prompt_ids), cache_salt=cache_salt(salt))
         async for out in self._original(engine_input, params, request_id, *args, **kwargs):
             completion = out.outputs[0]
             if not delta:
@@ -152,9 +166,10 @@ class CaptureHost:
             if out.prompt_token_ids is not None:  # the same list on every output: copy once
                 prompt_ids = out.prompt_token_ids
             if out.finished:
-                first, last = _weight_versions(
-                    completion.weight_versions, self.default_weight_version
+                spans = _weight_spans(
+                    completion.weight_versions, self.default_weight_version, len(output_ids)
                 )
+                first, last = (spans[0].version, spans[-1].version) if spans else (salt, salt)
                 result = EngineResult(
                     prompt_ids=list(prompt_ids),
                     output_ids=output_ids,
@@ -164,6 +179,8 @@ class CaptureHost:
                     weight_version_last=last,
                     text=text,
                     routes=self._routes(completion.routed_experts),
+                    weight_versions=spans,
+                    salt_version=salt,
                 )
                 ticket.result = result
                 ticket.on_finish(result)
@@ -197,16 +214,30 @@ def _sampled_logprobs(token_ids: Any, logprobs: Any) -> Sequence[float]:
     return [step[token].logprob for token, step in zip(token_ids, logprobs, strict=True)]
 
 
-def _weight_versions(spans: Any, default: int) -> tuple[int, int]:
-    """``(first, last)``: the versions of the first and last output tokens.
+def _weight_spans(spans: Any, default: int, count: int) -> Spans:
+    """vLLM's ``weight_versions`` as tokcap spans over ``count`` output tokens.
 
-    vLLM reports ``weight_versions`` as spans over output tokens, in order; a push while a
-    call generated (pause mode ``keep``) gives more than one. Labels that are not integer
-    strings (vLLM's own ``"default"``) count as ``default``.
+    vLLM reports contiguous spans over output tokens, in order; a push while a call
+    generated (pause mode ``keep``) gives more than one. Labels that are not integer strings
+    (vLLM's own ``"default"``) count as ``default``; neighbours that read as one version
+    merge; none reported means ``default`` for every token.
     """
-    if not spans:
-        return default, default
-    return _version(spans[0].version, default), _version(spans[-1].version, default)
+    out: list[VersionSpan] = []
+    for span in spans or ():
+        version, start, end = _version(span.version, default), int(span.start), int(span.end)
+        if end <= start:
+            continue
+        if out and out[-1].version == version:
+            out[-1] = VersionSpan(version=version, start=out[-1].start, end=end)
+        else:
+            out.append(VersionSpan(version=version, start=start, end=end))
+    out = [s for s in out if s.start < count]
+    if not out:
+        return single_span(default, count) if count else ()
+    # the spans tile exactly the tokens the call returned (a stop string trims the last)
+    out[0] = VersionSpan(version=out[0].version, start=0, end=out[0].end)
+    out[-1] = VersionSpan(version=out[-1].version, start=out[-1].start, end=count)
+    return tuple(out)
 
 
 def _version(label: Any, default: int) -> int:

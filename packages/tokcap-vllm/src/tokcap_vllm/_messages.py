@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._errors import BadRequest, Unsupported
 from ._vllm import require_vllm
 from ._wire import ChatBody, chat_body, decode_object
+from .errors import BadRequest, Unsupported
 
 __all__ = ["messages_request"]
 

@@ -37,36 +37,36 @@ class GateMetrics(GateHooks):
     def __init__(self, held: Callable[[], tuple[int, int]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.admitted = Counter("tokcap_calls_admitted", "Captured calls admitted.", registry=r)
-        self.staged = Counter("tokcap_calls_staged", "Captured calls committed.", registry=r)
-        self.failed = Counter(
+
+        def counter(name: str, documentation: str, *labels: str) -> Counter:
+            return Counter(name, documentation, labels, registry=r)
+
+        self.admitted = counter("tokcap_calls_admitted", "Captured calls admitted.")
+        self.staged = counter("tokcap_calls_staged", "Captured calls committed.")
+        self.failed = counter(
             "tokcap_calls_failed",
             "Captured calls failed, by reason bucket and whether a completion was served.",
-            ["bucket", "served"],
-            registry=r,
+            "bucket",
+            "served",
         )
-        self.breaks = Counter(
-            "tokcap_breaks", "Later calls that started a new root, by cause.", ["cause"], registry=r
+        self.breaks = counter(
+            "tokcap_breaks", "Later calls that started a new root, by cause.", "cause"
         )
-        self.splices = Counter(
+        self.splices = counter(
             "tokcap_splices",
             "Calls that kept their parent's exact ids where the template re-renders it, by cause.",
-            ["cause"],
-            registry=r,
+            "cause",
         )
-        self.poisoned = Counter(
+        self.poisoned = counter(
             "tokcap_rollouts_poisoned",
             "Rollouts poisoned by the gate (restart, contained failure), by reason bucket.",
-            ["bucket"],
-            registry=r,
+            "bucket",
         )
-        self.entries = Counter(
-            "tokcap_ledger_entries", "Ledger entries appended, by event kind.", ["kind"], registry=r
+        self.entries = counter(
+            "tokcap_ledger_entries", "Ledger entries appended, by event kind.", "kind"
         )
-        self.staged_bytes = Counter(
-            "tokcap_staged_bytes",
-            "Token, logprob and route bytes the sink acknowledged.",
-            registry=r,
+        self.staged_bytes = counter(
+            "tokcap_staged_bytes", "Token, logprob and route bytes the sink acknowledged."
         )
         self.stage_seconds = Histogram(
             "tokcap_stage_seconds",
@@ -75,28 +75,24 @@ class GateMetrics(GateHooks):
             buckets=_STAGE_BUCKETS,
             registry=r,
         )
-        self.orphan_clears = Counter(
+        self.orphan_clears = counter(
             "tokcap_orphan_clears",
             "Staged rows of abandoned calls cleared by the gate, by outcome.",
-            ["outcome"],
-            registry=r,
+            "outcome",
         )
-        self.contained = Counter(
+        self.contained = counter(
             "tokcap_contained_failures",
             "Failures inside the gate contained to one rollout (it is poisoned), by code.",
-            ["code"],
-            registry=r,
+            "code",
         )
-        self.refused = Counter(
+        self.refused = counter(
             "tokcap_requests_refused",
             "Captured requests refused with an error answer, by code.",
-            ["code"],
-            registry=r,
+            "code",
         )
-        self.ledger_write_failures = Counter(
+        self.ledger_write_failures = counter(
             "tokcap_ledger_write_failures",
             "Ledger-file writes that failed (their rollouts are poisoned).",
-            registry=r,
         )
         rollouts = Gauge(
             "tokcap_rollouts", "Rollouts the gate holds, by state.", ["state"], registry=r

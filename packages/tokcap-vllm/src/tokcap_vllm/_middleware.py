@@ -26,12 +26,10 @@ from contextlib import AbstractAsyncContextManager
 import anyio
 
 from ._answers import ResponsesAnswer
-from ._api import CONTROL_PREFIX, error_json
 from ._apis import decode_request, planned_on, stream_error_event
 from ._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
 from ._capture import CapturePath
 from ._control import ControlPlane
-from ._errors import BadRequest, GateError, Unsupported
 from ._gate import Gate
 from ._guarded_routes import GuardedRoutes, guarded_path
 from ._host import CURRENT_TICKET, CaptureHost, Ticket
@@ -41,6 +39,8 @@ from ._records import Flag, GateCall
 from ._routing import route_request
 from ._served import served_gate
 from ._wire import ResponseObserver
+from .api import CONTROL_PREFIX, error_json
+from .errors import BadRequest, GateError, Unsupported
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 
@@ -220,6 +220,7 @@ class GateMiddleware:
         ticket = Ticket(
             prompt_ids=call.plan.prompt_ids,
             on_finish=lambda result: capture.engine_finished(call, result),
+            salt_version=capture.weights.version if capture.weights is not None else None,
         )
         observer = ResponseObserver(keep=call.idempotency_key is not None, kind=kind)
         held: list[Message] = []  # a plain answer is held until the gate says it may complete

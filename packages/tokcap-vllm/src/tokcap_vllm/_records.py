@@ -32,7 +32,6 @@ from ._planning import ParentIndex
 if TYPE_CHECKING:
     from ._host import EngineResult
     from ._planning import ChatPlan, PlannedRequest, PriorCall
-    from ._responses import ResponsesTurn
 
 __all__ = [
     "CLOSED",
@@ -45,6 +44,7 @@ __all__ = [
     "UNCAPTURED",
     "Flag",
     "GateCall",
+    "ResponsesTurn",
     "RolloutPhase",
     "RolloutRecord",
     "answerable",
@@ -68,6 +68,31 @@ CLOSED: Final = RolloutPhase("CLOSED")
 IN_CLOSE: Final = frozenset({CLOSING, CLOSING_UNCAPTURED})
 HELD: Final = frozenset({OPEN, UNCAPTURED, CLOSING, CLOSING_UNCAPTURED})
 """Phases in which a rollout is listed, counted and has a ledger to serve."""
+
+
+@dataclass(slots=True, eq=False)
+class ResponsesTurn:
+    """One captured Responses call, as its children's ``previous_response_id`` sees it."""
+
+    previous: ResponsesTurn | None
+    """The turn named by this call's ``previous_response_id`` (None: none named)."""
+    input_items: list[Any]
+    """This request's own input items (a text input as one user message)."""
+    output_items: list[Any] | None = None
+    """The output items the harness received (set when the call responded)."""
+
+    def history(self) -> list[Any]:
+        """Every input and output item of the chain up to this turn, oldest first."""
+        chain: list[ResponsesTurn] = []
+        turn: ResponsesTurn | None = self
+        while turn is not None:
+            chain.append(turn)
+            turn = turn.previous
+        items: list[Any] = []
+        for each in reversed(chain):
+            items += each.input_items
+            items += each.output_items or []
+        return items
 
 
 @dataclass(slots=True, eq=False)

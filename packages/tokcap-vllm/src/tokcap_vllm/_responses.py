@@ -32,10 +32,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from ._errors import BadRequest, RolloutNotFound, Unsupported
 from ._lifecycle import COMMITTED, RESPONDED
+from ._records import ResponsesTurn
 from ._vllm import require_vllm
 from ._wire import ChatBody, chat_body, decode_object
+from .errors import BadRequest, RolloutNotFound, Unsupported
 
 if TYPE_CHECKING:
     from ._records import GateCall
@@ -45,31 +46,6 @@ __all__ = ["ResponsesRequest", "ResponsesTurn", "previous_turn", "responses_requ
 
 _UTILS: Final = "vllm.entrypoints.openai.responses.utils"
 _TEXT_PARTS: Final = frozenset({"input_text", "output_text"})
-
-
-@dataclass(slots=True, eq=False)
-class ResponsesTurn:
-    """One captured Responses call, as its children's ``previous_response_id`` sees it."""
-
-    previous: ResponsesTurn | None
-    """The turn named by this call's ``previous_response_id`` (None: none named)."""
-    input_items: list[Any]
-    """This request's own input items (a text input as one user message)."""
-    output_items: list[Any] | None = None
-    """The output items the harness received (set when the call responded)."""
-
-    def history(self) -> list[Any]:
-        """Every input and output item of the chain up to this turn, oldest first."""
-        chain: list[ResponsesTurn] = []
-        turn: ResponsesTurn | None = self
-        while turn is not None:
-            chain.append(turn)
-            turn = turn.previous
-        items: list[Any] = []
-        for each in reversed(chain):
-            items += each.input_items
-            items += each.output_items or []
-        return items
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,6 @@ from tokcap_core.ids import RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Failed
 
-from ._errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 from ._lifecycle import EFFECTS, REFUSALS, TRANSITIONS, CallPhase, next_phase
 from ._records import (
     CLOSED,
@@ -60,6 +59,7 @@ from ._records import (
     answerable,
     gone,
 )
+from .errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 
 __all__ = [
     "CLOSED",

@@ -23,7 +23,7 @@ from urllib.parse import unquote
 from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId, validate_rollout_id
 
-from ._errors import BadRequest, RolloutNotFound
+from .errors import BadRequest, RolloutNotFound
 
 __all__ = ["CAPTURED_ENDPOINTS", "Route", "parse_rollout_id", "route_request"]
 

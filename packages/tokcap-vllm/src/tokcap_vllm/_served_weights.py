@@ -17,6 +17,9 @@ Rules beside the table:
   worker's flag after a failed finish) changes nothing: it loaded nothing.
 - ``version`` moves only with a label that is an integer string (tokcap's versions); any
   other label leaves it, and READY then means "whole, version unknown to tokcap".
+- A push whose KV reset (``/reset_prefix_cache?reset_running_requests=true``) never came
+  before the next push let calls in flight keep their KV (push mode ``keep``): READY says
+  ``kv_kept`` from the label until such a reset (`recomputed`).
 - A hold is the fleet's: its own gate's successful push does not lift it (the other gates
   may not have the version yet); only `release` does, and only once the gate is READY.
 """
@@ -26,8 +29,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ._errors import RolloutConflict
 from ._weight_state import FAILED, PUSHING, READY, WeightState
+from .errors import RolloutConflict
 
 __all__ = ["ServedWeights"]
 
@@ -45,6 +48,7 @@ class ServedWeights:
         self._updates = 0
         self._loaded = False
         self.held: str | None = None
+        self._kv_kept = False
         self._subscribers: list[Callable[[WeightState], None]] = []
 
     @property
@@ -52,7 +56,10 @@ class ServedWeights:
         """The gate-facing state: FAILED while held, whatever the engine's phase."""
         if self.held is not None:
             return WeightState(phase=FAILED, version=self._version, error=f"held: {self.held}")
-        return WeightState(phase=self._phase, version=self._version, error=self._error)
+        kept = self._kv_kept and self._phase is READY
+        return WeightState(
+            phase=self._phase, version=self._version, error=self._error, kv_kept=kept
+        )
 
     @property
     def engine_phase(self) -> str:
@@ -97,6 +104,13 @@ class ServedWeights:
         if self._phase is READY or (self._phase is PUSHING and self._loaded):
             self._ready(label)
 
+    def recomputed(self) -> None:
+        """``/reset_prefix_cache?reset_running_requests=true`` succeeded: requests in flight
+        recompute their KV with the weights loaded now (push mode ``recompute``)."""
+        if self._kv_kept:
+            self._kv_kept = False
+            self._changed()
+
     def failed(self, code: str) -> None:
         """A weight route failed: the engine may hold half-updated weights."""
         self._phase, self._error, self._loaded = FAILED, code, False
@@ -106,6 +120,7 @@ class ServedWeights:
         self._phase, self._error, self._loaded = READY, None, False
         if label.isdigit():
             self._version = int(label)
+        self._kv_kept = True  # until the push's KV reset says otherwise (`recomputed`)
         self._changed()
 
     # ---- the fleet's hold ------------------------------------------------------------

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from tokcap_core import StagedCall, TokcapError
 from tokcap_core.ledger import Staged
+from tokcap_core.provenance import kv_spans
 
 from ._host import EngineResult
 from ._records import GateCall
@@ -13,8 +15,17 @@ from ._records import GateCall
 __all__ = ["staged_call", "staged_entry"]
 
 
-def staged_call(call: GateCall, result: EngineResult, capture_routes: bool) -> StagedCall:
+def staged_call(
+    call: GateCall,
+    result: EngineResult,
+    capture_routes: bool,
+    *,
+    kv_kept: Collection[int] = (),
+) -> StagedCall:
     """The row the sink stores for an admitted call the engine finished.
+
+    Its weight spans are the engine's; its KV spans follow from the version its prompt was
+    salted with and ``kv_kept``, the versions whose push let calls in flight keep their KV.
 
     Refused (`TokcapError`): ``engine_incomplete`` (no output, or a finish reason other
     than ``stop``/``length``), ``bad_logprobs`` (a NaN), ``routes_missing`` (routes are
@@ -47,6 +58,12 @@ def staged_call(call: GateCall, result: EngineResult, capture_routes: bool) -> S
         finish_reason=result.finish_reason or "",
         weight_version=result.weight_version,
         weight_version_last=result.weight_version_last,
+        weight_versions=result.weight_versions,
+        kv_versions=kv_spans(
+            result.weight_versions,
+            salt_version=min(result.salt_version, result.weight_version),
+            recomputed=lambda version: version not in kv_kept,
+        ),
         routes=result.routes,
     )
 

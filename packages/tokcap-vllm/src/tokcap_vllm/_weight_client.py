@@ -13,13 +13,16 @@ with the gate's bearer token (vLLM's own HTTP weight-sync client sends no header
    shared memory on this host (the gate's host); ``"http"`` streams the same bytes to the
    gate (``PUT /tokcap/v1/weights/upload``), which writes the file on its host. A failure
    here loads nothing: `WeightSyncError` ``stage_failed``.
-3. **swap**: ``POST /pause?mode=...`` (vLLM defaults to ``abort``; tokcap asks ``wait``:
-   in-flight calls finish on the old weights), ``/start_weight_update`` (if it fails, one
-   empty ``/finish_weight_update`` clears the flag a failed finish leaves set in vLLM's
-   worker, then start again), ``/update_weights`` with ``{"path", "entries"}`` (JSON:
+3. **swap**: ``POST /pause?mode=...`` (vLLM defaults to ``abort``; tokcap's push ``mode``
+   defaults to ``wait``: in-flight calls finish on the old weights; ``recompute`` and
+   ``keep`` freeze them in place, see `tokcap_vllm.WeightSync`), ``/start_weight_update``
+   (if it fails, one empty ``/finish_weight_update`` clears the flag a failed finish leaves
+   set in vLLM's worker, then start again), ``/update_weights`` with ``{"path", "entries"}`` (JSON:
    the bytes travel by reference), ``/finish_weight_update`` with the version (vLLM then
-   labels outputs with it), ``/reset_prefix_cache`` (vLLM's finish does not: cached KV
-   of the old weights gave measured errors), ``/resume``, and last
+   labels outputs with it), ``/reset_prefix_cache?reset_running_requests=true`` (vLLM's
+   finish does not: cached KV of the old weights gave measured errors; skipped in mode
+   ``keep``, where calls in flight keep their KV and the gate salts new prompts by
+   version instead), ``/resume``, and last
    ``/tokcap/v1/weights/release`` (lifts a hold; ``release=False`` leaves that to a fleet).
 
 A failure in 3 raises `WeightSyncError` ``<step>_failed``. Before the weights were touched
@@ -43,10 +46,11 @@ import httpx
 import msgspec
 
 from ._guarded_routes import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
+from ._http import AsyncClosing, bearer_http
 from ._shm import SHM_DIR, Entry, entries_for, file_chunks, write_push_file
 from ._spec import TensorSpec
 from ._weight_state import WeightPushError, WeightSyncError
-from ._weights import PauseMode, check_push
+from ._weights import PUSH_MODES, PushMode, check_push, resets_running_kv, vllm_pause_mode
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["GateWeightClient", "PushTransport", "StagedPush"]
 
 PushTransport = Literal["shm", "http"]
-_MODES = ("wait", "keep", "abort")
+_MODES = PUSH_MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +71,7 @@ class StagedPush:
     """True when this process wrote the file (and removes it); False for an upload."""
 
 
-class GateWeightClient:
+class GateWeightClient(AsyncClosing):
     """Full-state-dict pushes into one served gate's engine; ``async with`` it, or `aclose`.
 
     ``token`` goes only into the ``authorization`` header. One push at a time per client.
@@ -79,7 +83,7 @@ class GateWeightClient:
         token: str,
         *,
         transport: PushTransport = "shm",
-        mode: PauseMode = "wait",
+        mode: PushMode = "wait",
         check_finite: bool = True,
         shm_dir: str = SHM_DIR,
         timeout_s: float = 600.0,
@@ -91,25 +95,14 @@ class GateWeightClient:
             raise WeightPushError("bad_mode", f"mode is one of {_MODES}: {mode!r}")
         self.base_url = base_url.rstrip("/")
         self.transport: PushTransport = transport
-        self.mode: PauseMode = mode
+        self.mode: PushMode = mode
         self.check_finite = check_finite
         self.shm_dir = shm_dir
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-            transport=http,
-        )
+        self._http = bearer_http(self.base_url, token, timeout_s, http)
         self._spec: tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]] | None = None
 
     def __repr__(self) -> str:
         return f"GateWeightClient({self.base_url!r}, transport={self.transport!r})"
-
-    async def __aenter__(self) -> GateWeightClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the HTTP connections."""
@@ -192,9 +185,7 @@ class GateWeightClient:
         """Step 3: pause, load ``staged`` through vLLM's routes, label, reset, resume."""
         step = "pause"
         try:
-            await self._call(
-                step, "POST", "/pause", params={"mode": self.mode, "clear_cache": "false"}
-            )
+            await self._call(step, "POST", "/pause", params=self._pause_params())
             step = "start"
             await self._start()
             step = "update"
@@ -205,11 +196,7 @@ class GateWeightClient:
                 step, "POST", "/finish_weight_update", json={"weight_version": str(version)}
             )
             step = "prefix_cache"
-            reset = await self._call(
-                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
-            if not reset.json().get("success"):
-                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            await self._reset_kv(step)
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException as e:
@@ -230,8 +217,7 @@ class GateWeightClient:
         a thread). A failure inside, or after, holds the gate until a push releases it.
         """
         await self.check_version(version)
-        pause = {"mode": self.mode, "clear_cache": "false"}
-        await self._call("pause", "POST", "/pause", params=pause)
+        await self._call("pause", "POST", "/pause", params=self._pause_params())
         try:
             yield
         except BaseException:
@@ -243,11 +229,7 @@ class GateWeightClient:
             label = {"new_version": str(version)}
             await self._call(step, "POST", "/update_weight_version", json=label)
             step = "prefix_cache"
-            reset = await self._call(
-                step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
-            if not reset.json().get("success"):
-                raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
+            await self._reset_kv(step)
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException:
@@ -256,6 +238,19 @@ class GateWeightClient:
             raise
         if release:
             await self.release()
+
+    def _pause_params(self) -> dict[str, str]:
+        return {"mode": vllm_pause_mode(self.mode), "clear_cache": "false"}
+
+    async def _reset_kv(self, step: str) -> None:
+        """Reset the prefix cache and the KV of running requests (not in mode ``keep``)."""
+        if not resets_running_kv(self.mode):
+            return
+        reset = await self._call(
+            step, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+        )
+        if not reset.json().get("success"):
+            raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
 
     async def _start(self) -> None:
         try:

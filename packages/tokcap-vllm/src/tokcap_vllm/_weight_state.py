@@ -87,6 +87,9 @@ class WeightState:
     """The version being pushed (PUSHING) or that failed (FAILED)."""
     error: str | None = None
     """FAILED: the code of the step that failed."""
+    kv_kept: bool = False
+    """READY: the push that loaded ``version`` let calls in flight keep the KV the older
+    weights computed (push mode ``keep``); False: their KV was recomputed (or none ran)."""
 
     @property
     def serving(self) -> bool:
@@ -115,11 +118,12 @@ def begin(state: WeightState, target: int) -> WeightState:
     return WeightState(phase=phase, version=state.version, target=target)
 
 
-def succeed(state: WeightState) -> WeightState:
-    """The push loaded every tensor, set the version and resumed generation."""
+def succeed(state: WeightState, *, kv_kept: bool = False) -> WeightState:
+    """The push loaded every tensor, set the version and resumed generation (``kv_kept``:
+    calls in flight kept their KV)."""
     phase = _step(state, "succeed")
     assert state.target is not None
-    return WeightState(phase=phase, version=state.target)
+    return WeightState(phase=phase, version=state.target, kv_kept=kv_kept)
 
 
 def fail(state: WeightState, error: str) -> WeightState:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
 from ._answers import ApiAnswer, answer_reader
-from ._errors import BadRequest, Unsupported
+from .errors import BadRequest, GateError, Unsupported
 
 __all__ = [
     "ChatBody",
@@ -17,8 +17,11 @@ __all__ = [
     "chat_body",
     "check_request_id",
     "decode_body",
+    "decode_json",
     "decode_object",
 ]
+
+_S = TypeVar("_S")
 
 RESPONSE_ID_PREFIXES: Final = {
     "chat": "chatcmpl-",
@@ -32,40 +35,51 @@ id is its body's ``request_id``)."""
 _MAX_LABEL: Final = 256  # tokcap_core's bound on a response id (1..256 printable ASCII)
 
 
-class ChatBody(msgspec.Struct):
-    """The chat-completion request fields admission needs (others pass through to vLLM)."""
+class _Sampling(msgspec.Struct, kw_only=True):
+    """The fields both request kinds share (others pass through to vLLM)."""
 
-    messages: list[dict[str, Any]]
     n: int | None = None
     best_of: int | None = None
     stream: bool | None = False
+    use_beam_search: bool = False
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    seed: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class ChatBody(_Sampling, kw_only=True):
+    """The chat-completion request fields admission needs (others pass through to vLLM)."""
+
+    messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    use_beam_search: bool = False
-    request_id: str | None = None
-    return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    seed: int | None = None
-    truncate_prompt_tokens: int | None = None
 
 
-class CompletionBody(msgspec.Struct):
+class CompletionBody(_Sampling, kw_only=True):
     """The completion request fields admission needs."""
 
     prompt: str | list[Any]
-    n: int | None = None
-    best_of: int | None = None
-    stream: bool | None = False
     echo: bool | None = False
-    use_beam_search: bool = False
-    request_id: str | None = None
-    return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    seed: int | None = None
-    truncate_prompt_tokens: int | None = None
+
+
+def decode_json(raw: bytes, kind: type[_S], what: str, invalid: type[GateError] = BadRequest) -> _S:
+    """``raw`` decoded as ``kind``; a body that is no JSON is `BadRequest` ``bad_json``, one
+    that does not fit ``kind`` is ``invalid`` ``bad_body`` (``what`` names it in messages)."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise invalid("bad_body", f"invalid {what}: {e}") from e
+    except msgspec.DecodeError as e:
+        raise BadRequest("bad_json", f"{what} is not JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRequest("bad_json", f"{what} is nested too deeply") from e
+    except UnicodeDecodeError as e:
+        raise BadRequest("bad_json", f"{what} is not valid UTF-8") from e
 
 
 def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody | CompletionBody:
@@ -75,16 +89,7 @@ def decode_body(body: bytes, kind: str, *, token_ids_allowed: bool) -> ChatBody 
     asking for token ids is refused (``token_ids_not_allowed``).
     """
     target: type[ChatBody] | type[CompletionBody] = ChatBody if kind == "chat" else CompletionBody
-    try:
-        parsed = msgspec.json.decode(body, type=target)
-    except msgspec.ValidationError as e:
-        raise BadRequest("bad_body", f"invalid request body: {e}") from e
-    except msgspec.DecodeError as e:
-        raise BadRequest("bad_json", f"request body is not JSON: {e}") from e
-    except RecursionError as e:
-        raise BadRequest("bad_json", "request body is nested too deeply") from e
-    except UnicodeDecodeError as e:
-        raise BadRequest("bad_json", "request body is not valid UTF-8") from e
+    parsed = decode_json(body, target, "request body")
     if parsed.n not in (None, 1) or parsed.best_of not in (None, 1):
         raise Unsupported(
             "n_unsupported", "captured rollouts take n=1 (one completion per call); send n calls"

@@ -1,26 +1,27 @@
-"""The control plane's wire bodies (msgspec structs), for clients in any language."""
+"""The control plane's wire bodies (msgspec structs): the server's (`ControlPlane`), the
+client's, and for clients in any language.
 
-from ._api import (
-    CONTROL_PREFIX,
-    CloseBody,
-    ErrorBody,
-    Head,
-    HeadResponse,
-    Health,
-    OpenResponse,
-    ReleaseResponse,
-    RolloutItem,
-    RolloutPage,
-    TerminalBody,
-    WitnessBody,
-    error_json,
-)
-from ._client import MANIFEST_FAILURE_BUCKET
+Request bodies refuse unknown fields, so a typo is a 422, not a silently ignored witness.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+from tokcap_core.reasons import MANIFEST_INVALID
 
 __all__ = [
     "CONTROL_PREFIX",
     "MANIFEST_FAILURE_BUCKET",
+    "MAX_CLOSE_BATCH",
     "CloseBody",
+    "CloseManyBody",
+    "CloseManyItem",
+    "CloseManyResponse",
+    "CloseOutcome",
+    "CloseProblem",
     "ErrorBody",
     "Head",
     "HeadResponse",
@@ -33,3 +34,171 @@ __all__ = [
     "WitnessBody",
     "error_json",
 ]
+
+CONTROL_PREFIX: Final = "/tokcap/v1/"
+MANIFEST_FAILURE_BUCKET: Final = MANIFEST_INVALID
+"""The failure bucket of a receipt whose manifest was missing or did not verify."""
+
+RolloutStateName = Literal["open", "closed"]
+
+
+class TerminalBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST …/terminal``: exactly one of ``call_id`` or ``response_id``."""
+
+    call_id: str | None = None
+    response_id: str | None = None
+
+
+class WitnessBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What the scorer saw: the scored response id and/or the scored output.
+
+    ``content`` (with ``tool_calls`` if any) is fingerprinted by the gate exactly as it
+    fingerprints returned messages; ``content_fingerprint`` gives that fingerprint directly.
+    """
+
+    response_id: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    content_fingerprint: str | None = None
+
+
+class CloseBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST …/close``: the reward (None: unscored) and the witnesses."""
+
+    reward: float | None = None
+    witnesses: WitnessBody | None = None
+
+
+class Head(msgspec.Struct):
+    """A ledger head: the last entry's ``seq`` and ``hash``."""
+
+    seq: int
+    hash: str
+
+
+class HeadResponse(msgspec.Struct):
+    """The answer to close and terminal: the rollout and its ledger head after the call."""
+
+    rollout_id: str
+    head: Head
+
+
+MAX_CLOSE_BATCH: Final = 4096
+"""The most rollouts one ``POST /tokcap/v1/close`` may close."""
+
+
+class CloseManyItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One rollout of ``POST /tokcap/v1/close``: its id, reward and witnesses."""
+
+    rollout_id: str
+    reward: float | None = None
+    witnesses: WitnessBody | None = None
+
+
+class CloseManyBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /tokcap/v1/close``: close every rollout listed with one durable write
+    (distinct ids, at most `MAX_CLOSE_BATCH`)."""
+
+    rollouts: list[CloseManyItem]
+
+
+class CloseProblem(msgspec.Struct):
+    """Why one rollout of a batch did not close durably: the status and stable code the
+    single-rollout close would have answered."""
+
+    status: int
+    code: str
+    message: str
+
+
+class CloseOutcome(msgspec.Struct, omit_defaults=True):
+    """One rollout's answer in a batch close: its durable head, or its problem."""
+
+    rollout_id: str
+    head: Head | None = None
+    error: CloseProblem | None = None
+
+
+class CloseManyResponse(msgspec.Struct):
+    """The answer to ``POST /tokcap/v1/close``: one outcome per rollout, in request order."""
+
+    results: list[CloseOutcome]
+
+
+class OpenResponse(msgspec.Struct):
+    """The answer to ``POST …/open``."""
+
+    rollout_id: str
+    opened: bool
+
+
+class ReleaseResponse(msgspec.Struct):
+    """The answer to ``DELETE …``."""
+
+    rollout_id: str
+    released: bool
+
+
+class RolloutItem(msgspec.Struct):
+    """One rollout of a listing."""
+
+    rollout_id: str
+    state: RolloutStateName
+
+
+class RolloutPage(msgspec.Struct):
+    """``GET /tokcap/v1/rollouts``: ids in ascending order; pass ``next_cursor`` as ``after``."""
+
+    rollouts: list[RolloutItem]
+    next_cursor: str | None
+
+
+class Health(msgspec.Struct):
+    """``GET /tokcap/v1/health``."""
+
+    status: Literal["ok", "degraded", "down"]
+    serving: bool
+    rollouts_open: int
+    rollouts_closed: int
+    ledger_file: bool
+    ledger_error: str | None
+    sink: str = ""
+    """``memory`` (no trainer can read it), or the sink's class name."""
+    warnings: list[str] = []
+    """Problems that do not stop serving (``memory_sink: ...``)."""
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    code: str
+
+
+class ErrorBody(msgspec.Struct):
+    """Every error answer (the OpenAI error shape, with a stable ``code``)."""
+
+    error: _ErrorDetail
+    object: str = "error"
+
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "ContentTooLargeError",
+    422: "UnprocessableEntityError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_json(code: str, message: str, status: int) -> bytes:
+    """The one error body the gate answers with: OpenAI's error shape with a stable ``code``.
+
+    The message starts with ``[code]`` because the ``openai`` client shows only the message
+    in its exceptions; `ControlPlaneClient` strips it again.
+    """
+    kind = _TYPES.get(status, "InternalServerError")
+    detail = _ErrorDetail(message=f"[{code}] {message}", type=kind, code=code)
+    return msgspec.json.encode(ErrorBody(error=detail))

@@ -1,28 +1,13 @@
-"""Every error tokcap-vllm raises: the gate's answers (each with its HTTP status), the
-control-plane client's, the ledger file's and the weight push's."""
+"""Every error tokcap-vllm raises: the gate's answers (each with the HTTP status it answers
+with), the control-plane client's (`ControlPlaneError` and subclasses: the status and code
+the control plane answered), the ledger file's and the weight push's."""
 
-from ._errors import (
-    BadRequest,
-    CallNotServed,
-    ControlAuthError,
-    ControlConflict,
-    ControlNotFound,
-    ControlPlaneError,
-    ControlRequestError,
-    ControlUnavailable,
-    ControlUnreachable,
-    GateError,
-    InvalidBody,
-    MethodNotAllowed,
-    RolloutConflict,
-    RolloutNotFound,
-    TooLarge,
-    TooManyRollouts,
-    Unauthorized,
-    Unsupported,
-    UnsupportedTokenizer,
-    WeightsUnavailable,
-)
+from __future__ import annotations
+
+from typing import ClassVar
+
+from tokcap_core import TokcapError
+
 from ._lifecycle import CallStateError
 from ._weight_state import WeightPushError, WeightSyncError
 from .persist import LedgerFileError
@@ -53,3 +38,126 @@ __all__ = [
     "WeightSyncError",
     "WeightsUnavailable",
 ]
+
+
+class GateError(TokcapError):
+    """Root of the errors the gate answers with an HTTP error body."""
+
+    status: ClassVar[int] = 500
+
+
+class BadRequest(GateError, ValueError):
+    """The request is malformed: bad JSON body, bad rollout id, bad field types."""
+
+    status = 400
+
+
+class Unsupported(GateError, ValueError):
+    """The request is valid OpenAI but cannot be captured (``n > 1``, batched prompts, ...)."""
+
+    status = 400
+
+
+class UnsupportedTokenizer(Unsupported):
+    """The server's tokenizer or chat template cannot be captured (the message names it);
+    every captured call is refused with ``tokenizer_unsupported``, the first one included."""
+
+
+class RolloutNotFound(GateError, KeyError):
+    """The rollout id names no rollout this gate holds."""
+
+    status = 404
+
+    def __str__(self) -> str:
+        return TokcapError.__str__(self)
+
+
+class RolloutConflict(GateError, RuntimeError):
+    """The rollout is closed (or its parent never committed) so the call cannot be captured."""
+
+    status = 409
+
+
+class Unauthorized(GateError, PermissionError):
+    """A control-plane request without the right bearer token (the token is never echoed)."""
+
+    status = 401
+
+
+class InvalidBody(GateError, ValueError):
+    """A control-plane body that decodes but says something invalid (both terminal ids, ...)."""
+
+    status = 422
+
+
+class TooLarge(GateError, ValueError):
+    """A manifest over the configured bound: refused, never truncated."""
+
+    status = 413
+
+
+class ControlUnavailable(GateError, RuntimeError):
+    """The control plane cannot serve: no token configured, or the ledger file failed."""
+
+    status = 503
+
+
+class TooManyRollouts(GateError, RuntimeError):
+    """``GateConfig.max_open_rollouts`` rollouts are open: close some before starting more."""
+
+    status = 503
+
+
+class WeightsUnavailable(GateError, RuntimeError):
+    """A weight push failed after generation paused, so the engine may hold half-updated
+    weights: captured calls are refused (``weights_unavailable``) until a full push succeeds."""
+
+    status = 503
+
+
+class CallNotServed(GateError, RuntimeError):
+    """The engine's output for this call cannot be held as served, so the harness gets this
+    error instead of a completion: ``call_aborted`` (the engine aborted the request: a
+    weight push or vLLM's ``/pause`` in abort mode; retry it), ``capture_failed``, or
+    ``ledger_write_failed`` (the ledger file cannot record it)."""
+
+    status = 503
+
+
+class MethodNotAllowed(GateError, ValueError):
+    """A control route called with the wrong HTTP method."""
+
+    status = 405
+
+
+# ---- what the client raises -------------------------------------------------------------
+
+
+class ControlPlaneError(TokcapError, RuntimeError):
+    """A control-plane call failed; ``status`` is the HTTP status (0: no answer came back)
+    and ``code`` the server's reason code."""
+
+    def __init__(self, code: str, message: str = "", status: int = 0) -> None:
+        super().__init__(code, message)
+        self.args = (code, message, status)
+        self.status = status
+
+
+class ControlAuthError(ControlPlaneError):
+    """401: the token is missing or wrong."""
+
+
+class ControlNotFound(ControlPlaneError):
+    """404: no such rollout (or route)."""
+
+
+class ControlConflict(ControlPlaneError):
+    """409: the ledger refused the transition (``rollout_closed``, ...)."""
+
+
+class ControlRequestError(ControlPlaneError):
+    """400, 405, 413, 422: the request itself is wrong."""
+
+
+class ControlUnreachable(ControlPlaneError):
+    """No usable answer after the retries: transport failure or 5xx."""

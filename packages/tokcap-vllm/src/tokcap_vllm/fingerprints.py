@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ._errors import BadRequest
+from .errors import BadRequest
 
 __all__ = ["message_fingerprints", "normalize_message", "output_fingerprint"]
 

@@ -18,16 +18,18 @@ from ._guarded_routes import GUARDED_PATHS, WeightInfo, WeightSpec
 from ._spec import TensorSpec, expected_spec, read_checkpoint_spec
 from ._weight_client import GateWeightClient, PushTransport, StagedPush
 from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
-from ._weights import PauseMode, WeightSync, check_push
+from ._weights import PUSH_MODES, PauseMode, PushMode, WeightSync, check_push
 from ._worker import WeightSyncWorker
 
 __all__ = [
     "GUARDED_PATHS",
+    "PUSH_MODES",
     "FleetPushError",
     "FleetWeightSync",
     "GateOutcome",
     "GateWeightClient",
     "PauseMode",
+    "PushMode",
     "PushTransport",
     "StagedPush",
     "TensorSpec",

@@ -110,29 +110,41 @@ def plan_chat(
             rules=rules or SpliceRules(),
         )
         if formed.formation is None:
-            return _root(full, encode, request_fp, formed.break_cause)
-        prompt_ids = list(parent.cum_ids)
-        prompt_ids.extend(encode(formed.carry))
-        return ChatPlan(
-            parent_id=parent.call_id,
-            prefix_len=len(parent.cum_ids),
-            prompt_ids=prompt_ids,
-            prompt_text=full,
-            request_fingerprint=request_fp,
-            formation=formed.formation,
-            splice_cause=formed.splice_cause,
+            return _root(encode(full), full, request_fp, formed.break_cause)
+        return _child(
+            parent, encode(formed.carry), full, request_fp, formed.formation, formed.splice_cause
         )
-    return _root(full, encode, request_fp, "no_parent_match" if priors else None)
+    return _root(encode(full), full, request_fp, "no_parent_match" if priors else None)
 
 
-def _root(full: str, encode: Encoder, request_fp: str, cause: str | None) -> ChatPlan:
+def _root(ids: list[int], text: str, request_fp: str, cause: str | None) -> ChatPlan:
     return ChatPlan(
         parent_id=None,
         prefix_len=0,
-        prompt_ids=encode(full),
-        prompt_text=full,
+        prompt_ids=ids,
+        prompt_text=text,
         break_cause=cause,
         request_fingerprint=request_fp,
+    )
+
+
+def _child(
+    parent: PriorCall,
+    carry: Sequence[int],
+    text: str,
+    request_fp: str,
+    formation: str,
+    splice_cause: str | None = None,
+) -> ChatPlan:
+    """The plan on ``parent``'s exact ids followed by ``carry``."""
+    return ChatPlan(
+        parent_id=parent.call_id,
+        prefix_len=len(parent.cum_ids),
+        prompt_ids=[*parent.cum_ids, *carry],
+        prompt_text=text,
+        request_fingerprint=request_fp,
+        formation=formation,
+        splice_cause=splice_cause,
     )
 
 
@@ -160,24 +172,9 @@ def plan_completion(
     if best is None:
         ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
         cause = "no_parent_match" if any(p.kind == "completion" for p in priors) else None
-        return ChatPlan(
-            parent_id=None,
-            prefix_len=0,
-            prompt_ids=ids,
-            prompt_text=text,
-            break_cause=cause,
-            request_fingerprint=request_fp,
-        )
-    ids = list(best.cum_ids)
+        return _root(ids, text, request_fp, cause)
     if isinstance(prompt, str):
-        ids.extend(encode(prompt[len(best.cum_text) :]))
+        carry = encode(prompt[len(best.cum_text) :])
     else:
-        ids.extend(prompt[len(best.cum_ids) :])
-    return ChatPlan(
-        parent_id=best.call_id,
-        prefix_len=len(best.cum_ids),
-        prompt_ids=ids,
-        prompt_text=text,
-        request_fingerprint=request_fp,
-        formation="extend",
-    )
+        carry = list(prompt[len(best.cum_ids) :])
+    return _child(best, carry, text, request_fp, "extend")

@@ -24,9 +24,9 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from .._errors import BadRequest, Unsupported, UnsupportedTokenizer
 from .._vllm import require_vllm
 from .._wire import ChatBody, CompletionBody
+from ..errors import BadRequest, Unsupported, UnsupportedTokenizer
 from ..fingerprints import normalize_message
 from ._index import Planner
 from ._plan_ids import plan_chat_ids

@@ -17,9 +17,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from .._errors import BadRequest, Unsupported
 from .._vllm import require_vllm
 from .._wire import ChatBody, CompletionBody
+from ..errors import BadRequest, Unsupported
 from ..fingerprints import normalize_message
 from ._index import PlannedRequest, Planner
 from ._plan_text import ChatPlan, PriorCall, plan_chat, plan_completion

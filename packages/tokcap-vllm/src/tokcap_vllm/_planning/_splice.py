@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from .._errors import BadRequest
+from ..errors import BadRequest
 
 __all__ = [
     "ON_RENDER_MISMATCH",

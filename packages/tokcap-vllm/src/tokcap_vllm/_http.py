@@ -1,0 +1,53 @@
+"""What tokcap_vllm's HTTP clients share: the bearer-token pool, ``async with``, fan-out."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Self, TypeVar
+
+import anyio
+import httpx
+
+__all__ = ["AsyncClosing", "bearer_http", "each_concurrently"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def bearer_http(
+    base_url: str, token: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None
+) -> httpx.AsyncClient:
+    """A connection pool that sends ``token`` in the ``authorization`` header only."""
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers={"authorization": f"Bearer {token}"},
+        timeout=timeout_s,
+        transport=transport,
+    )
+
+
+class AsyncClosing:
+    """``async with`` for a client: entering gives the client, leaving awaits its `aclose`."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the client's connections."""
+        raise NotImplementedError
+
+
+async def each_concurrently(items: Sequence[_T], call: Callable[[_T], Awaitable[_R]]) -> list[_R]:
+    """``call`` on every item at once, in one task group; the answers in the items' order."""
+    results: list[_R | None] = [None] * len(items)
+
+    async def one(i: int) -> None:
+        results[i] = await call(items[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(items)):
+            tg.start_soon(one, i)
+    return [r for r in results if r is not None]

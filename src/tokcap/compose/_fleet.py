@@ -1,0 +1,206 @@
+"""A run's fleet of served gates: start them or take them, push to the live ones, report.
+
+`fleet_gates` starts N ``tokcap-vllm serve`` gates on the run's Ray (`served_gates` with
+`served_gate_options`) or takes the URLs of gates someone else started; `tokcap train` and
+`tokcap demo` both run through it. `push_to_live_gates` is the fleet's weight push when
+gates may die: a gate the `tokcap_vllm.GateFleet` lost (it stopped answering) is dropped
+from the `tokcap_vllm.weights.FleetWeightSync` before the push, and a push that failed on
+a gate that no longer answers is pushed again without it. Decision: a run goes on with
+the gates that answer (their rollouts train; the lost gate's are poisoned
+``gate_unreachable`` and counted per gate), because a fleet exists to outlive one replica;
+it stops with a typed error only when no gate answers, or when a push fails on a gate
+that still answers (a real push failure: every gate stays held, `FleetPushError`).
+`gate_entries` is ``summary.json``'s ``gates``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from tokcap_core import CaptureConfig, ConfigError
+from tokcap_tq import TQSinkConfig
+from tokcap_vllm import GateFleet
+from tokcap_vllm.weights import FleetPushError, FleetWeightSync, WeightInfo
+
+from ._served import served_gate_options, served_gates
+from ._stack import StageHook, services
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "TOKEN_ENV",
+    "FleetGate",
+    "fleet_gates",
+    "fleet_services",
+    "fleet_token",
+    "gate_entries",
+    "gate_versions",
+    "push_to_live_gates",
+    "served_model",
+]
+
+TOKEN_ENV = "TOKCAP_CONTROL_TOKEN"
+"""Where a run finds the control token of gates someone else started."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetGate:
+    """One gate of a run's fleet: its URL and, when this run started it, its process id."""
+
+    url: str
+    pid: int | None = None
+
+
+@contextlib.contextmanager
+def fleet_gates(
+    model: str | Path,
+    *,
+    count: int,
+    urls: Sequence[str],
+    sink: TQSinkConfig,
+    token: str,
+    vllm_args: Sequence[str],
+    log_dir: Path,
+    gate_options: Sequence[str] = (),
+    stage: StageHook | None = None,
+) -> Iterator[list[FleetGate]]:
+    """``count`` gates started here on the Ray cluster this process is connected to (their
+    logs under ``log_dir``; ``gate_options`` added to `served_gate_options`), or, with
+    ``count == 0``, the gates at ``urls``. Started gates are stopped on exit."""
+    if not count:
+        yield [FleetGate(url.rstrip("/")) for url in urls]
+        return
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    options = [*served_gate_options(sink, address), *gate_options, *vllm_args]
+    with contextlib.ExitStack() as running:
+        label = f"start {count} tokcap-vllm serve gates"
+        with stage(label) if stage is not None else contextlib.nullcontext():
+            started = running.enter_context(
+                served_gates(model, count, options, token=token, log_dir=log_dir)
+            )
+        yield [FleetGate(g.url, g.pid) for g in started]
+
+
+async def served_model(url: str) -> str:
+    """The model id the gate at ``url`` serves (vLLM's ``GET /v1/models``): what a harness
+    names in its requests to gates someone else started."""
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+        answer = await client.get("/v1/models")
+        answer.raise_for_status()
+        model: str = answer.json()["data"][0]["id"]
+        return model
+
+
+def fleet_token(urls: Sequence[str], capture: CaptureConfig) -> str:
+    """The fleet's control token: ``TOKCAP_CONTROL_TOKEN`` (required with gates someone
+    else started at ``urls``: `ConfigError` ``token_env_missing``), else the run's own."""
+    if urls and not os.environ.get(TOKEN_ENV):
+        raise ConfigError("token_env_missing", f"--gate URL needs the gates' token in {TOKEN_ENV}")
+    token = os.environ.get(TOKEN_ENV) or capture.control_token
+    assert token is not None
+    return token
+
+
+@contextlib.contextmanager
+def fleet_services(
+    model: str | Path,
+    *,
+    count: int,
+    urls: Sequence[str],
+    ray_address: str | None,
+    workers: int,
+    sink: TQSinkConfig,
+    token: str,
+    vllm_args: Sequence[str],
+    gate_options: Sequence[str] = (),
+    stage: StageHook | None = None,
+) -> Iterator[list[FleetGate]]:
+    """`services` with no gate in this process (Ray + TransferQueue here, or on the cluster
+    at ``ray_address``), then `fleet_gates`; everything stopped on exit."""
+    with (
+        services(None, workers=workers, ray_address=ray_address, stage=stage),
+        tempfile.TemporaryDirectory(prefix="tokcap-gates-") as logs,
+        fleet_gates(
+            model,
+            count=count,
+            urls=urls,
+            sink=sink,
+            token=token,
+            vllm_args=vllm_args,
+            log_dir=Path(logs),
+            gate_options=gate_options,
+            stage=stage,
+        ) as gates,
+    ):
+        yield gates
+
+
+async def push_to_live_gates(
+    fleet: GateFleet,
+    weights: FleetWeightSync,
+    state: Mapping[str, torch.Tensor],
+    version: int,
+) -> list[WeightInfo]:
+    """``weights.push(state, version)`` to the gates that still answer (see the module).
+
+    Raises `FleetPushError` when the push fails on a gate that answers, and
+    `tokcap_vllm.weights.WeightPushError` ``no_gates`` when none is left.
+    """
+    await _drop_lost(fleet, weights)
+    try:
+        return await weights.push(state, version)
+    except FleetPushError as e:
+        failed = [o.url for o in e.outcomes if o.error is not None]
+        if not failed or any([await fleet.probe(url) for url in failed]):
+            raise
+        await _drop_lost(fleet, weights)
+        return await weights.push(state, version)
+
+
+async def _drop_lost(fleet: GateFleet, weights: FleetWeightSync) -> None:
+    pushing = {c.base_url for c in weights.clients}
+    for report in fleet.report():
+        if not report.alive and report.url in pushing:
+            await weights.drop(report.url)
+
+
+async def gate_versions(fleet: GateFleet, weights: FleetWeightSync) -> dict[str, int]:
+    """``{url: version}`` of every gate that still answers (the lost ones dropped first)."""
+    await _drop_lost(fleet, weights)
+    infos = await weights.infos()
+    return {c.base_url: i.version for c, i in zip(weights.clients, infos, strict=True)}
+
+
+def gate_entries(
+    fleet: GateFleet,
+    gates: Sequence[FleetGate],
+    calls: Mapping[str, int],
+    versions: Mapping[str, int],
+) -> list[dict[str, Any]]:
+    """``summary.json``'s ``gates``: per gate ``url``, ``pid`` (None: started elsewhere),
+    ``rollouts`` opened there, captured ``calls``, ``weight_version`` (None: lost), and
+    ``alive`` / ``unreachable`` (rollouts poisoned because it stopped answering)."""
+    pids = {g.url: g.pid for g in gates}
+    return [
+        {
+            "url": report.url,
+            "pid": pids.get(report.url),
+            "rollouts": report.opened,
+            "calls": calls.get(report.url, 0),
+            "weight_version": versions.get(report.url),
+            "alive": report.alive,
+            "unreachable": report.unreachable,
+        }
+        for report in fleet.report()
+    ]
