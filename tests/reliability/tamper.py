@@ -50,6 +50,7 @@ from tokcap_core.ledger import (
     entry_hash,
     genesis_hash,
 )
+from tokcap_core.provenance import VersionSpan
 from tokcap_core.routes import unknown_routes, widen
 from tokcap_core.simulate import SimulatedRollout, simulate_rollout
 from tokcap_core.staged import FINISH_REASONS
@@ -274,6 +275,8 @@ def _field_alternatives(name: str, value: object) -> list[object]:
     if isinstance(value, Witnesses):
         forged = Witnesses(response_id="forged", content_fingerprint=value.content_fingerprint)
         return [w for w in (Witnesses(), forged) if w != value]
+    if name in ("weight_versions", "kv_versions"):
+        return _span_alternatives(value)
     if value is None:
         return [
             {
@@ -299,6 +302,21 @@ def _field_alternatives(name: str, value: object) -> list[object]:
         alternatives = [f"c{int(value[1:]) + 1:06d}"]
     if name in ("parent_id", "break_cause", "response_id", "output_fingerprint"):
         alternatives.append(None)
+    return alternatives
+
+
+def _span_alternatives(value: object) -> list[object]:
+    """Format v3 provenance forged: stripped (a v2 entry), a version moved, a span cut short."""
+    if value is None:
+        return [(VersionSpan(version=0, start=0, end=1),)]
+    assert isinstance(value, tuple)
+    first, rest = value[0], value[1:]
+    moved = (VersionSpan(version=first.version + 1, start=first.start, end=first.end), *rest)
+    alternatives: list[object] = [None, moved]
+    if first.length > 1:
+        alternatives.append(
+            (VersionSpan(version=first.version, start=first.start, end=first.end - 1), *rest)
+        )
     return alternatives
 
 
