@@ -17,6 +17,7 @@ import pytest
 from tests.procs import process_table
 from tests.tq.support import fresh_tq_sink
 from tokcap_core import MissingRows, SinkError, StagedCall
+from tokcap_core.provenance import VersionSpan
 from tokcap_core.simulate import simulate_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.usefixtures("tq_cluster")]
@@ -81,7 +82,15 @@ async def test_a_put_and_a_get_make_the_round_trips_raw_tq_makes(
 async def test_writers_racing_on_one_key_in_one_process_take_turns() -> None:
     sink = fresh_tq_sink()
     (first, *_) = _calls("race", 1)
-    rival = dataclasses.replace(first, weight_version=first.weight_version + 1)
+    bumped = first.weight_version + 1
+    spans = (VersionSpan(version=bumped, start=0, end=first.gen_len),)
+    rival = dataclasses.replace(
+        first,
+        weight_version=bumped,
+        weight_version_last=bumped,
+        weight_versions=spans,
+        kv_versions=spans,
+    )
     outcomes: dict[int, str] = {}
 
     async def write(index: int, call: StagedCall) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from tests.vllm._rules import Flag, NoLock
 from tokcap_core import TokcapError
+from tokcap_core.provenance import VersionSpan
 from tokcap_vllm._host import EngineResult
 from tokcap_vllm._lifecycle import COMMITTED, FAILED
 from tokcap_vllm._planning import Observed, ParentIndex, PlannedRequest
@@ -235,6 +236,7 @@ def _result(**changes: Any) -> EngineResult:
         "finish_reason": "stop",
         "weight_version": 0,
         "weight_version_last": 0,
+        "weight_versions": (VersionSpan(version=0, start=0, end=2),),
         "text": "xy",
     }
     return EngineResult(**{**fields, **changes})

@@ -189,7 +189,7 @@ def test_ledger_file_open_on_a_missing_file_creates_it(tmp_path: Path) -> None:
 # ---- a real gate process, killed and restarted on its ledger file ------------------------
 
 
-def _gate(model: Path, ledger: Path, log: Path) -> ServedGate:
+def _served_gate(model: Path, ledger: Path, log: Path) -> ServedGate:
     """``tokcap-vllm serve`` on the ledger file, in its own process group, output to ``log``."""
     env = {
         LEDGER_PATH_ENV: str(ledger),
@@ -224,7 +224,7 @@ def test_a_killed_gate_restarts_on_its_ledger_file(tiny_model: Path, tmp_path: P
     ledger, logs = tmp_path / "ledger.jsonl", [tmp_path / "first.log", tmp_path / "second.log"]
     model = str(tiny_model)
 
-    first = _gate(tiny_model, ledger, logs[0])
+    first = _served_gate(tiny_model, ledger, logs[0])
     try:
         first.wait_healthy(CONTROL_TOKEN)
 
@@ -245,7 +245,7 @@ def test_a_killed_gate_restarts_on_its_ledger_file(tiny_model: Path, tmp_path: P
     with ledger.open("ab") as f:  # the crash also cut a record short
         f.write(b'{"format":"tokcap/manifest/v1","rollout_id":"in-fl')
 
-    second = _gate(tiny_model, ledger, logs[1])
+    second = _served_gate(tiny_model, ledger, logs[1])
     try:
         second.wait_healthy(CONTROL_TOKEN)
 
