@@ -50,6 +50,15 @@ def _fleet() -> tuple[GateFleet, dict[str, Gate], Hosts]:
     return GateFleet(URLS, TOKEN, transport=hosts, backoff_s=0.0), gates, hosts
 
 
+async def _open_four(fleet: GateFleet, prefix: str) -> list[str]:
+    """Open ``{prefix}0`` .. ``{prefix}3`` through the fleet: 0 and 2 on gate-a, 1 and 3 on
+    gate-b (the least loaded gate, ties to the first)."""
+    rids = [f"{prefix}{i}" for i in range(4)]
+    for rid in rids:
+        await fleet.open(rid)
+    return rids
+
+
 def test_rollouts_go_to_the_least_loaded_gate_and_stay_there() -> None:
     async def run() -> None:
         fleet, gates, _ = _fleet()
@@ -75,9 +84,7 @@ def test_receipts_come_from_each_rollouts_own_gate() -> None:
     async def run() -> None:
         fleet, _, _ = _fleet()
         async with fleet:
-            rids = [f"q{i}" for i in range(4)]
-            for rid in rids:
-                await fleet.open(rid)
+            rids = await _open_four(fleet, "q")
             heads = {rid: await fleet.close(rid, reward=0.5) for rid in rids}
             receipts = await fleet.fetch_receipts(rids, expected_heads=heads)
             assert [r.rollout_id for r in receipts] == rids
@@ -93,9 +100,7 @@ def test_a_gate_that_stops_answering_poisons_only_its_open_rollouts() -> None:
     async def run() -> None:
         fleet, _, hosts = _fleet()
         async with fleet:
-            rids = [f"k{i}" for i in range(4)]
-            for rid in rids:
-                await fleet.open(rid)
+            rids = await _open_four(fleet, "k")
             hosts.down.add("gate-b:8000")
             heads = {rid: await fleet.close(rid) for rid in rids}
             receipts = {
@@ -124,9 +129,7 @@ def test_a_batch_close_goes_to_each_gate_once_and_a_dead_gate_loses_only_its_own
     async def run() -> None:
         fleet, _, hosts = _fleet()
         async with fleet:
-            rids = [f"b{i}" for i in range(4)]  # b0, b2 on gate-a; b1, b3 on gate-b
-            for rid in rids:
-                await fleet.open(rid)
+            rids = await _open_four(fleet, "b")  # b0, b2 on gate-a; b1, b3 on gate-b
             hosts.down.add("gate-b:8000")
             closes = [RolloutClose(rollout_id=rid, reward=0.5) for rid in rids]
             results = await fleet.close_many(closes)
