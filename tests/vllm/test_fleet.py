@@ -11,6 +11,7 @@ import anyio
 import httpx
 import pytest
 
+from tokcap_core import Receipt
 from tokcap_vllm import (
     ControlConflict,
     ControlNotFound,
@@ -59,6 +60,14 @@ async def _open_four(fleet: GateFleet, prefix: str) -> list[str]:
     return rids
 
 
+async def _close_and_fetch(
+    fleet: GateFleet, rids: list[str], reward: float | None = None
+) -> list[Receipt]:
+    """Close each rollout through the fleet, then fetch its receipt against its head."""
+    heads = {rid: await fleet.close(rid, reward=reward) for rid in rids}
+    return await fleet.fetch_receipts(rids, expected_heads=heads)
+
+
 def test_rollouts_go_to_the_least_loaded_gate_and_stay_there() -> None:
     async def run() -> None:
         fleet, gates, _ = _fleet()
@@ -85,8 +94,7 @@ def test_receipts_come_from_each_rollouts_own_gate() -> None:
         fleet, _, _ = _fleet()
         async with fleet:
             rids = await _open_four(fleet, "q")
-            heads = {rid: await fleet.close(rid, reward=0.5) for rid in rids}
-            receipts = await fleet.fetch_receipts(rids, expected_heads=heads)
+            receipts = await _close_and_fetch(fleet, rids, reward=0.5)
             assert [r.rollout_id for r in receipts] == rids
             assert {r.failure_reason for r in receipts} == {"no_terminal"}  # opened, no calls
             for rid in rids:
@@ -102,10 +110,7 @@ def test_a_gate_that_stops_answering_poisons_only_its_open_rollouts() -> None:
         async with fleet:
             rids = await _open_four(fleet, "k")
             hosts.down.add("gate-b:8000")
-            heads = {rid: await fleet.close(rid) for rid in rids}
-            receipts = {
-                r.rollout_id: r for r in await fleet.fetch_receipts(rids, expected_heads=heads)
-            }
+            receipts = {r.rollout_id: r for r in await _close_and_fetch(fleet, rids)}
             assert receipts["k0"].failure_reason == receipts["k2"].failure_reason == "no_terminal"
             assert receipts["k1"].failure_reason == "gate_unreachable:ConnectError"
             assert receipts["k3"].failure_reason == "gate_unreachable:ConnectError"
