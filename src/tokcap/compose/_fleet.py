@@ -10,7 +10,8 @@ the gates that answer (their rollouts train; the lost gate's are poisoned
 ``gate_unreachable`` and counted per gate), because a fleet exists to outlive one replica;
 it stops with a typed error only when no gate answers, or when a push fails on a gate
 that still answers (a real push failure: every gate stays held, `FleetPushError`).
-`gate_entries` is ``summary.json``'s ``gates``.
+`gate_entries` is ``summary.json``'s ``gates``; `lost_receipts` counts, per gate, the
+receipts a lost gate's rollouts got (lost with their gate, not failed verifications).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from tokcap_core import CaptureConfig, ConfigError
+from tokcap_core import CaptureConfig, ConfigError, Receipt
+from tokcap_core.reasons import GATE_UNREACHABLE, reason_bucket
 from tokcap_tq import TQSinkConfig
 from tokcap_vllm import GateFleet
 from tokcap_vllm.weights import FleetPushError, FleetWeightSync, WeightInfo
@@ -44,6 +46,7 @@ __all__ = [
     "fleet_token",
     "gate_entries",
     "gate_versions",
+    "lost_receipts",
     "push_to_live_gates",
     "served_model",
 ]
@@ -180,6 +183,18 @@ async def gate_versions(fleet: GateFleet, weights: FleetWeightSync) -> dict[str,
     await _drop_lost(fleet, weights)
     infos = await weights.infos()
     return {c.base_url: i.version for c, i in zip(weights.clients, infos, strict=True)}
+
+
+def lost_receipts(fleet: GateFleet, receipts: Iterable[Receipt]) -> dict[str, int]:
+    """``{gate url: n}``: of ``receipts``, those poisoned ``gate_unreachable`` (their gate
+    stopped answering while the rollout was open), by the gate that owned the rollout."""
+    lost: dict[str, int] = {}
+    for receipt in receipts:
+        if receipt.ok or reason_bucket(receipt.failure_reason or "") != GATE_UNREACHABLE:
+            continue
+        url = fleet.gate_url(receipt.rollout_id)
+        lost[url] = lost.get(url, 0) + 1
+    return lost
 
 
 def gate_entries(
