@@ -10,7 +10,9 @@ the gates that answer (their rollouts train; the lost gate's are poisoned
 ``gate_unreachable`` and counted per gate), because a fleet exists to outlive one replica;
 it stops with a typed error only when no gate answers, or when a push fails on a gate
 that still answers (a real push failure: every gate stays held, `FleetPushError`).
-`gate_entries` is ``summary.json``'s ``gates``. `run_on_fleet` is the whole wiring that
+`gate_entries` is ``summary.json``'s ``gates``; `lost_receipts` counts, per gate, the
+receipts a lost gate's rollouts got (lost with their gate, not failed verifications).
+`run_on_fleet` is the whole wiring that
 ``tokcap demo --gates`` and ``tokcap train --gates`` share: the services and the gates, a
 `tokcap_vllm.GateFleet` and `tokcap_vllm.weights.FleetWeightSync` over them, what a dead
 run left reclaimed, and the `Stack`; the run's own work is a body run on it.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from tokcap_core import CaptureConfig, ConfigError
+from tokcap_core import CaptureConfig, ConfigError, Receipt
+from tokcap_core.reasons import GATE_UNREACHABLE, reason_bucket
 from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import GateFleet
 from tokcap_vllm.weights import FleetPushError, FleetWeightSync, PushMode, WeightInfo
@@ -48,6 +51,7 @@ __all__ = [
     "fleet_token",
     "gate_entries",
     "gate_versions",
+    "lost_receipts",
     "push_to_live_gates",
     "run_on_fleet",
     "served_model",
@@ -151,6 +155,18 @@ async def gate_versions(fleet: GateFleet, weights: FleetWeightSync) -> dict[str,
     await _drop_lost(fleet, weights)
     infos = await weights.infos()
     return {c.base_url: i.version for c, i in zip(weights.clients, infos, strict=True)}
+
+
+def lost_receipts(fleet: GateFleet, receipts: Iterable[Receipt]) -> dict[str, int]:
+    """``{gate url: n}``: of ``receipts``, those poisoned ``gate_unreachable`` (their gate
+    stopped answering while the rollout was open), by the gate that owned the rollout."""
+    lost: dict[str, int] = {}
+    for receipt in receipts:
+        if receipt.ok or reason_bucket(receipt.failure_reason or "") != GATE_UNREACHABLE:
+            continue
+        url = fleet.gate_url(receipt.rollout_id)
+        lost[url] = lost.get(url, 0) + 1
+    return lost
 
 
 def gate_entries(
