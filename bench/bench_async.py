@@ -13,7 +13,13 @@ TransferQueue and vLLM engine, as a user runs it): lock-step, then ``--async
 - staleness actually trained, calls spanning a push, groups dropped stale, loop lag.
 
 On a 2-core box the engine, the trainer, Ray and TransferQueue share two cores: the async
-gain is bounded by that (the per-stage seconds printed show where the time goes).
+gain is bounded by that. Per run the bench prints where the time and the CPU go (each step
+records them, `tokcap.loop._meters`): the share of the wall time the engine had a call in
+flight and how many, the CPU seconds per trained sample (engine core, driver: trainer,
+gate, API server and pumps; Ray and TransferQueue), and the CPU-seconds per wall second
+against the box's cores. If sync already keeps the cores busy, overlapping cannot gain
+more than the idle CPU left: the async/sync ratio is bounded by
+``(sync CPU per sample / async CPU per sample) x (async CPU busy / sync CPU busy)``.
 
 Run: ``.venv/bin/python bench/bench_async.py [--steps 40] [--max-staleness 2] [--seed 0]``.
 """
@@ -66,11 +72,50 @@ def describe(name: str, summary: dict[str, Any]) -> float:
     print("seconds a step: " + ", ".join(parts) + " (async: generate and collect are summed "
           "over the step's groups and overlap)")  # fmt: skip
     print(f"tokcap share of a step: {share * 100:.1f} %")
+    print(load_line(load_figures(t["steps"], summary["config"])))
     print(f"staleness max {t['staleness_max']}, stale tokens {t.get('tokens_stale', 0)}, "
           f"calls spanning versions {t.get('calls_spanning_versions', 0)}, dropped stale "
           f"{t.get('dropped_stale', 0)}, loop lag max {t.get('loop_lag_ms_max', 0.0):.0f} ms, "
           f"receipts {t['receipts_verified']}/{t['receipts_total']}")  # fmt: skip
     return float(t["samples_per_s"])
+
+
+def load_figures(steps: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, float]:
+    """What bounds a run (steps after the first): ``busy`` (share of the wall time the engine
+    had a call in flight), ``in_flight`` (calls in flight when busy), CPU seconds per trained
+    sample (``cpu``: the run's whole process tree; ``engine``, ``driver``, ``ray``) and
+    ``cpu_busy`` (CPU seconds per wall second); empty if the steps did not record them."""
+    measured = steps[1:] or steps
+    wall = sum(s["seconds"]["total"] for s in measured)
+    got = [s["seconds"] for s in measured if "cpu" in s["seconds"]]
+    if not got or not wall:
+        return {}
+    samples = len(measured) * config["groups"] * config["rollouts"]
+    busy = sum(s.get("engine_busy", 0.0) for s in got)
+    area = sum(s.get("engine_busy", 0.0) * s.get("in_flight", 0.0) for s in got)
+    cpu = sum(s["cpu"] for s in got)
+    engine = sum(s.get("cpu_engine", 0.0) for s in got)
+    driver = sum(s.get("cpu_driver", 0.0) for s in got)
+    return {
+        "busy": busy / wall,
+        "in_flight": area / busy if busy else 0.0,
+        "cpu": cpu / samples,
+        "engine": engine / samples,
+        "driver": driver / samples,
+        "ray": (cpu - engine - driver) / samples,
+        "cpu_busy": cpu / wall,
+    }
+
+
+def load_line(f: dict[str, float]) -> str:
+    if not f:
+        return "load: not measured"
+    return (
+        f"engine busy {f['busy']:.0%} of the wall time, {f['in_flight']:.1f} calls in flight "
+        f"when busy; CPU {f['cpu']:.3f} s a sample (engine core {f['engine']:.3f}, driver "
+        f"{f['driver']:.3f}, Ray + TQ + rest {f['ray']:.3f}); CPU busy {f['cpu_busy']:.2f} "
+        f"of {os.cpu_count()} cores"
+    )
 
 
 def main() -> None:
@@ -93,6 +138,18 @@ def main() -> None:
     sync_rate = describe("sync", sync)
     async_rate = describe(f"async (K={args.max_staleness})", asyn)
     print(f"\nasync/sync samples per second: {async_rate / sync_rate:.2f}x")
+    fs = load_figures(sync["train"]["steps"], sync["config"])
+    fa = load_figures(asyn["train"]["steps"], asyn["config"])
+    if fs and fa:
+        cores = os.cpu_count() or 1
+        # samples/s = CPU busy / CPU per sample: what async gains is the idle CPU sync left
+        # (cores / sync's CPU busy) times how much cheaper (or dearer) an async sample is
+        print(
+            f"CPU bound: sync keeps {fs['cpu_busy']:.2f} of {cores} cores busy, async "
+            f"{fa['cpu_busy']:.2f}; CPU per sample async/sync {fa['cpu'] / fs['cpu']:.2f}; "
+            f"the most async could gain with every core busy: "
+            f"{cores / fs['cpu_busy'] * fs['cpu'] / fa['cpu']:.2f}x"
+        )
     print(f"load average at the end: {os.getloadavg()}")
 
 

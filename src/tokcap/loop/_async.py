@@ -31,11 +31,10 @@ collected, and every group still in the buffer is removed and its rollouts relea
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -135,6 +134,7 @@ async def async_steps(
     stages: Stages,
     on_step: Callable[[StepRecord], None] | None,
     lag: LagWatch,
+    stamp: Callable[[StepRecord], Awaitable[StepRecord]],
 ) -> None:
     """Train ``config.steps`` steps with the two pumps; record each step in ``loop.run``."""
     config = loop.run.config
@@ -154,7 +154,7 @@ async def async_steps(
                 tg.start_soon(_collectors, loop, pumps, buffer, played_recv)
                 try:
                     for step in range(config.steps):
-                        record = await _train_step(loop, pumps, buffer, step, lag)
+                        record = await stamp(await _train_step(loop, pumps, buffer, step, lag))
                         loop.run.steps.append(record)
                         if on_step is not None:
                             on_step(record)
@@ -230,16 +230,6 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
     """Close, verify, reserve, reassemble, commit, decide: the group READY or discarded."""
     stack, capture = loop.stack, loop.stack.capture
     start = time.perf_counter()
-    declared = [e for e in group.episodes if e.witness == "declared" and e.response_ids]
-    async with anyio.create_task_group() as tg:
-        for episode in declared:
-            tg.start_soon(
-                functools.partial(
-                    stack.control.declare_terminal,
-                    episode.rollout_id,
-                    response_id=episode.response_ids[-1],
-                )
-            )
     closes = [
         RolloutClose(
             rollout_id=e.rollout_id,
