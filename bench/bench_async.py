@@ -40,10 +40,14 @@ STAGES = ("generate", "capture_verify", "reassemble", "wait", "fetch_rows", "tra
 
 
 def train(out: Path, steps: int, seed: int, extra: list[str]) -> dict[str, Any]:
-    """One ``tokcap train`` run; its summary."""
+    """One ``tokcap train`` run; its summary. A run that left no summary (on a loaded box
+    Ray's start can time out) is tried once more."""
     command = [sys.executable, "-m", "tokcap", "train", "--steps", str(steps), "--seed", str(seed)]
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-    proc = subprocess.run([*command, *extra, "--out", str(out)], env=env, check=False)
+    for _ in range(2):
+        proc = subprocess.run([*command, *extra, "--out", str(out)], env=env, check=False)
+        if (out / "summary.json").exists():
+            break
     if proc.returncode not in (0, 1):  # 1: an invariant failed, still measured
         raise SystemExit(f"tokcap train {' '.join(extra)} exited {proc.returncode}")
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
