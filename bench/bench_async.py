@@ -7,9 +7,10 @@ TransferQueue and vLLM engine, as a user runs it): lock-step, then ``--async
 - ``async/sync samples per second: X.XXx``: rollouts trained per second of training
   (the steps' summed wall time), async over sync;
 - both reward curves (mean reward per step) and each run's first-5/last-5 gain;
-- tokcap's share of the blocking work in a step (`tokcap.loop.tokcap_share`: sync,
-  closing + verifying + reassembling; async, the train pump reading rows) and, for
-  async, what the train pump waited on (rollouts not yet READY) and trained;
+- tokcap's share of the blocking work in a step (`tokcap.loop.tokcap_share`: sync, the
+  collecting left once the last answer came; async, the train pump waiting on a group
+  that has played but is not collected yet, ``collect_wait``) and, for async, what the
+  train pump waited on in all (``wait``) and trained;
 - staleness actually trained, calls spanning a push, groups dropped stale, loop lag.
 
 On a 2-core box the engine, the trainer, Ray and TransferQueue share two cores: the async
@@ -36,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-STAGES = ("generate", "capture_verify", "reassemble", "wait", "fetch_rows", "train", "push")
+STAGES = ("generate", "capture_verify", "reassemble", "wait", "collect_wait", "train", "push")
 
 
 def train(out: Path, steps: int, seed: int, extra: list[str]) -> dict[str, Any]:
