@@ -19,7 +19,7 @@ from anyio.abc import TaskGroup
 from tokcap_core import Receipt, TrainingRow
 from tokcap_vllm import GateFleet
 
-from ..compose import Stack, play_rollouts
+from ..compose import Stack, lost_receipts, play_rollouts
 from ._config import LoopConfig
 from ._meters import BusyMeter
 from ._staleness import provenance
@@ -83,6 +83,9 @@ class StepRecord:
     """Parity over rows by their staleness (``"0"``, ``"1"``, ...)."""
     placeholders: dict[str, int] = field(default_factory=dict)
     """Placeholder rows by failure bucket (why a receipt or reassembly failed)."""
+    receipts_lost: dict[str, int] = field(default_factory=dict)
+    """Receipts poisoned ``gate_unreachable`` by gate URL: rollouts lost with their gate
+    (counted in ``receipts_total``, not failed verifications)."""
 
     def as_json(self) -> dict[str, Any]:
         """A plain JSON object (floats rounded for reading)."""
@@ -114,6 +117,7 @@ class StepRecord:
             "loop_lag_ms_max": round(self.loop_lag_ms_max, 3),
             "parity_by_staleness": self.parity_by_staleness,
             "placeholders": dict(self.placeholders),
+            "receipts_lost": dict(self.receipts_lost),
         }
 
 
@@ -292,6 +296,7 @@ def step_record(
         skipped=skipped or {},
         loop_lag_ms_max=loop_lag_ms_max,
         placeholders=dict(Counter(r.reason_bucket for r in rows if r.reason_bucket)),
+        receipts_lost=lost_receipts(loop.fleet, receipts) if loop.fleet is not None else {},
         parity_by_staleness={
             str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
         },
