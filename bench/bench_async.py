@@ -22,7 +22,8 @@ against the box's cores. If sync already keeps the cores busy, overlapping canno
 more than the idle CPU left: the async/sync ratio is bounded by
 ``(sync CPU per sample / async CPU per sample) x (async CPU busy / sync CPU busy)``.
 
-Run: ``.venv/bin/python bench/bench_async.py [--steps 40] [--max-staleness 2] [--seed 0]``.
+Run: ``.venv/bin/python bench/bench_async.py [--steps 40] [--max-staleness 2] [--seed 0]
+[--out DIR]``; ``--summaries DIR`` prints the figures of runs kept with ``--out``.
 """
 
 from __future__ import annotations
@@ -123,38 +124,73 @@ def load_line(f: dict[str, float]) -> str:
     )
 
 
+def bounds(sync: dict[str, Any], asyn: dict[str, Any]) -> None:
+    """What bounds async over sync, in figures (see the module docstring)."""
+    fs = load_figures(sync["train"]["steps"], sync["config"])
+    fa = load_figures(asyn["train"]["steps"], asyn["config"])
+    if not (fs and fa):
+        return
+    measured = sync["train"]["steps"][1:] or sync["train"]["steps"]
+    step = statistics.mean(s["seconds"]["total"] for s in measured)
+    generate = statistics.mean(s["seconds"]["generate"] for s in measured)
+    # perfect overlap hides everything but generating: at the same batch, sync's step over
+    # its generate stage is the most async can gain, unless a bigger batch generates faster
+    print(
+        f"overlap bound: sync generates {generate:.2f} s of its {step:.2f} s step "
+        f"({generate / step:.0%}): with every other stage hidden, at most {step / generate:.2f}x"
+    )
+    rate_s = sync["config"]["groups"] * sync["config"]["rollouts"] * len(measured)
+    busy_s = sum(s["seconds"].get("engine_busy", 0.0) for s in measured)
+    measured_a = asyn["train"]["steps"][1:] or asyn["train"]["steps"]
+    rate_a = asyn["config"]["groups"] * asyn["config"]["rollouts"] * len(measured_a)
+    busy_a = sum(s["seconds"].get("engine_busy", 0.0) for s in measured_a)
+    if busy_s and busy_a:
+        print(
+            f"batch: {rate_s / busy_s:.2f} samples per engine-busy second at "
+            f"{fs['in_flight']:.1f} calls in flight (sync), {rate_a / busy_a:.2f} at "
+            f"{fa['in_flight']:.1f} (async)"
+        )
+    cores = os.cpu_count() or 1
+    # samples/s = CPU busy / CPU per sample: what async gains is the idle CPU sync left
+    # (cores / sync's CPU busy) times how much cheaper (or dearer) an async sample is
+    print(
+        f"CPU bound: sync keeps {fs['cpu_busy']:.2f} of {cores} cores busy, async "
+        f"{fa['cpu_busy']:.2f}; CPU per sample async/sync {fa['cpu'] / fs['cpu']:.2f}; "
+        f"the most async could gain with every core busy: "
+        f"{cores / fs['cpu_busy'] * fs['cpu'] / fa['cpu']:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--out", type=Path, help="keep both runs here (default: a temp dir)")
+    parser.add_argument(
+        "--summaries", type=Path, help="print the figures of runs kept with --out (no new run)"
+    )
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}")
-    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-        where = args.out or Path(tmp)
-        sync = train(where / "sync", args.steps, args.seed, [])
-        asyn = train(
-            where / "async",
-            args.steps,
-            args.seed,
-            ["--async", "--max-staleness", str(args.max_staleness)],
+    if args.summaries is not None:
+        sync, asyn = (
+            json.loads((args.summaries / name / "summary.json").read_text())
+            for name in ("sync", "async")
         )
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+            where = args.out or Path(tmp)
+            sync = train(where / "sync", args.steps, args.seed, [])
+            asyn = train(
+                where / "async",
+                args.steps,
+                args.seed,
+                ["--async", "--max-staleness", str(args.max_staleness)],
+            )
     sync_rate = describe("sync", sync)
-    async_rate = describe(f"async (K={args.max_staleness})", asyn)
+    async_rate = describe(f"async (K={asyn['train']['max_staleness']})", asyn)
     print(f"\nasync/sync samples per second: {async_rate / sync_rate:.2f}x")
-    fs = load_figures(sync["train"]["steps"], sync["config"])
-    fa = load_figures(asyn["train"]["steps"], asyn["config"])
-    if fs and fa:
-        cores = os.cpu_count() or 1
-        # samples/s = CPU busy / CPU per sample: what async gains is the idle CPU sync left
-        # (cores / sync's CPU busy) times how much cheaper (or dearer) an async sample is
-        print(
-            f"CPU bound: sync keeps {fs['cpu_busy']:.2f} of {cores} cores busy, async "
-            f"{fa['cpu_busy']:.2f}; CPU per sample async/sync {fa['cpu'] / fs['cpu']:.2f}; "
-            f"the most async could gain with every core busy: "
-            f"{cores / fs['cpu_busy'] * fs['cpu'] / fa['cpu']:.2f}x"
-        )
+    bounds(sync, asyn)
     print(f"load average at the end: {os.getloadavg()}")
 
 
