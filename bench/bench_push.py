@@ -20,10 +20,11 @@ Served gates (``--served``; the deployment shape): for the tiny model and
 ``tokcap_shm``, ``VLLM_SERVER_DEV_MODE=1``); this process is the trainer. A push is
 `GateWeightClient.push` (1 gate) or `FleetWeightSync.push` (2 gates; one shared-memory
 file read by both), each client kept across pushes as a trainer keeps it (its connections,
-the gate's spec and its push file reused), timed from the trainer's call until it returns: vLLM's reload, the
-version label, the prefix-cache reset and the resume included, so the engine serves the new
-version (checked: ``/weight_info`` reports it). Split into check, stage (write the file) and
-swap (pause ... resume). Against an in-memory ``clone`` of the same state dict, same run.
+the gate's spec and its push file reused), timed from the trainer's call until it returns:
+vLLM's reload, the version label, the prefix-cache reset and the resume included, so the
+engine serves the new version (checked: ``/weight_info`` reports it). Split into check,
+stage (write the file) and swap (pause ... resume). Against an in-memory ``clone`` of the
+same state dict, same run.
 
 Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large] [--served]``.
 """

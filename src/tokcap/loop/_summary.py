@@ -125,15 +125,18 @@ def _lost_by_gate(steps: list[dict[str, Any]]) -> dict[str, int]:
 def tokcap_share(seconds: dict[str, float]) -> float:
     """The share of a step's wall time the loop spent blocked on tokcap's own work.
 
-    Sync: closing, verifying receipts and reassembling (``capture_verify`` + ``reassemble``).
-    Async: those run beside generation and training; what blocks the train pump is reading
-    the rows of the groups it takes (``fetch_rows``).
+    Sync: what was left of collecting the groups (declares, closes, receipts, reassembly,
+    reading rows) once the last answer came back (``capture_verify`` + ``reassemble``; the
+    collecting done while other groups still generated blocks nothing). Async (a step
+    with ``wait``): collecting runs beside generation and training; what blocks the train
+    pump is waiting for a group that has played but is not collected yet
+    (``collect_wait``), and reading rows if it does (``fetch_rows``).
     """
     total = seconds.get("total", 0.0)
     if not total:
         return 0.0
-    if "fetch_rows" in seconds:
-        return seconds["fetch_rows"] / total
+    if "wait" in seconds or "fetch_rows" in seconds:
+        return (seconds.get("fetch_rows", 0.0) + seconds.get("collect_wait", 0.0)) / total
     return (seconds.get("capture_verify", 0.0) + seconds.get("reassemble", 0.0)) / total
 
 
