@@ -1,10 +1,14 @@
 """Closed-loop training in one run: step time by stage, weight-push cost, parity vs re-tokenising.
 
-1. **Step time.** The `tokcap train` loop (tiny fp32 model, digits task, 4 x 8 chats of 16
-   tokens a step) through the whole product for ``--steps`` steps. Per stage (generate,
-   capture + verify, reassemble, train, push) the mean seconds over steps 1.. (step 0
-   warms up) and its share of the step; ``finish`` (free rows, release rollouts) overlaps
-   the next step and is shown apart.
+1. **Step time.** The `tokcap train` loop (tiny fp32 model, agent task, 4 x 8 rollouts of
+   two 16-token calls a step) through the whole product for ``--steps`` steps. Per stage
+   the mean seconds over steps 1.. (step 0 warms up) and its share of the step. Stages are
+   wall-clock segments: generate (until the last answer), capture + verify and reassemble
+   (what was left of collecting once the last answer came: each group is collected as soon
+   as it has played), train, push. ``tokcap share of a step`` is that blocking part over
+   the step's wall time (`tokcap.loop.tokcap_share`); the collecting work that overlapped
+   generation is printed apart, as is ``finish`` (free rows, release rollouts), which
+   overlaps the next step.
 2. **Parity vs re-tokenised text.** On the last step's rows, before its optimizer step (the
    trainer holds the weights that sampled them): the trainer's logprobs on the ids the gate
    captured (what `tokcap train` uses) against the engine's, and, as the baseline a
@@ -38,6 +42,7 @@ tokcap.prepare_environment()  # the CPU engine's environment defaults, before vL
 tokcap.quiet_third_parties()
 
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
+WORK = ("close", "fetch_receipts", "overlapped")
 
 
 @dataclass(slots=True)
@@ -67,11 +72,30 @@ def _answer_logprobs(model: Any, ids: list[int]) -> list[float]:
     return [0.0, *picked.tolist()]
 
 
-def retokenization_figures(
-    model: Any, tokenizer: Any, episodes: list[Any], rows: list[Any]
-) -> RetokFigures:
-    """Score ``rows`` on their captured ids and on their re-tokenised transcript."""
+def transcript(episode: Any, task: str) -> list[dict[str, str]]:
+    """The chat a text-based trainer would rebuild from ``episode``: every answer, and
+    between them what the environment said (`tokcap.loop._task`)."""
     from tokcap.loop import SYSTEM
+    from tokcap.loop._task import MORE, tool_response
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": episode.prompt}]
+    for turn, answer in enumerate(episode.contents):
+        if turn:
+            said = MORE if task == "digits" else tool_response(episode.contents[turn - 1])
+            messages.append({"role": "user", "content": said})
+        messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def retokenization_figures(
+    model: Any, tokenizer: Any, episodes: list[Any], rows: list[Any], task: str
+) -> RetokFigures:
+    """Score ``rows`` on their captured ids and on their re-tokenised transcript.
+
+    A row holds every call of its rollout (answers, and the environment's turns between
+    them, outside the loss); both sides are compared over the sampled positions only (the
+    captured row's loss mask), paired by position from the end of the first prompt.
+    """
     from tokcap_core import logprob_parity
 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -85,22 +109,18 @@ def retokenization_figures(
         ids, start = list(row.input_ids), row.prompt_len
         sampled = ids[start:]
         engine = list(row.logprobs[start:])
+        mask = list(row.loss_mask[start:])
         if sampled and sampled[-1] == end:  # the answer's text ends before the stop token
-            sampled, engine = sampled[:-1], engine[:-1]
-        messages = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": episode.prompt},
-            {"role": "assistant", "content": episode.contents[-1]},
-        ]
-        rendered = tokenizer.apply_chat_template(messages, tokenize=True)
+            sampled, engine, mask = sampled[:-1], engine[:-1], mask[:-1]
+        rendered = tokenizer.apply_chat_template(transcript(episode, task), tokenize=True)
         retok = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
         last_end = len(retok) - 1 - retok[::-1].index(end)
         answer = retok[start:last_end]
         figures.rows += 1
         figures.prompt_changed += retok[:start] != ids[:start]
         figures.rows_changed += answer != sampled
-        figures.tokens_sampled.append(len(sampled))
-        figures.tokens_retok.append(len(answer))
+        figures.tokens_sampled.append(sum(mask))
+        figures.tokens_retok.append(len(answer) - (len(sampled) - sum(mask)))
         trainer_captured = _answer_logprobs(model, ids)
         trainer_retok = _answer_logprobs(model, retok)
         engine_N.append(list(row.logprobs))
@@ -109,16 +129,19 @@ def retokenization_figures(
         paired = min(len(sampled), len(answer))
         retok_engine_N.append(engine[:paired])
         retok_N.append(trainer_retok[start : start + paired])
-        retok_masks.append([1] * paired)
+        retok_masks.append(mask[:paired])
         figures.sequence_gap.append(
-            abs(sum(engine) - sum(trainer_retok[start : start + len(answer)]))
+            abs(
+                sum(e for e, m in zip(engine, mask, strict=True) if m)
+                - sum(t for t, m in zip(trainer_retok[start:], mask, strict=False) if m)
+            )
         )
     figures.captured = logprob_parity(engine_N, captured_N, masks)
     figures.retokenized = logprob_parity(retok_engine_N, retok_N, retok_masks)
     return figures
 
 
-def run_loop_bench(steps: int) -> tuple[Any, RetokFigures]:
+def run_loop_bench(steps: int) -> tuple[Any, RetokFigures | None]:
     """The `tokcap train` loop for ``steps`` steps; the last step's rows scored both ways."""
     from transformers import AutoTokenizer
 
@@ -129,13 +152,21 @@ def run_loop_bench(steps: int) -> tuple[Any, RetokFigures]:
     model_dir = build_tiny_model(cache / "dense", kind="dense")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     found: list[RetokFigures] = []
+    config = LoopConfig(model=model_dir, steps=steps)
 
     def observe(step: int, episodes: list[Any], batch: Any, trainer: Any) -> None:
         if step == steps - 1:
-            found.append(retokenization_figures(trainer.model, tokenizer, episodes, batch.rows))
+            try:
+                found.append(
+                    retokenization_figures(
+                        trainer.model, tokenizer, episodes, batch.rows, config.task
+                    )
+                )
+            except Exception as e:  # the step figures still print
+                print(f"re-tokenisation figures failed: {e!r}", file=sys.stderr)
 
-    run = run_loop(LoopConfig(model=model_dir, steps=steps), observe=observe)
-    return run, found[0]
+    run = run_loop(config, observe=observe)
+    return run, (found[0] if found else None)
 
 
 def print_steps(run: Any) -> None:
@@ -150,12 +181,15 @@ def print_steps(run: Any) -> None:
     print(f"{'stage':28}{'mean s':>10}{'share':>9}")
     for name in STAGES:
         print(f"{name:28}{mean[name]:10.3f}{mean[name] / total:9.1%}")
-        if name == "capture_verify":  # collect closes one rollout at a time
-            for part in ("close", "fetch_receipts"):
-                part_s = statistics.mean(s.seconds.get(part, 0.0) for s in measured)
-                print(f"{'  ' + part:28}{part_s:10.3f}{part_s / total:9.1%}")
     print(f"{'step (sum of stages)':28}{total:10.3f}{1:9.0%}")
     print(f"{'finish (overlaps next step)':28}{finish:10.3f}")
+    # each group is collected as soon as it has played: that work overlaps generation
+    work = {k: statistics.mean(s.seconds.get(k, 0.0) for s in measured) for k in WORK}
+    print(
+        "tokcap work per step, summed over groups: "
+        + ", ".join(f"{k} {v:.3f} s" for k, v in work.items())
+        + " (overlapped: the part done while other groups still generated)"
+    )
     share = statistics.mean(tokcap_share(s.seconds) for s in measured)
     print(f"tokcap share of a step: {share * 100:.1f} %")
     k3 = max(s.parity["k3"] for s in run.steps)
@@ -176,8 +210,8 @@ def print_retok(figures: RetokFigures, run: Any) -> None:
           f"{ret.k3:10.1e}{figures.rows_changed:>8}/{figures.rows}")  # fmt: skip
     sampled, retok = figures.tokens_sampled, figures.tokens_retok
     print(
-        f"answer tokens per row: sampled {statistics.mean(sampled):.2f}, re-tokenised "
-        f"{statistics.mean(retok):.2f}; answer log-probability gap "
+        f"sampled tokens per row: captured {statistics.mean(sampled):.2f}, re-tokenised "
+        f"{statistics.mean(retok):.2f} (about); answer log-probability gap "
         f"{statistics.mean(figures.sequence_gap):.2f} nats/row (max "
         f"{max(figures.sequence_gap):.2f}); prompts re-rendered differently: "
         f"{figures.prompt_changed}/{figures.rows}"
@@ -193,7 +227,8 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()}")
     run, figures = run_loop_bench(args.steps)
     print_steps(run)
-    print_retok(figures, run)
+    if figures is not None:
+        print_retok(figures, run)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import tempfile
 

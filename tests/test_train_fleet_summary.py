@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -67,3 +68,36 @@ def test_the_in_process_run_has_no_fleet() -> None:
     assert summary["gates"] == []
     assert "gate_versions" not in summary["train"]["steps"][1]
     assert "Fleet" not in render_train_report(summary)
+
+
+def _lost_gate_run(alive: bool) -> TrainRun:
+    """Gate 1 stopped answering in step 1: its 4 rollouts' receipts poisoned
+    ``gate_unreachable`` (the step trained on gate 0's), then it was dropped from pushes."""
+    run = _run((2, 2), (8, 4))
+    lost = "http://127.0.0.1:8001"
+    run.steps[1] = replace(
+        run.steps[1], receipts_verified=4, rows_valid=4, rows_placeholder=4,
+        gate_versions=(2,), receipts_lost={lost: 4},
+    )  # fmt: skip
+    run.gates[1].update(weight_version=None, alive=alive, unreachable=4)
+    return run
+
+
+def test_receipts_lost_with_a_dead_gate_are_counted_by_gate_and_pass() -> None:
+    summary = build_train_summary(_lost_gate_run(alive=False), {})
+    train = summary["train"]
+    assert (train["receipts_verified"], train["receipts_total"]) == (12, 16)
+    assert train["receipts_lost"] == 4
+    assert train["receipts_lost_by_gate"] == {"http://127.0.0.1:8001": 4}
+    assert train_problems(summary) == []  # `tokcap train` exits 0
+    out = io.StringIO()
+    print_train_summary(summary, Console(file=out, width=200))
+    assert "4 lost with their gate, gate_unreachable: http://127.0.0.1:8001 4" in out.getvalue()
+    assert "4 lost with their gate" in render_train_report(summary)
+
+
+def test_receipts_lost_on_a_gate_that_answers_are_a_problem() -> None:
+    summary = build_train_summary(_lost_gate_run(alive=True), {})
+    problems = train_problems(summary)
+    assert "step 1: 4 receipts lost on gate http://127.0.0.1:8001, which still answers" in problems
+    assert "step 1: 4 receipts fail ({})" in problems

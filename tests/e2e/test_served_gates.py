@@ -201,6 +201,7 @@ def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
     from tokcap.compose import (
         Finished,
         FleetEndpoint,
+        lost_receipts,
         open_stack,
         play_rollouts,
         push_to_live_gates,
@@ -270,6 +271,8 @@ def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
                     else:
                         assert receipt.status == "verified"
                 assert batch.accepted == ["kill-g0", "kill-g1"]  # 2 of 4 valid in each
+                # counted as lost with their gate (what `tokcap train` reports and passes)
+                assert lost_receipts(fleet, batch.receipts.values()) == {gates[1].url: 4}
                 assert report.rows_valid == 4
                 assert report.rows_placeholder == 4
                 alive, dead = fleet.report()

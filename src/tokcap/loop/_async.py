@@ -5,13 +5,14 @@ The shape is NeMo-RL's single controller, with tokcap's custody in between:
 - the **rollout pump** starts groups (G rollouts of one prompt each) while the staleness
   policy admits them (`StalenessPolicy.may_start`: at most ``(steps_done + K + 1) * G``
   live groups), a bounded number at a time, and hands every played group to
-- the **collectors** (one task per group, in the train pump's task group): declare
-  terminals, close the group's rollouts in one batch (one shared fsync), fetch receipts
-  verified against the closes' heads,
+- the **collectors** (one task per group, in the train pump's task group; the harness has
+  declared terminals as each rollout ended): close the group's rollouts in one batch (one
+  shared fsync), fetch receipts verified against the closes' heads,
   ``reserve`` a slot in the replay buffer (`tokcap_tq.TQGroupBuffer`), reassemble on the
-  Ray pool, ``commit_finalized`` (READY), and let the group policy decide; a group the
-  policy rejects is removed at once and a spare prompt starts in its place;
-- the **train pump** takes READY groups in commit order, reads their rows, discards a group
+  Ray pool, ``commit_finalized`` (READY), and let the group policy decide; an accepted
+  group's rows are read here, off the train pump's path; a group the policy rejects is
+  removed at once and a spare prompt starts in its place;
+- the **train pump** takes READY groups in commit order, discards a group
   holding a token sampled more than K versions behind the trainer (`StalenessPolicy.judge`,
   counted ``stale``, refilled), trains on G groups, pushes the weights, and removes the
   groups from the buffer (freeing their rows) and releases their rollouts in the background.
@@ -31,11 +32,10 @@ collected, and every group still in the buffer is removed and its rollouts relea
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -54,7 +54,7 @@ from tokcap_tq import TQGroupBuffer
 from tokcap_vllm import RolloutClose
 
 from .._stages import Stages
-from ..compose import Batch
+from ..compose import Batch, clear_orphaned
 from ._staleness import SkipCount, StalenessPolicy
 from ._step import StepContext, StepRecord, play_group, step_record
 from ._task import WITNESSES, DigitsEpisode, group_prompt
@@ -72,6 +72,10 @@ class _Group:
     episodes: list[DigitsEpisode]
     receipts: list[Receipt] = field(default_factory=list)
     finalized: FinalizedGroup | None = None
+    rows: list[TrainingRow] = field(default_factory=list)
+    """The accepted group's rows, read by its collector (off the train pump's path)."""
+    played_at: float = 0.0
+    """When its last rollout finished playing (``time.perf_counter``)."""
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -135,6 +139,7 @@ async def async_steps(
     stages: Stages,
     on_step: Callable[[StepRecord], None] | None,
     lag: LagWatch,
+    stamp: Callable[[StepRecord], Awaitable[StepRecord]],
 ) -> None:
     """Train ``config.steps`` steps with the two pumps; record each step in ``loop.run``."""
     config = loop.run.config
@@ -154,7 +159,7 @@ async def async_steps(
                 tg.start_soon(_collectors, loop, pumps, buffer, played_recv)
                 try:
                     for step in range(config.steps):
-                        record = await _train_step(loop, pumps, buffer, step, lag)
+                        record = await stamp(await _train_step(loop, pumps, buffer, step, lag))
                         loop.run.steps.append(record)
                         if on_step is not None:
                             on_step(record)
@@ -208,7 +213,8 @@ async def _play_one(
         try:
             start = time.perf_counter()
             await play_group(loop, group.episodes, index)
-            group.seconds["generate"] = time.perf_counter() - start
+            group.played_at = time.perf_counter()
+            group.seconds["generate"] = group.played_at - start
         finally:
             in_flight.release()
         await send.send(group)
@@ -230,16 +236,6 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
     """Close, verify, reserve, reassemble, commit, decide: the group READY or discarded."""
     stack, capture = loop.stack, loop.stack.capture
     start = time.perf_counter()
-    declared = [e for e in group.episodes if e.witness == "declared" and e.response_ids]
-    async with anyio.create_task_group() as tg:
-        for episode in declared:
-            tg.start_soon(
-                functools.partial(
-                    stack.control.declare_terminal,
-                    episode.rollout_id,
-                    response_id=episode.response_ids[-1],
-                )
-            )
     closes = [
         RolloutClose(
             rollout_id=e.rollout_id,
@@ -275,6 +271,8 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
     group.seconds["reassemble"] = time.perf_counter() - verified
     decision = decide_group(group.finalized, min_valid_fraction=capture.min_valid_fraction)
     if isinstance(decision, Accept):
+        group.rows = await stack.sink.fetch(group.finalized.training_keys)
+        group.seconds["reassemble"] = time.perf_counter() - verified
         pumps.put_ready(group)
         return
     await _free(loop, buffer, [group])
@@ -284,6 +282,8 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
 async def _free(loop: StepContext, buffer: TQGroupBuffer, groups: list[_Group]) -> None:
     """Remove READY groups (their training rows cleared) and release their rollouts."""
     await buffer.remove([g.group_id for g in groups])
+    if loop.fleet is not None and loop.fleet.lost():  # what a lost gate's rollouts staged
+        await clear_orphaned(loop.fleet, loop.stack.sink)
     await loop.stack.control.release_many([r for g in groups for r in g.rollout_ids])
 
 
@@ -293,17 +293,17 @@ async def _train_step(
     """Take G fresh-enough groups, train, push; the step's record."""
     config, trainer = loop.run.config, loop.trainer
     started = time.perf_counter()
-    seconds: dict[str, float] = {"wait": 0.0, "fetch_rows": 0.0}
+    seconds: dict[str, float] = {"wait": 0.0, "collect_wait": 0.0}
     taken: list[tuple[_Group, list[TrainingRow]]] = []
     dropped_stale = 0
     while len(taken) < config.groups:
         waited = time.perf_counter()
         group = await pumps.next_ready()
         fetched = time.perf_counter()
-        assert group.finalized is not None
-        rows = await loop.stack.sink.fetch(group.finalized.training_keys)
+        rows = group.rows  # read by its collector, while other groups generated
         seconds["wait"] += fetched - waited
-        seconds["fetch_rows"] += time.perf_counter() - fetched
+        # the part of the wait after this group had played: blocked on collecting it
+        seconds["collect_wait"] += max(0.0, fetched - max(waited, group.played_at))
         reason = pumps.policy.judge(rows, trainer.version)
         if reason is None:
             taken.append((group, rows))

@@ -37,20 +37,11 @@ from tokcap_vllm import InProcessServer, WeightSync
 from tokcap_vllm.weights import PushMode
 
 from .._stages import Stages
-from ..compose import in_process_gate, open_stack, services, tq_sink
+from ..compose import Stack, run_in_process, tq_sink
 from ..demo import QWEN_VLLM_ARGS
 from ._fleet import run_fleet
-from ._run import train_steps
-from ._step import (
-    LoopConfig,
-    Observer,
-    Pushed,
-    StepContext,
-    StepRecord,
-    TrainRun,
-    load_policy,
-    new_trainer,
-)
+from ._run import Training
+from ._step import LoopConfig, Observer, Pushed, StepRecord, TrainRun, load_policy
 
 __all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "run_loop"]
 
@@ -83,16 +74,31 @@ def run_loop(
     ).with_derived(environ=os.environ)
     # gates someone else started stage into their default partitions (--tokcap-*-partition)
     sink = TQSink(TQSinkConfig()) if config.gate_urls else tq_sink(config.tag)
+    training = Training(run, stages, on_step, observe)
     if config.gates or config.gate_urls:
-        run_fleet(run, sink, capture, stages, on_step, observe)
+        run_fleet(training, sink, capture)
         return run
-    server = in_process_gate(
-        str(config.model), capture=capture, sink=sink, vllm_args=TRAIN_VLLM_ARGS
+
+    async def body(server: InProcessServer, stack: Stack) -> None:
+        sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
+
+        async def push(trainer: Any) -> Pushed:
+            return Pushed(
+                await anyio.to_thread.run_sync(_push, server, sync, trainer, config.push_mode)
+            )
+
+        await training.train(stack, sync.state.version, push, None)
+
+    run_in_process(
+        config,
+        sink,
+        capture,
+        body,
+        vllm_args=TRAIN_VLLM_ARGS,
+        alongside=[training.load_policy],
+        stage=stages.stage,
+        label="start vLLM + gate, Ray pool, trainer",
     )
-    with services(
-        server, workers=config.workers, ray_address=config.ray_address, stage=stages.stage
-    ):
-        anyio.run(_drive, run, server, sink, capture, stages, on_step, observe)
     return run
 
 
@@ -101,54 +107,6 @@ async def _watched_sync(server: InProcessServer) -> WeightSync:
     sync = await WeightSync.connect(server.engine_client)
     server.gate.watch_weights(sync)
     return sync
-
-
-async def _drive(
-    run: TrainRun,
-    server: InProcessServer,
-    sink: TQSink,
-    capture: CaptureConfig,
-    stages: Stages,
-    on_step: Callable[[StepRecord], None] | None,
-    observe: Observer | None,
-) -> None:
-    config = run.config
-    policy: list[Any] = []
-
-    async def load() -> None:
-        policy.append(await anyio.to_thread.run_sync(load_policy, config.model, config.seed))
-
-    ready = functools.partial(anyio.to_thread.run_sync, server.wait_ready)
-    async with open_stack(
-        [server],
-        sink=sink,
-        capture=capture,
-        workers=config.workers,
-        alongside=[ready, load],
-        stage=stages.stage,
-        label="start vLLM + gate, Ray pool, trainer",
-    ) as stack:
-        (model,) = policy
-        sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
-
-        async def push(trainer: Any) -> Pushed:
-            return Pushed(
-                await anyio.to_thread.run_sync(_push, server, sync, trainer, config.push_mode)
-            )
-
-        run.params = sum(p.numel() for p in model.parameters())
-        trainer = new_trainer(model, config.lr, sync.state.version, decoupled=config.decoupled)
-        async with anyio.create_task_group() as background:
-            loop = StepContext(
-                run=run,
-                stack=stack,
-                trainer=trainer,
-                push=push,
-                fleet=None,
-                background=background,
-                observe=observe,
-            )
-            await train_steps(loop, stages, on_step)
 
 
 def _push(server: InProcessServer, sync: WeightSync, trainer: Any, mode: PushMode) -> str:

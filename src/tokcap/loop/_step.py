@@ -1,8 +1,6 @@
-"""One step of ``tokcap train``'s loop, and the records it keeps (see `tokcap.loop`).
-
-`run_step` plays the step's chats, runs `tokcap.compose.collect` (whose stage timings
-split closing and fetching receipts from reassembly), trains, pushes, and leaves `finish`
-to run while the next step generates.
+"""What every step of ``tokcap train``'s loop shares: its records, its context, the harness's
+play (`play_group`) and the step's record (`step_record`); the lock-step step itself is
+`tokcap.loop._sync.run_step`, the two pumps `tokcap.loop._async`.
 """
 
 from __future__ import annotations
@@ -15,17 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 import openai
 from anyio.abc import TaskGroup
 
 from tokcap_core import Receipt, TrainingRow
 from tokcap_vllm import GateFleet
 
-from ..compose import Batch, Finished, Stack, play_rollouts
+from ..compose import Stack, lost_receipts, play_rollouts
 from ._config import LoopConfig
+from ._meters import BusyMeter
 from ._staleness import provenance
-from ._task import WITNESSES, DigitsEpisode, group_prompt, play_digits
+from ._task import DigitsEpisode, play_digits
 
 __all__ = [
     "LoopConfig",
@@ -37,7 +35,6 @@ __all__ = [
     "load_policy",
     "new_trainer",
     "play_group",
-    "run_step",
     "step_record",
 ]
 
@@ -86,6 +83,9 @@ class StepRecord:
     """Parity over rows by their staleness (``"0"``, ``"1"``, ...)."""
     placeholders: dict[str, int] = field(default_factory=dict)
     """Placeholder rows by failure bucket (why a receipt or reassembly failed)."""
+    receipts_lost: dict[str, int] = field(default_factory=dict)
+    """Receipts poisoned ``gate_unreachable`` by gate URL: rollouts lost with their gate
+    (counted in ``receipts_total``, not failed verifications)."""
 
     def as_json(self) -> dict[str, Any]:
         """A plain JSON object (floats rounded for reading)."""
@@ -117,6 +117,7 @@ class StepRecord:
             "loop_lag_ms_max": round(self.loop_lag_ms_max, 3),
             "parity_by_staleness": self.parity_by_staleness,
             "placeholders": dict(self.placeholders),
+            "receipts_lost": dict(self.receipts_lost),
         }
 
 
@@ -185,92 +186,54 @@ class StepContext:
     observe: Observer | None = None
     http: Any = None
     """The harness's shared HTTP client (``httpx.AsyncClient``; set by ``train_steps``)."""
+    busy: BusyMeter = field(default_factory=BusyMeter)
+    """Rollouts playing at once, over time (`tokcap.loop._meters`)."""
 
 
-async def run_step(loop: StepContext, step: int) -> StepRecord:
-    """Play, collect, train and push one step; its record (``finish`` left running)."""
-    config, stack = loop.run.config, loop.stack
-    clock = _Clock()
-    started = time.perf_counter()
-    episodes = [
-        DigitsEpisode(
-            rollout_id=f"{config.tag}-s{step:04d}-g{g:02d}-r{i:02d}",
-            group_id=f"{config.tag}-s{step:04d}-g{g:02d}",
-            witness=WITNESSES[i % len(WITNESSES)],
-            prompt=group_prompt(config.seed, g),
-        )
-        for g in range(config.groups)
-        for i in range(config.rollouts)
-    ]
-    with clock.time("generate"):
-        await play_group(loop, episodes, step)
-    with clock.time("capture_verify"):
-        for episode in episodes:
-            if episode.witness == "declared" and episode.response_ids:
-                await stack.control.declare_terminal(
-                    episode.rollout_id, response_id=episode.response_ids[-1]
-                )
-    # A rollout whose gate was lost mid-play has no answer: it closes without a witness
-    # (its receipt is poisoned gate_unreachable) and trains no row.
-    finished = [
-        Finished(
-            rollout_id=e.rollout_id,
-            group_id=e.group_id,
-            reward=e.reward,
-            response_id=_last(e.response_ids) if e.scored == "response_id" else None,
-            content=_last(e.contents) if e.scored == "content" else None,
-        )
-        for e in episodes
-    ]
-    batch = await stack.collect(finished)
-    assert batch.timings is not None
-    clock.add("capture_verify", batch.timings.close_s + batch.timings.receipts_s)
-    clock.add("close", batch.timings.close_s)
-    clock.add("fetch_receipts", batch.timings.receipts_s)
-    clock.add("reassemble", batch.timings.reassemble_s + batch.timings.rows_s)
-    if loop.observe is not None:
-        observed = time.perf_counter()
-        loop.observe(step, episodes, batch, loop.trainer)
-        started += time.perf_counter() - observed
-    trained_version = loop.trainer.version
-    with clock.time("train"):
-        report = await anyio.to_thread.run_sync(loop.trainer.step, batch.rows, batch.advantages)
-    with clock.time("push"):
-        pushed = await loop.push(loop.trainer)
-    clock.seconds["total"] = time.perf_counter() - started
-    loop.background.start_soon(_finish, loop, batch, clock)
-    return step_record(
-        loop,
-        step,
-        episodes=episodes,
-        rows=batch.rows,
-        receipts=list(batch.receipts.values()),
-        report=report,
-        pushed=pushed,
-        trained_version=trained_version,
-        seconds=clock.seconds,
-        groups_accepted=len(batch.accepted),
-    )
+async def play_group(
+    loop: StepContext,
+    episodes: list[DigitsEpisode],
+    index: int,
+    *,
+    played: Callable[[DigitsEpisode, float], None] | None = None,
+) -> None:
+    """Play ``episodes``; ``index`` (step or group) seeds them.
 
-
-async def play_group(loop: StepContext, episodes: list[DigitsEpisode], index: int) -> None:
-    """Open (served gates) and play ``episodes``; ``index`` (step or group) seeds them."""
+    Each rollout is opened just before it plays (served gates), and a ``declared`` one
+    names its terminal call as soon as it ends, as a harness would, while the others still
+    play. ``played(episode, answered)`` is called once each rollout is done (also when it
+    failed), ``answered`` being when its last answer came back.
+    """
     config = loop.run.config
-    if loop.fleet is not None:
-        for episode in episodes:
-            await loop.fleet.open(episode.rollout_id)
+    control = loop.stack.control
 
     async def play(client: openai.AsyncOpenAI, model: str, episode: DigitsEpisode, n: int) -> None:
         seed = (config.seed * 10_000 + index) * 1_000 + n
-        await play_digits(
-            client,
-            model,
-            episode,
-            turns=config.turns,
-            max_tokens=config.max_tokens,
-            seed=seed,
-            task=config.task,
-        )
+        answered = time.perf_counter()
+        try:
+            if loop.fleet is not None:
+                await loop.fleet.open(episode.rollout_id)
+            loop.busy.enter()
+            try:
+                await play_digits(
+                    client,
+                    model,
+                    episode,
+                    turns=config.turns,
+                    max_tokens=config.max_tokens,
+                    seed=seed,
+                    task=config.task,
+                )
+            finally:
+                loop.busy.leave()
+            answered = time.perf_counter()
+            if episode.witness == "declared" and episode.response_ids:
+                await control.declare_terminal(
+                    episode.rollout_id, response_id=episode.response_ids[-1]
+                )
+        finally:
+            if played is not None:
+                played(episode, answered)
 
     await play_rollouts(
         loop.stack.gate, episodes, play, concurrency=config.concurrency, http_client=loop.http
@@ -333,14 +296,11 @@ def step_record(
         skipped=skipped or {},
         loop_lag_ms_max=loop_lag_ms_max,
         placeholders=dict(Counter(r.reason_bucket for r in rows if r.reason_bucket)),
+        receipts_lost=lost_receipts(loop.fleet, receipts) if loop.fleet is not None else {},
         parity_by_staleness={
             str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
         },
     )
-
-
-def _last(answers: list[str]) -> str | None:
-    return answers[-1] if answers else None
 
 
 def _parity_json(parity: Any) -> dict[str, float]:
@@ -378,9 +338,3 @@ def new_trainer(model: Any, lr: float, version: int, *, decoupled: bool = False)
         ),
         version=version,
     )
-
-
-async def _finish(loop: StepContext, batch: Batch, clock: _Clock) -> None:
-    """Free the step's rows and release its rollouts (while the next step generates)."""
-    with clock.time("finish"):
-        await loop.stack.finish(batch)

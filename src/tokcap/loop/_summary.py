@@ -4,7 +4,10 @@ The summary is plain JSON: ``train.steps[i]`` is one step (reward, parity of the
 trainer's pre-update logprobs against the engine's, the weight version pushed, the
 version that sampled the rows, staleness, rows, receipts, per-stage seconds), followed
 by the run's aggregates. `train_problems` lists every invariant of a closed loop that
-does not hold; `tokcap train` exits 1 when there is one.
+does not hold; `tokcap train` exits 1 when there is one. A receipt lost with its gate
+(poisoned ``gate_unreachable``: the gate stopped answering, `tokcap.compose.lost_receipts`)
+is counted in ``receipts_lost`` by gate, not as a failed verification: a run that lost a
+gate and trained on the rest passes, as long as that gate is reported lost.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
             "rows_placeholder": sum(s["rows_placeholder"] for s in steps),
             "receipts_verified": sum(s["receipts_verified"] for s in steps),
             "receipts_total": sum(s["receipts_total"] for s in steps),
+            "receipts_lost": sum(sum(s["receipts_lost"].values()) for s in steps),
+            "receipts_lost_by_gate": _lost_by_gate(steps),
             "seconds_per_step_median": statistics.median(totals) if totals else 0.0,
             "stage_seconds": {k: round(v, 3) for k, v in stage_s.items()},
             "stage_shares": {k: round(v / all_stages, 4) for k, v in stage_s.items()},
@@ -109,18 +114,29 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
     }
 
 
+def _lost_by_gate(steps: list[dict[str, Any]]) -> dict[str, int]:
+    lost: dict[str, int] = {}
+    for s in steps:
+        for url, n in s["receipts_lost"].items():
+            lost[url] = lost.get(url, 0) + n
+    return lost
+
+
 def tokcap_share(seconds: dict[str, float]) -> float:
     """The share of a step's wall time the loop spent blocked on tokcap's own work.
 
-    Sync: closing, verifying receipts and reassembling (``capture_verify`` + ``reassemble``).
-    Async: those run beside generation and training; what blocks the train pump is reading
-    the rows of the groups it takes (``fetch_rows``).
+    Sync: what was left of collecting the groups (declares, closes, receipts, reassembly,
+    reading rows) once the last answer came back (``capture_verify`` + ``reassemble``; the
+    collecting done while other groups still generated blocks nothing). Async (a step
+    with ``wait``): collecting runs beside generation and training; what blocks the train
+    pump is waiting for a group that has played but is not collected yet
+    (``collect_wait``), and reading rows if it does (``fetch_rows``).
     """
     total = seconds.get("total", 0.0)
     if not total:
         return 0.0
-    if "fetch_rows" in seconds:
-        return seconds["fetch_rows"] / total
+    if "wait" in seconds or "fetch_rows" in seconds:
+        return (seconds.get("fetch_rows", 0.0) + seconds.get("collect_wait", 0.0)) / total
     return (seconds.get("capture_verify", 0.0) + seconds.get("reassemble", 0.0)) / total
 
 
@@ -143,17 +159,21 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
     bound = train.get("max_staleness", 0) if is_async else 0
     problems = []
     previous: dict[str, Any] | None = None
+    lost_gates = {g["url"] for g in summary.get("gates", []) if not g.get("alive", True)}
     for s in train["steps"]:
         at = f"step {s['step']}"
+        lost = s.get("receipts_lost", {})
+        excused = sum(n for url, n in lost.items() if url in lost_gates)
+        for url, n in lost.items():
+            if url not in lost_gates:
+                problems.append(f"{at}: {n} receipts lost on gate {url}, which still answers")
         fresh = s.get("parity_by_staleness", {}).get("0") if is_async else s["parity"]
         k3 = fresh["k3"] if fresh else 0.0
         if not (math.isfinite(k3) and k3 <= PARITY_K3):
             problems.append(f"{at}: parity K3 {k3:.2e} > {PARITY_K3:.0e} (a push did not land)")
-        if s["receipts_verified"] != s["receipts_total"]:
-            problems.append(
-                f"{at}: {s['receipts_total'] - s['receipts_verified']} receipts fail "
-                f"({s.get('placeholders', {})})"
-            )
+        failed = s["receipts_total"] - s["receipts_verified"] - excused
+        if failed:
+            problems.append(f"{at}: {failed} receipts fail ({s.get('placeholders', {})})")
         if s["rows_valid"] == 0:
             problems.append(f"{at}: no valid row")
         if s["engine_version"] != str(s["weight_version"]):
@@ -174,6 +194,15 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
         if gate["rollouts"] == 0:
             problems.append(f"gate {gate['url']} served no rollout")
     return problems
+
+
+def _lost_note(train: dict[str, Any]) -> str:
+    """`` (N lost with their gate: URL N, ...)`` when gates were lost, else nothing."""
+    by_gate = train.get("receipts_lost_by_gate") or {}
+    if not by_gate:
+        return ""
+    gates = ", ".join(f"{url} {n}" for url, n in by_gate.items())
+    return f" ({train['receipts_lost']} lost with their gate, gate_unreachable: {gates})"
 
 
 def summary_console() -> Console:
@@ -213,7 +242,8 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
         f"parity: max K3 {train['parity_k3_max']:.1e} "
         f"({'[green]≤' if ok else '[red]>'} {train['parity_k3_limit']:.0e}[/]) over "
         f"{len(steps)} steps{fresh_note}; receipts verified {train['receipts_verified']}/"
-        f"{train['receipts_total']}; weight versions {train['weight_versions'][:1]}…"
+        f"{train['receipts_total']}{_lost_note(train)}; "
+        f"weight versions {train['weight_versions'][:1]}…"
         f"{train['weight_versions'][-1:]}\n"
         f"a step: {train['seconds_per_step_median']:.1f} s (median); {shares}\n"
         f"mode {train.get('mode', 'sync')}: staleness max {train['staleness_max']} "

@@ -1,0 +1,124 @@
+"""Where a run's time goes: how busy the engine was kept, and what CPU the run burned.
+
+- `BusyMeter`: the harness counts its calls in flight; the meter integrates that count over
+  time, so a step can say for how many seconds at least one call was in the engine
+  (``engine_busy``) and how many were in flight on average (``in_flight``: the engine's
+  batch, roughly). On this CPU engine a step's throughput grows with its batch.
+- `CpuMeter`: CPU seconds (user + system) used by this process and every process under it
+  (the engine core, Ray's raylet and workers, TransferQueue's actors), read between steps
+  in a worker thread: on a 2-core box the CPU per trained sample, and how close a run comes
+  to 2 CPU-seconds per second, bound what overlapping generation and training can gain.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import anyio
+
+__all__ = ["BusyMeter", "CpuMeter"]
+
+
+class BusyMeter:
+    """Calls in flight, integrated over time; `take` gives a window's figures."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._last = time.perf_counter()
+        self._busy_s = 0.0
+        self._area = 0.0
+
+    def _advance(self) -> None:
+        now = time.perf_counter()
+        if self._count:
+            self._busy_s += now - self._last
+            self._area += self._count * (now - self._last)
+        self._last = now
+
+    def enter(self) -> None:
+        """A call went out."""
+        self._advance()
+        self._count += 1
+
+    def leave(self) -> None:
+        """A call came back (or failed)."""
+        self._advance()
+        self._count -= 1
+
+    def take(self) -> dict[str, float]:
+        """Since the last take: ``engine_busy`` (seconds with a call in flight) and
+        ``in_flight`` (calls in flight on average over those seconds)."""
+        self._advance()
+        busy, area = self._busy_s, self._area
+        self._busy_s = self._area = 0.0
+        return {"engine_busy": busy, "in_flight": area / busy if busy else 0.0}
+
+
+class CpuMeter:
+    """CPU seconds of this process tree since the last `take`, by role (Linux ``/proc``;
+    elsewhere nothing is counted)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        """CPU time each process used since it was last read, summed by role (a process
+        that exited in between loses its last interval: its reading went with it)."""
+        used = {"cpu": 0.0, "cpu_engine": 0.0, "cpu_driver": 0.0}
+        me = os.getpid()
+        for pid in [me, *_descendants(me)]:
+            cpu = _cpu_seconds(pid)
+            if cpu != cpu:  # NaN: gone meanwhile
+                continue
+            delta = cpu - self._seen.get(pid, 0.0)
+            self._seen[pid] = cpu
+            used["cpu"] += delta
+            if pid == me:
+                used["cpu_driver"] += delta
+            elif _is_engine(pid):
+                used["cpu_engine"] += delta
+        return used
+
+    async def start(self) -> None:
+        """Take the baseline (the CPU spent before the first step is not counted)."""
+        await anyio.to_thread.run_sync(self._read)
+
+    async def take(self) -> dict[str, float]:
+        """Since the last take (or `start`): ``cpu`` (the whole tree), ``cpu_engine`` (vLLM's
+        engine core), ``cpu_driver`` (this process: trainer, gate, API server, pumps)."""
+        return await anyio.to_thread.run_sync(self._read)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used so far, all its threads (NaN if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root``."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _is_engine(pid: int) -> bool:
+    try:
+        return b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
