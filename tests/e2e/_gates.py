@@ -36,15 +36,23 @@ ENGINE_ENV = {
 
 
 class ServedGate(_ServedGate):
-    """One ``tokcap-vllm serve`` OS process with the tests' engine options (and the
-    environment every served gate of a run gets: vLLM's RL routes, its own engine core)."""
+    """One ``tokcap-vllm serve`` OS process with the tests' engine options (``vllm_args``,
+    `VLLM_ARGS` unless given; and the environment every served gate of a run gets: vLLM's
+    RL routes, its own engine core)."""
 
     def __init__(
-        self, model: Path, options: Sequence[str], *, token: str, log: Path, port: int = 0
+        self,
+        model: Path,
+        options: Sequence[str],
+        *,
+        token: str,
+        log: Path,
+        port: int = 0,
+        vllm_args: Sequence[str] = tuple(VLLM_ARGS),
     ) -> None:
         super().__init__(
             model,
-            [*options, *VLLM_ARGS],
+            [*options, *vllm_args],
             token=token,
             log=log,
             port=port,

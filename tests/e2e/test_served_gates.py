@@ -1,74 +1,45 @@
 """Gates as their own ``tokcap-vllm serve`` processes, staging into TransferQueue on Ray.
 
-This process is the trainer: it runs Ray and TransferQueue (``tq_cluster``), starts two
-real ``tokcap-vllm serve --tokcap-sink tq`` processes that join that cluster as drivers,
-plays chats through them with the real openai client, and reads the staged calls back
-through `TQSink` from its own process.
+This process is the trainer: it runs Ray and TransferQueue (``tq_cluster``) and the two
+real ``tokcap-vllm serve --tokcap-sink tq`` gates of the shared fleet (``served_fleet``,
+tests/e2e/conftest.py) join that cluster as drivers; it plays chats through them with the
+real openai client, and reads the staged calls back through `TQSink` from its own process.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 import openai
 import pytest
 
+from tests.e2e._fleet import SharedFleet
 from tests.e2e._gates import ServedGate
-from tokcap.compose import reclaim_rollouts, served_gate_options
+from tokcap.compose import reclaim_rollouts
 from tokcap_core import reassemble
-from tokcap_tq import TQSink, TQSinkConfig
+from tokcap_tq import TQSink
 from tokcap_vllm import ControlPlaneClient, GateFleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TOKEN = "served-gates-" + secrets.token_hex(8)
-SINK = TQSinkConfig(staging_partition="served_staging", training_partition="served_training")
+
+@pytest.fixture
+def gates(served_fleet: SharedFleet) -> list[ServedGate]:
+    """The shared fleet's two gates (require-open, ids returned, on the default partitions
+    of this process's TransferQueue), taking weight pushes from this process (vLLM's
+    weight-transfer routes, ``tokcap_shm``)."""
+    return served_fleet.up()
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    from tokcap.tiny import build_tiny_model
-
-    cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
-    return build_tiny_model(cache / "dense", kind="dense")
+@pytest.fixture
+def token(served_fleet: SharedFleet) -> str:
+    return served_fleet.token
 
 
-@pytest.fixture(scope="module")
-def gates(
-    tq_cluster: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[ServedGate]]:
-    """Two served gates attached to this process's TransferQueue (require-open), taking
-    weight pushes from this process (vLLM's weight-transfer routes, ``tokcap_shm``)."""
-    import ray
-
-    address = ray.get_runtime_context().gcs_address
-    logs = tmp_path_factory.mktemp("gates")
-    options = [
-        *served_gate_options(SINK, address),  # what `tokcap train --gates` gives its gates
-        "--tokcap-return-token-ids",
-        "--tokcap-attach-timeout-s",
-        "120",
-    ]
-    started = [
-        ServedGate(tiny_model, options, token=TOKEN, log=logs / f"gate{i}.log") for i in range(2)
-    ]
-    try:
-        for gate in started:
-            gate.wait_healthy(TOKEN)
-        yield started
-    finally:
-        for gate in started:
-            gate.stop()
-
-
-@pytest.fixture(scope="module")
-def sink(tq_cluster: Any) -> TQSink:
-    return TQSink(SINK)
+@pytest.fixture
+def sink(served_fleet: SharedFleet) -> TQSink:
+    return TQSink(served_fleet.sink)
 
 
 async def _chat(base_url: str, content: str) -> Any:
@@ -87,16 +58,16 @@ async def _chat(base_url: str, content: str) -> Any:
 
 
 def test_a_trainer_in_another_process_reads_the_engines_ids_from_tq(
-    gates: list[ServedGate], sink: TQSink
+    gates: list[ServedGate], sink: TQSink, token: str
 ) -> None:
     gate = gates[0]
 
     async def run() -> None:
         rid = "served-tq-1"
-        async with ControlPlaneClient(gate.url, TOKEN) as cp:
+        async with ControlPlaneClient(gate.url, token) as cp:
             await cp.open(rid)
         answer = await _chat(f"{gate.url}/tokcap/rollouts/{rid}/v1", "hello there")
-        async with ControlPlaneClient(gate.url, TOKEN) as cp:
+        async with ControlPlaneClient(gate.url, token) as cp:
             health = await cp.health()
             assert health.sink == "TQSink"
             assert health.warnings == []
@@ -141,11 +112,11 @@ async def _train_rows(
 
 
 def test_a_fleet_opens_each_rollout_on_one_gate_and_routes_to_it(
-    gates: list[ServedGate], sink: TQSink
+    gates: list[ServedGate], sink: TQSink, token: str
 ) -> None:
     async def run() -> None:
         rids = [f"fleet-{i}" for i in range(4)]
-        async with GateFleet([g.url for g in gates], TOKEN) as fleet:
+        async with GateFleet([g.url for g in gates], token) as fleet:
             engine_ids = await _play(fleet, rids)
             owners = [fleet.gate_url(r) for r in rids]
             assert owners == [gates[0].url, gates[1].url, gates[0].url, gates[1].url]
@@ -158,7 +129,7 @@ def test_a_fleet_opens_each_rollout_on_one_gate_and_routes_to_it(
                 assert list(trained["rows"][rid].input_ids) == engine_ids[rid]
             assert [(r.opened, r.closed, r.released) for r in fleet.report()] == [(2, 2, 2)] * 2
         for gate in gates:
-            async with ControlPlaneClient(gate.url, TOKEN) as cp:
+            async with ControlPlaneClient(gate.url, token) as cp:
                 assert await cp.rollouts() == []  # nothing held on either gate
         assert not [k for k in await sink.staged_keys() if k.startswith("fleet-")]
 
@@ -166,10 +137,10 @@ def test_a_fleet_opens_each_rollout_on_one_gate_and_routes_to_it(
 
 
 def test_a_require_open_gate_refuses_rollouts_nobody_opened_there(
-    gates: list[ServedGate], sink: TQSink
+    gates: list[ServedGate], sink: TQSink, token: str
 ) -> None:
     async def run() -> None:
-        async with GateFleet([gates[0].url], TOKEN) as fleet:
+        async with GateFleet([gates[0].url], token) as fleet:
             await fleet.open("opened-on-0")
             for url, rid in ((gates[1].url, "opened-on-0"), (gates[0].url, "never-opened")):
                 with pytest.raises(openai.NotFoundError) as refused:
@@ -184,14 +155,14 @@ def test_a_require_open_gate_refuses_rollouts_nobody_opened_there(
 
 
 def test_a_restarted_trainer_reclaims_what_the_dead_one_left_on_every_gate(
-    gates: list[ServedGate], sink: TQSink
+    gates: list[ServedGate], sink: TQSink, token: str
 ) -> None:
     """A trainer dies mid-step (its fleet client dropped with rollouts open, one closed and
     never released); the next trainer's `reclaim_rollouts` leaves nothing held."""
     urls = [g.url for g in gates]
 
     async def dead_trainer() -> None:
-        async with GateFleet(urls, TOKEN) as fleet:  # its connections end; its work stays
+        async with GateFleet(urls, token) as fleet:  # its connections end; its work stays
             await _play(fleet, [f"dead-{i}" for i in range(4)])
             await fleet.close("dead-0", reward=1.0)
 
@@ -199,31 +170,32 @@ def test_a_restarted_trainer_reclaims_what_the_dead_one_left_on_every_gate(
         await dead_trainer()
         held = []
         for url in urls:
-            async with ControlPlaneClient(url, TOKEN) as cp:
+            async with ControlPlaneClient(url, token) as cp:
                 held.append(sorted((r.rollout_id, r.state) for r in await cp.rollouts()))
         assert held == [
             [("dead-0", "closed"), ("dead-2", "open")],
             [("dead-1", "open"), ("dead-3", "open")],
         ]
         assert [k for k in await sink.staged_keys() if k.startswith("dead-")]
-        assert await reclaim_rollouts(urls, TOKEN, sink) == {urls[0]: 2, urls[1]: 2}
+        assert await reclaim_rollouts(urls, token, sink) == {urls[0]: 2, urls[1]: 2}
         for url in urls:
-            async with ControlPlaneClient(url, TOKEN) as cp:
+            async with ControlPlaneClient(url, token) as cp:
                 assert await cp.rollouts() == []
         assert not [k for k in await sink.staged_keys() if k.startswith("dead-")]
-        assert await reclaim_rollouts(urls, TOKEN, sink) == {urls[0]: 0, urls[1]: 0}
+        assert await reclaim_rollouts(urls, token, sink) == {urls[0]: 0, urls[1]: 0}
 
     anyio.run(run)
 
 
 def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
-    gates: list[ServedGate], sink: TQSink, tiny_model: Path
+    served_fleet: SharedFleet, sink: TQSink, token: str
 ) -> None:
-    """Runs last: it kills the second gate's process (API server and engine core) while a
-    step plays, through the composition ``tokcap train --gates`` runs: its rollouts are
-    poisoned and counted, the step trains on the first gate's, nothing stays in
-    TransferQueue or on the live gate, the push goes to the live gate and the next step
-    trains there at the pushed weights."""
+    """Runs last among the fleet's users (tests/e2e/conftest.py; were it not, the fleet
+    restarts a dead gate for the next): it kills the second gate's process (API server and
+    engine core) while a step plays, through the composition ``tokcap train --gates`` runs:
+    its rollouts are poisoned and counted, the step trains on the first gate's, nothing
+    stays in TransferQueue or on the live gate, the push goes to the live gate and the next
+    step trains at the pushed weights."""
     import torch
 
     from tokcap.compose import (
@@ -239,11 +211,14 @@ def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
     from tokcap_core import CaptureConfig
     from tokcap_vllm.weights import FleetWeightSync
 
+    start = served_fleet.initial_weights()  # the model's own weights, as loaded below
+    gates = served_fleet.up()
+    tiny_model = served_fleet.model
     urls = [g.url for g in gates]
     capture = CaptureConfig(segments="terminal", max_seq_len=1024, min_valid_fraction=0.5)
     policy = load_policy(tiny_model, 0)
     trainer = Trainer(
-        policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), config=TrainConfig(), version=0
+        policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), config=TrainConfig(), version=start
     )
 
     async def step(stack: Any, fleet: GateFleet, rids: list[str], kill_at: int | None) -> Any:
@@ -278,8 +253,8 @@ def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
 
     async def run() -> None:
         async with (
-            GateFleet(urls, TOKEN, retries=1) as fleet,
-            FleetWeightSync([(url, TOKEN) for url in urls]) as weights,
+            GateFleet(urls, token, retries=1) as fleet,
+            FleetWeightSync([(url, token) for url in urls]) as weights,
         ):
             endpoint = FleetEndpoint(fleet, str(tiny_model), urls)
             async with open_stack(
@@ -312,7 +287,7 @@ def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
                 assert [c.base_url for c in weights.clients] == [gates[0].url]
                 await stack.finish(batch)
                 assert not [k for k in await sink.staged_keys() if k.startswith("kill-")]
-                async with ControlPlaneClient(gates[0].url, TOKEN) as cp:
+                async with ControlPlaneClient(gates[0].url, token) as cp:
                     assert await cp.rollouts() == []
 
                 rids = [f"next-g0-r{i}" for i in range(4)]  # the run goes on, on gate 0

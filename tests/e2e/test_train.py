@@ -1,7 +1,8 @@
 """``tokcap train`` end to end, run as a user runs it: real vLLM engine, TransferQueue, Ray.
 
-One run of 20 steps with a fixed seed (in a subprocess, on an existing two-node Ray cluster
-given by ``--ray-address``, as a user with a cluster runs it) feeds every test: the loop must
+One run of 20 steps with a fixed seed (in a subprocess, on an existing Ray cluster running
+TransferQueue, given by ``--ray-address``, as a user with a cluster runs it: the session's,
+``tq_cluster``) feeds every test: the loop must
 learn (the digits reward of its last 5 steps well above its first 5), keep the trainer's
 logprobs on the engine's after every push (K3 <= 1e-9 each step), push a strictly
 increasing weight version that the next step's rows were sampled by, and verify every
@@ -14,14 +15,12 @@ import itertools
 import json
 import re
 import xml.dom.minidom
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e._cli import cli_env, tokcap
-from tests.e2e._cluster import held_cluster
+from tests.e2e._cli import tokcap
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,10 +30,13 @@ STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
 
 
 @pytest.fixture(scope="module")
-def cluster_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A two-node Ray cluster on loopback, held by its own process (tests/e2e/_cluster.py)."""
-    with held_cluster(tmp_path_factory.mktemp("cluster"), cli_env()) as address:
-        yield address
+def cluster_address(tq_cluster: Any) -> str:
+    """The session's loopback Ray, TransferQueue running on it (the trainers attach to it
+    and leave it running; tests/ray/test_multinode.py covers a multi-node cluster)."""
+    import ray
+
+    address: str = ray.get_runtime_context().gcs_address
+    return address
 
 
 @pytest.fixture(scope="module")
