@@ -19,10 +19,12 @@ Served gates (``--served``; the deployment shape): for the tiny model and
 ``tokcap.tiny.build_small_model``'s ~100M one, two ``tokcap-vllm serve`` processes (backend
 ``tokcap_shm``, ``VLLM_SERVER_DEV_MODE=1``); this process is the trainer. A push is
 `GateWeightClient.push` (1 gate) or `FleetWeightSync.push` (2 gates; one shared-memory
-file read by both), timed from the trainer's call until it returns: vLLM's reload, the
-version label, the prefix-cache reset and the resume included, so the engine serves the new
-version (checked: ``/weight_info`` reports it). Split into check, stage (write the file) and
-swap (pause ... resume). Against an in-memory ``clone`` of the same state dict, same run.
+file read by both), each client kept across pushes as a trainer keeps it (its connections,
+the gate's spec and its push file reused), timed from the trainer's call until it returns:
+vLLM's reload, the version label, the prefix-cache reset and the resume included, so the
+engine serves the new version (checked: ``/weight_info`` reports it). Split into check,
+stage (write the file) and swap (pause ... resume). Against an in-memory ``clone`` of the
+same state dict, same run.
 
 Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large] [--served]``.
 """
@@ -329,37 +331,63 @@ def start_gates(model_dir: Path, count: int, token: str) -> tuple[list[Any], lis
     return procs, urls
 
 
-async def served_push(urls: list[str], token: str, weights: Any, version: int) -> list[float]:
-    """One push to every gate in ``urls``: [total, check, stage, swap] seconds (the fleet's
-    steps run concurrently per gate; check and stage are shared)."""
+async def served_push(
+    gate: Any, fleet: Any, urls: list[str], token: str, weights: Any, version: int
+) -> list[float]:
+    """One push to every gate in ``urls`` through the trainer's long-lived client (``gate``:
+    a `GateWeightClient` for one gate; ``fleet``: a `FleetWeightSync` for several): [total,
+    check, stage, swap] seconds (the fleet's steps run concurrently per gate; check and
+    stage are shared, so only the total is split out for one gate)."""
     import httpx
 
-    from tokcap_vllm.weights import FleetWeightSync, GateWeightClient
-
     start = time.perf_counter()
-    if len(urls) == 1:
-        async with GateWeightClient(urls[0], token) as client:
-            await client.check_version(version)
-            tensors = await client.check(weights)
-            checked = time.perf_counter()
-            staged = await client.stage(tensors)
-            staging = time.perf_counter()
-            try:
-                await client.swap(staged, version)
-            finally:
-                os.unlink(staged.path)
-            await client.release()
-            end = time.perf_counter()
+    if fleet is None:
+        await gate.check_version(version)
+        tensors = await gate.check(weights)
+        checked = time.perf_counter()
+        staged = await gate.stage(tensors)  # into the client's push file, kept for the next
+        staging = time.perf_counter()
+        await gate.swap(staged, version)
+        await gate.release()
+        end = time.perf_counter()
         split = [checked - start, staging - checked, end - staging]
     else:
-        async with FleetWeightSync([(url, token) for url in urls]) as fleet:
-            await fleet.push(weights, version)
+        await fleet.push(weights, version)
         end = time.perf_counter()
         split = [float("nan")] * 3
-    for url in urls:  # the engine serves the new version
-        label = httpx.get(url + "/weight_info", headers={"authorization": f"Bearer {token}"})
-        assert label.json()["weight_version"] == str(version), label.text
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {token}"}) as http:
+        for url in urls:  # the engine serves the new version
+            label = await http.get(url + "/weight_info")
+            assert label.json()["weight_version"] == str(version), label.text
     return [end - start, *split]
+
+
+async def served_runs(
+    urls: list[str], token: str, weights: Any, pushes: int
+) -> tuple[dict[str, list[list[float]]], list[float]]:
+    """``pushes`` rounds of (1 gate, 2 gates, in-memory clone), clients kept across pushes
+    as a trainer keeps them (their connections and the gate's spec reused)."""
+    from tokcap_vllm.weights import FleetWeightSync, GateWeightClient
+
+    figures: dict[str, list[list[float]]] = {"1 gate": [], "2 gates": []}
+    copy_s = []
+    version = 0
+    async with (
+        GateWeightClient(urls[0], token) as one,
+        FleetWeightSync([(url, token) for url in urls]) as fleet,
+    ):
+        await one.spec()
+        for client in fleet.clients:
+            await client.spec()
+        for _ in range(pushes):
+            for label, gates, sync in (("1 gate", urls[:1], None), ("2 gates", urls, fleet)):
+                version += 1  # above every gate's, whichever were pushed before
+                figures[label].append(await served_push(one, sync, gates, token, weights, version))
+            started = time.perf_counter()
+            copies = {k: v.clone() for k, v in weights.items()}
+            copy_s.append(time.perf_counter() - started)
+            del copies
+    return figures, copy_s
 
 
 def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
@@ -377,22 +405,15 @@ def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
     procs, urls = start_gates(model_dir, 2, token)
     med = statistics.median
     try:
-        version = 0
-        figures: dict[str, list[list[float]]] = {"1 gate": [], "2 gates": []}
-        copy_s = []
-        for _ in range(pushes):
-            for label, gates in (("1 gate", urls[:1]), ("2 gates", urls)):
-                version += 1  # above every gate's, whichever were pushed before
-                figures[label].append(asyncio.run(served_push(gates, token, weights, version)))
-            started = time.perf_counter()
-            copies = {k: v.clone() for k, v in weights.items()}
-            copy_s.append(time.perf_counter() - started)
-            del copies
+        load = os.getloadavg()
+        figures, copy_s = asyncio.run(served_runs(urls, token, weights, pushes))
+        load = tuple(max(a, b) for a, b in zip(load, os.getloadavg(), strict=True))
     finally:
         stop_all(procs)
     copy = med(copy_s)
+    print(f"load average (1, 5, 15 min; the higher of start and end): {load}")
     print(f"{'':30}{'median ms':>10}{'x copy':>9}")
-    out: dict[str, Any] = {"model": name, "mb": megabytes, "copy_ms": copy * 1e3}
+    out: dict[str, Any] = {"model": name, "mb": megabytes, "copy_ms": copy * 1e3, "load": load}
     for label, runs in figures.items():
         total = med(r[0] for r in runs)
         out[label] = total * 1e3
@@ -427,7 +448,8 @@ def main() -> None:
             print(
                 f"  {r['model']:6} {r['mb']:7.1f} MB  1 gate {r['1 gate']:7.1f} ms, "
                 f"2 gates {r['2 gates']:7.1f} ms, copy {r['copy_ms']:6.1f} ms "
-                f"({r['1 gate'] / r['copy_ms']:.1f}x / {r['2 gates'] / r['copy_ms']:.1f}x)"
+                f"({r['1 gate'] / r['copy_ms']:.1f}x / {r['2 gates'] / r['copy_ms']:.1f}x; "
+                f"load {r['load'][0]:.1f})"
             )
         return
     results = [bench_model("tiny", tiny, args.pushes)]

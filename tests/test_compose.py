@@ -69,3 +69,29 @@ def test_importing_tokcap_sets_nothing_and_prepare_environment_keeps_what_is_set
     env["TQ_NUM_THREADS"] = "7"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_clear_orphaned_clears_what_lost_rollouts_staged_and_only_over_a_fleet() -> None:
+    from typing import Any
+
+    from tokcap.compose import clear_orphaned
+
+    class Sink:
+        def __init__(self) -> None:
+            self.keys = ["lost-1/c000001", "kept-2/c000001", "lost-3/c000002"]
+
+        async def staged_keys(self) -> list[str]:
+            return list(self.keys)
+
+        async def clear(self, keys: list[str]) -> None:
+            self.keys = [k for k in self.keys if k not in keys]
+
+    class Fleet:  # what `GateFleet.orphaned_keys` answers for rollouts of a lost gate
+        def orphaned_keys(self, keys: list[str]) -> list[str]:
+            return [k for k in keys if k.startswith("lost-")]
+
+    sink: Any = Sink()
+    assert anyio.run(clear_orphaned, Fleet(), sink) == 2
+    assert sink.keys == ["kept-2/c000001"]
+    assert anyio.run(clear_orphaned, object(), sink) == 0  # one gate's control plane: nothing
+    assert sink.keys == ["kept-2/c000001"]

@@ -185,19 +185,15 @@ def test_declared_terminal_naming_an_unstaged_call_is_missing() -> None:
     assert_poisoned(b.receipt(), DECLARED_TERMINAL_MISSING)
 
 
-def test_witness_response_id_selects_the_terminal() -> None:
+@pytest.mark.parametrize(
+    ("witness", "value", "selection"),
+    [("response_id", "resp-{}", "response_id"), ("content_fingerprint", "out-{}", "content")],
+)
+def test_one_witness_selects_the_terminal(witness: str, value: str, selection: str) -> None:
     b, c1, c2, _ = chain_of_three()
-    b.close(response_id=f"resp-{c2}")
+    b.close(**{witness: value.format(c2)})
     receipt = b.receipt()
-    assert (receipt.terminal_call_id, receipt.terminal_selection) == (c2, "response_id")
-    assert ids(receipt) == [c1, c2]
-
-
-def test_witness_content_fingerprint_selects_the_terminal() -> None:
-    b, c1, c2, _ = chain_of_three()
-    b.close(content_fingerprint=f"out-{c2}")
-    receipt = b.receipt()
-    assert (receipt.terminal_call_id, receipt.terminal_selection) == (c2, "content")
+    assert (receipt.terminal_call_id, receipt.terminal_selection) == (c2, selection)
     assert ids(receipt) == [c1, c2]
 
 
@@ -216,10 +212,7 @@ def test_witnesses_that_disagree_poison_with_witness_disagreement() -> None:
 @pytest.mark.parametrize("witness", ["response_id", "content_fingerprint"])
 def test_a_witness_that_matches_no_call_poisons_with_witness_unmatched(witness: str) -> None:
     b, *_ = chain_of_three()
-    if witness == "response_id":
-        b.close(response_id="nobody")
-    else:
-        b.close(content_fingerprint="nobody")
+    b.close(**{witness: "nobody"})
     assert_poisoned(b.receipt(), WITNESS_UNMATCHED)
 
 

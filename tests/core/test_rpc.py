@@ -64,34 +64,20 @@ def finalized(**overrides: Any) -> FinalizedGroup:
     return FinalizedGroup(**(kwargs | overrides))
 
 
-# A new field must be classified as metadata (or refused) before it joins this set.
-def test_reassembly_request_field_set_is_pinned() -> None:
-    assert {f.name for f in dataclasses.fields(ReassemblyRequest)} == {
-        "group_id",
-        "rollout_ids",
-        "receipts",
-        "rewards",
-        "max_seq_len",
-        "clear_staging",
-    }
+# A new field must be classified as metadata (or refused) before it joins its set.
+PINNED_FIELDS = [
+    (ReassemblyRequest, "group_id rollout_ids receipts rewards max_seq_len clear_staging"),
+    (
+        FinalizedGroup,
+        "group_id rollout_ids valid_row_count total_row_count training_keys staging_keys "
+        "staging_cleared weight_version_min weight_version_max failures metrics outcome",
+    ),
+]
 
 
-# A new field must be classified as metadata (or refused) before it joins this set.
-def test_finalized_group_field_set_is_pinned() -> None:
-    assert {f.name for f in dataclasses.fields(FinalizedGroup)} == {
-        "group_id",
-        "rollout_ids",
-        "valid_row_count",
-        "total_row_count",
-        "training_keys",
-        "staging_keys",
-        "staging_cleared",
-        "weight_version_min",
-        "weight_version_max",
-        "failures",
-        "metrics",
-        "outcome",
-    }
+@pytest.mark.parametrize(("cls", "names"), PINNED_FIELDS)
+def test_the_rpc_field_sets_are_pinned(cls: type, names: str) -> None:
+    assert {f.name for f in dataclasses.fields(cls)} == set(names.split())
 
 
 def test_a_realistic_request_passes_and_survives_pickle() -> None:

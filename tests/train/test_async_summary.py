@@ -47,6 +47,15 @@ def _summary(mode: str, *records: StepRecord) -> dict[str, Any]:
     return build_train_summary(run, {})
 
 
+def _problems_after_a_good_step(
+    mode: str, *, sampled: int, staleness: int, fresh: dict[str, Any]
+) -> list[str]:
+    """`train_problems` of a run whose step 0 is clean and whose step 1 is as given."""
+    first = _record(0, sampled=0, staleness=0, fresh=FRESH)
+    second = _record(1, sampled=sampled, staleness=staleness, fresh=fresh)
+    return train_problems(_summary(mode, first, second))
+
+
 def test_an_async_run_within_its_bound_has_no_problem_and_reports_what_it_trained() -> None:
     summary = _summary(
         "async",
@@ -70,12 +79,7 @@ def test_an_async_run_within_its_bound_has_no_problem_and_reports_what_it_traine
 
 def test_an_async_run_past_its_bound_or_ahead_of_the_push_is_a_problem() -> None:
     bad_fresh = {**FRESH, "k3": 1e-3}
-    summary = _summary(
-        "async",
-        _record(0, sampled=0, staleness=0, fresh=FRESH),
-        _record(1, sampled=2, staleness=3, fresh=bad_fresh),
-    )
-    problems = train_problems(summary)
+    problems = _problems_after_a_good_step("async", sampled=2, staleness=3, fresh=bad_fresh)
     assert "step 1: stale rows (staleness 3 > 2)" in problems
     assert any("step 1: rows sampled by version 2" in p for p in problems)
     assert any("step 1: parity K3 1.00e-03" in p for p in problems)
@@ -85,12 +89,7 @@ def test_a_sync_run_keeps_its_guarantees() -> None:
     summary = _summary("sync", _record(0, sampled=0, staleness=0, fresh=FRESH))
     assert summary["train"]["mode"] == "sync"
     assert summary["train"]["max_staleness"] == 0
-    stale = _summary(
-        "sync",
-        _record(0, sampled=0, staleness=0, fresh=FRESH),
-        _record(1, sampled=0, staleness=1, fresh=FRESH),
-    )
-    problems = train_problems(stale)
+    problems = _problems_after_a_good_step("sync", sampled=0, staleness=1, fresh=FRESH)
     assert "step 1: stale rows (staleness 1 > 0)" in problems
     assert any("parity K3" in p for p in problems)  # sync checks every row's parity
     assert any("rows sampled by version 0" in p for p in problems)

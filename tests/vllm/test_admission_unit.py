@@ -121,6 +121,18 @@ class Harness:
         self.gen_starts[call_id] = len(plan.prompt_text)
         return returned
 
+    def greeted(self, answer: str) -> list[dict[str, Any]]:
+        """A first call: the user says ``hi``, the model answers ``answer`` closed by eos.
+        The conversation after it (the user's turn, the message vLLM returned)."""
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        return [*messages, self.call(messages, [*self.encode(answer), self.eos])]
+
+    def follow_up(self, messages: list[dict[str, Any]], user: str) -> tuple[ChatPlan, list[int]]:
+        """The user says ``user`` after ``messages`` and the model ends at once: that call's
+        plan and the ids of the call before it."""
+        self.call([*messages, {"role": "user", "content": user}], [self.eos])
+        return self.plans[-1], self.cum_ids(len(self.plans) - 2)
+
     def content(self, output_ids: list[int]) -> str:
         """What vLLM returns as content: the text with special tokens skipped."""
         text: str = self.tok.decode(output_ids, skip_special_tokens=True)
@@ -273,11 +285,7 @@ def test_a_tool_call_written_as_the_template_writes_it_is_an_extend(tokenizer: A
 
 def test_whitespace_the_template_trims_is_a_splice(tokenizer: Any) -> None:
     harness = Harness(tokenizer, LLAMA3_TOOLS_TEMPLATE)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    messages.append(harness.call(messages, [*harness.encode("  padded  "), harness.eos]))
-    messages.append({"role": "user", "content": "ok"})
-    harness.call(messages, [harness.eos])
-    child, parent = harness.plans[1], harness.cum_ids(0)
+    child, parent = harness.follow_up(harness.greeted("  padded  "), "ok")
     assert (child.formation, child.splice_cause) == ("splice", "whitespace")
     carried = tokenizer.decode(child.prompt_ids[len(parent) :])
     assert carried.startswith("<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nok")
@@ -290,9 +298,7 @@ def test_a_model_that_writes_the_templates_close_itself_gets_no_second_one(
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
     out = harness.encode(" x <|eot_id|>")  # plain text for this tokenizer
     messages.append(harness.call(messages, out, content=" x "))
-    messages.append({"role": "user", "content": "ok"})
-    harness.call(messages, [harness.eos])
-    child, parent = harness.plans[1], harness.cum_ids(0)
+    child, parent = harness.follow_up(messages, "ok")
     assert (child.formation, child.splice_cause) == ("splice", "whitespace")
     assert tokenizer.decode(child.prompt_ids[len(parent) :]).startswith("<|start_header_id|>user")
 
@@ -326,21 +332,15 @@ def test_history_the_template_now_renders_differently_is_a_break(tokenizer: Any)
     """Messages unchanged (the fingerprints match) but the tool list changed: the parent's
     prompt is no longer how the template renders that history."""
     harness = Harness(tokenizer, CHATML_TOOLS_TEMPLATE, tools=TOOLS)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    messages += [harness.call(messages, [*harness.encode("yo"), harness.eos])]
-    messages.append({"role": "user", "content": "bye"})
+    messages = harness.greeted("yo")
     harness.tools = [*TOOLS, {**TOOLS[0], "function": {**TOOLS[0]["function"], "name": "sub"}}]
-    harness.call(messages, [harness.eos])
-    assert (harness.plans[1].formation, harness.plans[1].break_cause) == (
-        "root",
-        "history_rewritten",
-    )
+    plan, _ = harness.follow_up(messages, "bye")
+    assert (plan.formation, plan.break_cause) == ("root", "history_rewritten")
 
 
 def test_a_summarised_history_finds_no_parent(tokenizer: Any) -> None:
     harness = Harness(tokenizer, CHATML_TEMPLATE)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    messages += [harness.call(messages, [*harness.encode("yo"), harness.eos])]
+    harness.greeted("yo")
     harness.call([{"role": "user", "content": "(summary) hi, yo; go on"}], [harness.eos])
     assert (harness.plans[1].formation, harness.plans[1].break_cause) == ("root", "no_parent_match")
 
@@ -353,9 +353,7 @@ def test_on_render_mismatch_break_restores_the_break(tokenizer: Any) -> None:
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
     messages += [harness.call(messages, [start, *harness.encode("x"), harness.eos])]
-    messages.append({"role": "user", "content": "more"})
-    harness.call(messages, [harness.eos])
-    plan = harness.plans[1]
+    plan, _ = harness.follow_up(messages, "more")
     assert (plan.formation, plan.break_cause) == ("root", "template_mismatch")
     assert plan.prompt_ids == harness.encode(plan.prompt_text)
 
@@ -448,11 +446,7 @@ def test_break_and_splice_causes_come_from_the_ledgers_closed_sets() -> None:
 
 def test_the_mistral_text_template_closes_turns_with_eos(tokenizer: Any) -> None:
     harness = Harness(tokenizer, MISTRAL_TEMPLATE)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    messages += [harness.call(messages, [*harness.encode(" yo"), harness.eos])]
-    messages.append({"role": "user", "content": "bye"})
-    harness.call(messages, [harness.eos])
-    child, parent = harness.plans[1], harness.cum_ids(0)
+    child, parent = harness.follow_up(harness.greeted(" yo"), "bye")
     assert child.formation == "extend"
     assert tokenizer.decode(child.prompt_ids[len(parent) :]) == "[INST] bye [/INST]"
 

@@ -94,6 +94,17 @@ class Rollout:
         call_id = f"c{len(self.priors) + 1:06d}"
         self.priors.append(PriorCall(call_id, "chat", "", cum, fp, gen_len=len(gen)))
 
+    def first_exchange(
+        self, user: str, answer: str
+    ) -> tuple[list[dict[str, Any]], ChatPlan, dict[str, Any]]:
+        """A root call (``user`` asks) served with ``answer`` as its exact turn: the request's
+        messages, its plan and the reply."""
+        messages: list[dict[str, Any]] = [{"role": "user", "content": user}]
+        plan = self.plan(messages)
+        reply = {"role": "assistant", "content": answer}
+        self.served(messages, plan, self.turn_ids(messages, reply), reply)
+        return messages, plan, reply
+
     def turn_ids(self, messages: list[dict[str, Any]], reply: dict[str, Any]) -> list[int]:
         """The assistant turn as ``mistral_common`` encodes it after ``messages`` (eos-closed)."""
         before = self.codec.request(messages, self.tools)
@@ -277,10 +288,7 @@ def test_a_new_user_turn_after_tools_is_a_break(codec: MistralCodec) -> None:
     user message: a new user turn re-renders history, so the call is a new root
     (``template_unstable``) rendered exactly as vLLM renders it."""
     rollout = Rollout(codec, tools=TOOLS)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up cat"}]
-    plan = rollout.plan(messages)
-    reply = {"role": "assistant", "content": "done"}
-    rollout.served(messages, plan, rollout.turn_ids(messages, reply), reply)
+    messages, plan, reply = rollout.first_exchange("look up cat", "done")
     messages = [*messages, reply, {"role": "user", "content": "and dog?"}]
     plan = rollout.plan(messages)
     assert (plan.parent_id, plan.formation, plan.break_cause) == (None, "root", "template_unstable")
@@ -289,10 +297,7 @@ def test_a_new_user_turn_after_tools_is_a_break(codec: MistralCodec) -> None:
 
 def test_an_edited_history_is_a_new_root(codec: MistralCodec) -> None:
     rollout = Rollout(codec, tools=None)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
-    plan = rollout.plan(messages)
-    reply = {"role": "assistant", "content": "hi there"}
-    rollout.served(messages, plan, rollout.turn_ids(messages, reply), reply)
+    messages, _, _ = rollout.first_exchange("hello", "hi there")
     edited = [
         *messages,
         {"role": "assistant", "content": "hi (edited)"},
@@ -307,11 +312,7 @@ def test_break_instead_of_splice_when_configured(codec: MistralCodec) -> None:
     """``on_render_mismatch="break"``: a turn the tokenizer encodes differently starts a new
     root (``template_mismatch``); an exactly encoded one still extends."""
     rollout = Rollout(codec, tools=None, splice=False)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
-    plan = rollout.plan(messages)
-    reply = {"role": "assistant", "content": "hi there"}
-    turn = rollout.turn_ids(messages, reply)
-    rollout.served(messages, plan, turn, reply)
+    messages, plan, reply = rollout.first_exchange("hello", "hi there")
     follow = [*messages, reply, {"role": "user", "content": "more"}]
     assert rollout.plan(follow).formation == "extend"
     spaced = {"role": "assistant", "content": "hi there "}
@@ -324,10 +325,7 @@ def test_a_turn_the_tokenizer_cannot_close_is_a_break(codec: MistralCodec) -> No
     """When the finished conversation cannot be encoded (``history`` gives None) the call is
     a new root (``template_mismatch``), never a refusal on a later turn."""
     rollout = Rollout(codec, tools=None)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
-    plan = rollout.plan(messages)
-    reply = {"role": "assistant", "content": "hi"}
-    rollout.served(messages, plan, rollout.turn_ids(messages, reply), reply)
+    messages, plan, reply = rollout.first_exchange("hello", "hi")
     follow = [*messages, reply, {"role": "user", "content": "more"}]
     plan = plan_chat_ids(
         [normalize_message(m) for m in follow],

@@ -358,19 +358,18 @@ def test_a_push_the_worker_refuses_leaves_the_gate_failed_until_a_full_push(
     auth = {"authorization": f"Bearer {TOKEN}"}
 
     async def partial() -> tuple[int, int]:
-        async with GateWeightClient(url, TOKEN) as c:
+        async with (
+            GateWeightClient(url, TOKEN) as c,  # its push file lives as long as the client
+            httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as h,
+        ):
             tensors = await c.check(original)
             staged = await c.stage(tensors[:-1])
-        try:
-            async with httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as h:
-                await h.post("/pause", params={"mode": "wait"})
-                await h.post("/start_weight_update")
-                info = {"update_info": {"path": staged.path, "entries": staged.entries}}
-                updated = await h.post("/update_weights", json=info)
-                finished = await h.post("/finish_weight_update", json={"weight_version": "99"})
-                await h.post("/resume")
-        finally:
-            os.unlink(staged.path)
+            await h.post("/pause", params={"mode": "wait"})
+            await h.post("/start_weight_update")
+            info = {"update_info": {"path": staged.path, "entries": staged.entries}}
+            updated = await h.post("/update_weights", json=info)
+            finished = await h.post("/finish_weight_update", json={"weight_version": "99"})
+            await h.post("/resume")
         return updated.status_code, finished.status_code
 
     assert run(partial) == (200, 500)

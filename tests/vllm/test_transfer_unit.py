@@ -14,7 +14,7 @@ import torch
 from tokcap_vllm import Gate
 from tokcap_vllm._guarded_routes import GUARDED_PATHS, WEIGHTS_PATH, guarded_path
 from tokcap_vllm._served_weights import ServedWeights
-from tokcap_vllm._shm import map_push_file, write_push_file
+from tokcap_vllm._shm import PushFile, map_push_file, write_push_file
 from tokcap_vllm.errors import GateError
 from tokcap_vllm.weights import WeightPhase
 
@@ -148,6 +148,24 @@ def test_a_push_file_maps_back_to_the_same_tensors(tmp_path: Path) -> None:
     mapped = dict(map_push_file(path, entries, spec))
     assert torch.equal(mapped["a"], tensors[0][1])
     assert torch.equal(mapped["b"], tensors[1][1])
+
+
+def test_a_push_file_is_rewritten_in_place_and_mapped_without_a_copy(tmp_path: Path) -> None:
+    spec = {"a": ("float32", (3, 5))}
+    push = PushFile(str(tmp_path))
+    path, entries = push.write([("a", torch.zeros(3, 5))])
+    mapped = dict(map_push_file(path, entries, spec))
+    assert push.write([("a", torch.ones(3, 5))])[0] == path  # same file, pages reused
+    assert torch.equal(mapped["a"], torch.ones(3, 5))  # the mapping views the file's pages
+    mapped["a"].add_(1)  # copy-on-write: the file keeps its bytes
+    assert torch.equal(dict(map_push_file(path, entries, spec))["a"], torch.ones(3, 5))
+    path, entries = push.write([("a", torch.full((3, 5), 2.0)), ("b", torch.arange(3))])
+    assert Path(path).stat().st_size == entries[-1][3] + entries[-1][4]  # resized
+    push.remove()
+    assert not Path(path).exists()
+    assert push.write([("a", torch.ones(3, 5))])[0] != path  # a new file after remove
+    push.remove()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,9 @@ group policy, advantages for accepted groups) and, after its optimizer step, `fi
 The stack (after `tokcap.prepare_environment` at start-up): `tq_sink`, `in_process_gate`
 and `services` (Ray, TransferQueue, the gate's engine), then `open_stack` (the pool and
 the control plane) yields a `Stack`. ``examples/custom_trainer.py`` is the worked
-example; `tokcap demo` and `tokcap train` are built on this module.
+example; `tokcap demo` and `tokcap train` are built on this module: `run_in_process` (one
+gate in this process) and `run_on_fleet` (served gates) start a run's whole stack for a
+`Placement` and run its body on it.
 
 Gates as their own processes: `served_gates` starts N ``tokcap-vllm serve`` gates with
 `served_gate_options` (TransferQueue on the run's Ray, weight pushes from the trainer);

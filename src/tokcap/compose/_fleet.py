@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -38,7 +38,7 @@ from tokcap_vllm import GateFleet
 from tokcap_vllm.weights import FleetPushError, FleetWeightSync, PushMode, WeightInfo
 
 from ._served import FleetEndpoint, reclaim_rollouts, served_gate_options, served_gates
-from ._stack import Stack, StageHook, open_stack, services
+from ._stack import Placement, Stack, StageHook, open_stack, services
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = [
     "TOKEN_ENV",
     "FleetGate",
-    "FleetPlacement",
     "FleetRun",
     "fleet_gates",
     "fleet_token",
@@ -194,35 +193,6 @@ def gate_entries(
     ]
 
 
-class FleetPlacement(Protocol):
-    """Where a run's gates are: what `tokcap demo`'s and `tokcap train`'s configs both say."""
-
-    @property
-    def model(self) -> Path:
-        """The model the started gates serve."""
-        ...
-
-    @property
-    def gates(self) -> int:
-        """How many gates to start (0: take ``gate_urls``)."""
-        ...
-
-    @property
-    def gate_urls(self) -> tuple[str, ...]:
-        """Gates someone else started."""
-        ...
-
-    @property
-    def ray_address(self) -> str | None:
-        """An existing Ray cluster (None: start one here)."""
-        ...
-
-    @property
-    def workers(self) -> int:
-        """The Ray reassembler pool's actors."""
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class FleetRun:
     """A run's fleet, ready to play: what `run_on_fleet` hands its body."""
@@ -239,7 +209,7 @@ class FleetRun:
 
 
 def run_on_fleet(
-    placement: FleetPlacement,
+    placement: Placement,
     sink: TQSink,
     capture: CaptureConfig,
     body: Callable[[FleetRun], Awaitable[None]],

@@ -45,6 +45,7 @@ __all__ = [
     "ControlPlane",
     "FinishTimings",
     "Finished",
+    "clear_orphaned",
     "collect",
     "finish",
 ]
@@ -235,6 +236,19 @@ async def collect(
     return batch
 
 
+async def clear_orphaned(control: ControlPlane, sink: TokenSink) -> int:
+    """Clear the staged calls that rollouts of a lost gate left in ``sink`` (over a fleet:
+    a ``control`` with ``orphaned_keys``, `tokcap_vllm.GateFleet`; call it before those
+    rollouts are released, which forgets them); how many keys were cleared."""
+    orphaned = getattr(control, "orphaned_keys", None)
+    if orphaned is None:
+        return 0
+    keys = orphaned(await sink.staged_keys())
+    if keys:
+        await sink.clear(keys)
+    return len(keys)
+
+
 async def finish(control: ControlPlane, sink: TokenSink, batch: Batch) -> FinishTimings:
     """After the optimizer step: free the batch's rows and release its rollouts on the gate.
 
@@ -244,11 +258,7 @@ async def finish(control: ControlPlane, sink: TokenSink, batch: Batch) -> Finish
     """
     t0 = time.perf_counter()
     await sink.clear_rows([row.key for row in batch.rows])
-    orphaned = getattr(control, "orphaned_keys", None)
-    if orphaned is not None:
-        keys = orphaned(await sink.staged_keys())
-        if keys:
-            await sink.clear(keys)
+    await clear_orphaned(control, sink)
     t1 = time.perf_counter()
     await control.release_many(list(batch.receipts))
     return FinishTimings(free_s=t1 - t0, release_s=time.perf_counter() - t1)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 import openai
 
 from tokcap_core import CaptureConfig, FinalizedGroup, Manifest, Receipt, TrainingRow
@@ -35,10 +34,8 @@ from ..compose import (
     Finished,
     GateEndpoint,
     Stack,
-    in_process_gate,
-    open_stack,
     play_rollouts,
-    services,
+    run_in_process,
     tq_sink,
 )
 from ._families import QWEN_VLLM_ARGS
@@ -129,33 +126,12 @@ def run_pipeline(
 
         run_fleet(run, sink, capture, stages, vllm_args, functools.partial(play, harness))
         return run
-    server = in_process_gate(str(config.model), capture=capture, sink=sink, vllm_args=vllm_args)
-    with services(
-        server, workers=config.workers, ray_address=config.ray_address, stage=stages.stage
-    ):
-        anyio.run(_drive, run, server, sink, capture, stages, harness)
-    return run
 
-
-async def _drive(
-    run: DemoRun,
-    server: InProcessServer,
-    sink: TQSink,
-    capture: CaptureConfig,
-    stages: Stages,
-    harness: Callable[..., Awaitable[Episode]],
-) -> None:
-    config = run.config
-    ready = functools.partial(anyio.to_thread.run_sync, server.wait_ready)
-    async with open_stack(
-        [server],
-        sink=sink,
-        capture=capture,
-        workers=config.workers,
-        alongside=[ready],
-        stage=stages.stage,
-    ) as stack:
+    async def body(server: InProcessServer, stack: Stack) -> None:
         await play(harness, run, stack, stages)
+
+    run_in_process(config, sink, capture, body, vllm_args=vllm_args, stage=stages.stage)
+    return run
 
 
 async def play(

@@ -54,7 +54,7 @@ from tokcap_tq import TQGroupBuffer
 from tokcap_vllm import RolloutClose
 
 from .._stages import Stages
-from ..compose import Batch
+from ..compose import Batch, clear_orphaned
 from ._staleness import SkipCount, StalenessPolicy
 from ._step import StepContext, StepRecord, play_group, step_record
 from ._task import WITNESSES, DigitsEpisode, group_prompt
@@ -282,6 +282,8 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
 async def _free(loop: StepContext, buffer: TQGroupBuffer, groups: list[_Group]) -> None:
     """Remove READY groups (their training rows cleared) and release their rollouts."""
     await buffer.remove([g.group_id for g in groups])
+    if loop.fleet is not None and loop.fleet.lost():  # what a lost gate's rollouts staged
+        await clear_orphaned(loop.fleet, loop.stack.sink)
     await loop.stack.control.release_many([r for g in groups for r in g.rollout_ids])
 
 

@@ -37,7 +37,7 @@ from tokcap_vllm import InProcessServer, WeightSync
 from tokcap_vllm.weights import PushMode
 
 from .._stages import Stages
-from ..compose import in_process_gate, open_stack, services, tq_sink
+from ..compose import Stack, run_in_process, tq_sink
 from ..demo import QWEN_VLLM_ARGS
 from ._fleet import run_fleet
 from ._run import Training
@@ -78,37 +78,8 @@ def run_loop(
     if config.gates or config.gate_urls:
         run_fleet(training, sink, capture)
         return run
-    server = in_process_gate(
-        str(config.model), capture=capture, sink=sink, vllm_args=TRAIN_VLLM_ARGS
-    )
-    with services(
-        server, workers=config.workers, ray_address=config.ray_address, stage=stages.stage
-    ):
-        anyio.run(_drive, training, server, sink, capture)
-    return run
 
-
-async def _watched_sync(server: InProcessServer) -> WeightSync:
-    """On the server's loop: a `WeightSync` for its engine, watched by its gate."""
-    sync = await WeightSync.connect(server.engine_client)
-    server.gate.watch_weights(sync)
-    return sync
-
-
-async def _drive(
-    training: Training, server: InProcessServer, sink: TQSink, capture: CaptureConfig
-) -> None:
-    config = training.run.config
-    ready = functools.partial(anyio.to_thread.run_sync, server.wait_ready)
-    async with open_stack(
-        [server],
-        sink=sink,
-        capture=capture,
-        workers=config.workers,
-        alongside=[ready, training.load_policy],
-        stage=training.stages.stage,
-        label="start vLLM + gate, Ray pool, trainer",
-    ) as stack:
+    async def body(server: InProcessServer, stack: Stack) -> None:
         sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
 
         async def push(trainer: Any) -> Pushed:
@@ -117,6 +88,25 @@ async def _drive(
             )
 
         await training.train(stack, sync.state.version, push, None)
+
+    run_in_process(
+        config,
+        sink,
+        capture,
+        body,
+        vllm_args=TRAIN_VLLM_ARGS,
+        alongside=[training.load_policy],
+        stage=stages.stage,
+        label="start vLLM + gate, Ray pool, trainer",
+    )
+    return run
+
+
+async def _watched_sync(server: InProcessServer) -> WeightSync:
+    """On the server's loop: a `WeightSync` for its engine, watched by its gate."""
+    sync = await WeightSync.connect(server.engine_client)
+    server.gate.watch_weights(sync)
+    return sync
 
 
 def _push(server: InProcessServer, sync: WeightSync, trainer: Any, mode: PushMode) -> str:

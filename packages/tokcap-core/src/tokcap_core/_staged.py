@@ -18,7 +18,7 @@ import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Any, Final
 
 from ._digest import CALL_DOMAIN, CALL_DOMAIN_V2, Canon, chain_hash
 from ._errors import InvalidStagedCall, RoutesError
@@ -47,24 +47,21 @@ if array("I").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - e
 
 def token_array(values: Iterable[int]) -> array[int]:
     """Token ids as a compact u32 buffer; an ``array('I')`` is returned as is (zero-copy)."""
-    if isinstance(values, array) and values.typecode == "I":
-        return values
-    try:
-        return array("I", values)
-    except (OverflowError, TypeError) as e:
-        raise InvalidStagedCall(
-            "bad_tokens", f"token ids must be integers in [0, 2**32): {e}"
-        ) from e
+    return _compact("I", values, "bad_tokens", "token ids must be integers in [0, 2**32)")
 
 
 def logprob_array(values: Iterable[float]) -> array[float]:
     """Logprobs as a compact f32 buffer; an ``array('f')`` is returned as is (zero-copy)."""
-    if isinstance(values, array) and values.typecode == "f":
+    return _compact("f", values, "bad_logprobs", "logprobs must be floats")
+
+
+def _compact(typecode: str, values: Iterable[Any], code: str, rule: str) -> array[Any]:
+    if isinstance(values, array) and values.typecode == typecode:
         return values
     try:
-        return array("f", values)
+        return array(typecode, values)
     except (OverflowError, TypeError) as e:
-        raise InvalidStagedCall("bad_logprobs", f"logprobs must be floats: {e}") from e
+        raise InvalidStagedCall(code, f"{rule}: {e}") from e
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=True)

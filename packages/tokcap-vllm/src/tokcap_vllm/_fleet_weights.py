@@ -13,7 +13,8 @@ A fleet version is current only when every gate reports it (`current_version`). 
 - Calls served before the hold stay valid: each records the version(s) it was sampled with.
 
 With ``transport="shm"`` (gates on the trainer's host) the push file is written once and
-read by every gate's engine; with ``"http"`` each gate gets its own upload.
+read by every gate's engine (the fleet's `tokcap_vllm._shm.PushFile`, rewritten in place
+push after push, removed by `aclose`); with ``"http"`` each gate gets its own upload.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tokcap_core import TokcapError
 
 from ._guarded_routes import WeightInfo
 from ._http import AsyncClosing, each_concurrently
-from ._shm import SHM_DIR, write_push_file
+from ._shm import SHM_DIR, PushFile
 from ._weight_client import GateWeightClient, PushTransport, StagedPush
 from ._weight_state import WeightPushError, WeightSyncError
 from ._weights import PushMode
@@ -74,12 +75,14 @@ class FleetWeightSync(AsyncClosing):
         if not self.clients:
             raise WeightPushError("no_gates", "a fleet has at least one gate")
         self.shm_dir = shm_dir
+        self._file = PushFile(shm_dir)
 
     def __repr__(self) -> str:
         return f"FleetWeightSync({[c.base_url for c in self.clients]!r})"
 
     async def aclose(self) -> None:
-        """Close every gate's connections."""
+        """Close every gate's connections; remove the push file."""
+        self._file.remove()
         for client in self.clients:
             await client.aclose()
 
@@ -163,8 +166,6 @@ class FleetWeightSync(AsyncClosing):
         except BaseException:
             await hold_all(f"fleet push of version {version} was interrupted")
             raise
-        finally:
-            _remove(shared)
         done = [o for o in outcomes if o is not None]
         failed = [o for o in done if o.error is not None]
         if failed or held:
@@ -188,8 +189,8 @@ class FleetWeightSync(AsyncClosing):
         if client.transport != "shm" or client.shm_dir != self.shm_dir:
             return await client.stage(tensors)
         if not shared:
-            path, entries = await anyio.to_thread.run_sync(write_push_file, tensors, self.shm_dir)
-            shared.append(StagedPush(path, entries, owned_here=False))
+            path, entries = await anyio.to_thread.run_sync(self._file.write, tensors)
+            shared.append(StagedPush(path, entries, owned_here=True))
         return shared[0]
 
     async def _release_all(self) -> list[WeightInfo]:
@@ -208,10 +209,3 @@ async def _checked(
     tensors = await client.check(weights)
     checked.append((spec, tensors))
     return tensors
-
-
-def _remove(staged: list[StagedPush]) -> None:
-    import os
-
-    for push in staged:
-        os.unlink(push.path)

@@ -9,9 +9,11 @@ with the gate's bearer token (vLLM's own HTTP weight-sync client sends no header
    (``GET /tokcap/v1/weights/spec``): every name, each shape, the engine's dtype, finite
    values, tied pairs equal (`check_push`); and ``version`` above the gate's. Else
    `WeightPushError`, and the gate never saw it.
-2. **stage** (the engine keeps serving): ``transport="shm"`` writes one push file into
-   shared memory on this host (the gate's host); ``"http"`` streams the same bytes to the
-   gate (``PUT /tokcap/v1/weights/upload``), which writes the file on its host. A failure
+2. **stage** (the engine keeps serving): ``transport="shm"`` writes the push file into
+   shared memory on this host (the gate's host): one file per client, rewritten in place
+   push after push (`tokcap_vllm._shm.PushFile`; removed by `aclose`); ``"http"`` streams
+   the same bytes to the gate (``PUT /tokcap/v1/weights/upload``), which writes the file
+   on its host. A failure
    here loads nothing: `WeightSyncError` ``stage_failed``.
 3. **swap**: ``POST /pause?mode=...`` (vLLM defaults to ``abort``; tokcap's push ``mode``
    defaults to ``wait``: in-flight calls finish on the old weights; ``recompute`` and
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ import msgspec
 
 from ._guarded_routes import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
 from ._http import AsyncClosing, bearer_http
-from ._shm import SHM_DIR, Entry, entries_for, file_chunks, write_push_file
+from ._shm import SHM_DIR, Entry, PushFile, entries_for, file_chunks
 from ._spec import TensorSpec
 from ._weight_state import WeightPushError, WeightSyncError
 from ._weights import PUSH_MODES, PushMode, check_push, resets_running_kv, vllm_pause_mode
@@ -68,7 +69,8 @@ class StagedPush:
     path: str
     entries: list[Entry]
     owned_here: bool
-    """True when this process wrote the file (and removes it); False for an upload."""
+    """True when this process wrote the file (its client's `PushFile`, kept for the next
+    push); False for an upload (the gate removes it)."""
 
 
 class GateWeightClient(AsyncClosing):
@@ -99,13 +101,15 @@ class GateWeightClient(AsyncClosing):
         self.check_finite = check_finite
         self.shm_dir = shm_dir
         self._http = bearer_http(self.base_url, token, timeout_s, http)
+        self._file = PushFile(shm_dir)
         self._spec: tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]] | None = None
 
     def __repr__(self) -> str:
         return f"GateWeightClient({self.base_url!r}, transport={self.transport!r})"
 
     async def aclose(self) -> None:
-        """Close the HTTP connections."""
+        """Close the HTTP connections; remove the push file."""
+        self._file.remove()
         await self._http.aclose()
 
     # ---- reading ---------------------------------------------------------------------
@@ -138,9 +142,7 @@ class GateWeightClient(AsyncClosing):
         """Step 2: put the bytes on the gate's host (`WeightSyncError` ``stage_failed``)."""
         try:
             if self.transport == "shm":
-                path, entries = await anyio.to_thread.run_sync(
-                    write_push_file, tensors, self.shm_dir
-                )
+                path, entries = await anyio.to_thread.run_sync(self._file.write, tensors)
                 return StagedPush(path, entries, owned_here=True)
             entries, _ = entries_for(tensors)
             response = await self._call(
@@ -163,12 +165,7 @@ class GateWeightClient(AsyncClosing):
         """
         await self.check_version(version)
         tensors = await self.check(weights)
-        staged = await self.stage(tensors)
-        try:
-            await self.swap(staged, version)
-        finally:
-            if staged.owned_here:
-                os.unlink(staged.path)
+        await self.swap(await self.stage(tensors), version)
         return await (self.release() if release else self.info())
 
     async def check_version(self, version: int) -> None:

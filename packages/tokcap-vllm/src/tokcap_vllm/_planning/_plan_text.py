@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..fingerprints import _canonical, message_fingerprints
-from ._splice import Renderer, SpliceRules, form_child
+from ._splice import ChildTurn, Renderer, SpliceRules, form_child
 
 __all__ = [
     "ChatPlan",
@@ -100,15 +100,16 @@ def plan_chat(
             continue
         parent = by_fp[fps[k]]
         gen_start = gen_starts.get(parent.call_id, len(parent.cum_text))
-        formed = form_child(
-            messages,
-            k,
+        child = ChildTurn(
+            messages=messages,
+            k=k,
             prompt_text=parent.cum_text[:gen_start],
             generated=parent.cum_text[gen_start:],
             full=full,
             render=render,
             rules=rules or SpliceRules(),
         )
+        formed = form_child(child)
         if formed.formation is None:
             return _root(encode(full), full, request_fp, formed.break_cause)
         return _child(

@@ -39,6 +39,7 @@ from ..errors import BadRequest
 __all__ = [
     "ON_RENDER_MISMATCH",
     "REASONING_MODES",
+    "ChildTurn",
     "Formed",
     "Renderer",
     "SpliceRules",
@@ -87,25 +88,31 @@ def _lost(before: str, after: str, markers: Sequence[str]) -> bool:
     return any(before.count(m) > after.count(m) for m in markers)
 
 
-def form_child(
-    messages: Sequence[Mapping[str, Any]],
-    k: int,
-    *,
-    prompt_text: str,
-    generated: str,
-    full: str,
-    render: Renderer,
-    rules: SpliceRules,
-) -> Formed:
-    """Extend, splice or break a child whose message ``k`` is its parent's turn (module doc).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildTurn:
+    """A new request whose message ``k`` is its parent's turn: what forming the child reads.
 
     ``prompt_text`` and ``generated`` are the parent's ``T`` and ``G``; ``full`` is the new
     request rendered with its generation prompt.
     """
+
+    messages: Sequence[Mapping[str, Any]]
+    k: int
+    prompt_text: str
+    generated: str
+    full: str
+    render: Renderer
+    rules: SpliceRules
+
+
+def form_child(child: ChildTurn) -> Formed:
+    """Extend, splice or break the child (module doc)."""
+    messages, k, render, rules = child.messages, child.k, child.render, child.rules
+    prompt_text, generated, full = child.prompt_text, child.generated, child.full
     history = render(messages[: k + 1], False)
     if not history.startswith(prompt_text):
         if _lost(prompt_text + generated, history, rules.markers):
-            return _keep_reasoning(messages, k, prompt_text, generated, full, render, rules)
+            return _keep_reasoning(child)
         return _break("history_rewritten")
     turn = history[len(prompt_text) :]
     if not full.startswith(history):
@@ -113,7 +120,7 @@ def form_child(
         unprompted = render(messages, False)
         start = _common_prefix(history, unprompted)
         if _lost(history[start:], unprompted[start:], rules.markers):
-            return _keep_reasoning(messages, k, prompt_text, generated, full, render, rules)
+            return _keep_reasoning(child)
         return _break("template_unstable")
     if turn.startswith(generated):
         return Formed("extend", carry=full[len(prompt_text) + len(generated) :])
@@ -130,28 +137,22 @@ def form_child(
         tool_calls=bool(messages[k].get("tool_calls")),
     )
     if cause == "reasoning":
-        return _keep_reasoning(messages, k, prompt_text, generated, full, render, rules)
+        return _keep_reasoning(child)
     if rules.on_render_mismatch == "break":
         return _break("template_mismatch")
     carry = close[len(ended) :] + full[len(history) :]
     return Formed("splice", carry=carry, splice_cause=cause)
 
 
-def _keep_reasoning(
-    messages: Sequence[Mapping[str, Any]],
-    k: int,
-    prompt_text: str,
-    generated: str,
-    full: str,
-    render: Renderer,
-    rules: SpliceRules,
-) -> Formed:
+def _keep_reasoning(child: ChildTurn) -> Formed:
     """The template drops reasoning from the parent's turn: break, or splice past it.
 
     The new messages are read off a rendering of the request with a probe in place of
     the parent's turn (so nothing in it is stripped); the history before that turn must
     be what the parent's prompt held, or it is a real history change.
     """
+    messages, k, render, rules = child.messages, child.k, child.render, child.rules
+    prompt_text, generated, full = child.prompt_text, child.generated, child.full
     if rules.reasoning == "follow_template" or rules.on_render_mismatch == "break":
         return _break("reasoning_stripped")
     try:
