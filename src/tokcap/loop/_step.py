@@ -201,8 +201,8 @@ async def play_group(
 
     Served gates: every rollout is opened first (its URL is its gate's). A ``declared``
     rollout names its terminal call as soon as it ends, as a harness would, while the
-    others still play. ``played(episode, answered)`` is called once each rollout is done (also when it
-    failed), ``answered`` being when its last answer came back.
+    others still play. ``played(episode, answered)`` is called once each rollout is done
+    (also when it failed), ``answered`` being when its last answer came back.
     """
     config = loop.run.config
     control = loop.stack.control
