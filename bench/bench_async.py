@@ -4,8 +4,10 @@ Runs ``tokcap train`` twice (each in its own process, so each starts its own Ray
 TransferQueue and vLLM engine, as a user runs it): lock-step, then ``--async
 --max-staleness K``. From each run's ``summary.json`` it prints
 
-- ``async/sync samples per second: X.XXx``: rollouts trained per second of training
-  (the steps' summed wall time), async over sync;
+- ``async/sync samples per second: X.XXx``: rollouts trained per second of the whole
+  train stage (its wall clock, as ``tokcap train`` prints it), async over sync; the rate
+  over the steps' own seconds is printed too (it leaves out async's drain: the groups
+  still generating when the last step has trained);
 - both reward curves (mean reward per step) and each run's first-5/last-5 gain;
 - tokcap's share of the blocking work in a step (`tokcap.loop.tokcap_share`: sync, the
   collecting left once the last answer came; async, the train pump waiting on a group
@@ -97,6 +99,8 @@ def load_figures(steps: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
     if not got or not wall:
         return {}
     samples = len(measured) * config["groups"] * config["rollouts"]
+    # the stamps' windows tile the run; a step's own total leaves out between-step work
+    wall = sum(s.get("window", s["total"]) for s in got)
     busy = sum(s.get("engine_busy", 0.0) for s in got)
     area = sum(s.get("engine_busy", 0.0) * s.get("in_flight", 0.0) for s in got)
     cpu = sum(s["cpu"] for s in got)
@@ -122,6 +126,14 @@ def load_line(f: dict[str, float]) -> str:
         f"{f['driver']:.3f}, Ray + TQ + rest {f['ray']:.3f}); CPU busy {f['cpu_busy']:.2f} "
         f"of {os.cpu_count()} cores"
     )
+
+
+def wall_rate(summary: dict[str, Any]) -> float:
+    """Samples trained per second of the run's whole train stage (its wall clock: step 0,
+    and for async the pipeline's fill and its drain at the end, included)."""
+    config, timings = summary["config"], summary["timings_s"]
+    wall = next(v for k, v in timings.items() if k.startswith("train ("))
+    return float(len(summary["train"]["steps"]) * config["groups"] * config["rollouts"] / wall)
 
 
 def bounds(sync: dict[str, Any], asyn: dict[str, Any]) -> None:
@@ -187,9 +199,19 @@ def main() -> None:
                 args.seed,
                 ["--async", "--max-staleness", str(args.max_staleness)],
             )
-    sync_rate = describe("sync", sync)
-    async_rate = describe(f"async (K={asyn['train']['max_staleness']})", asyn)
-    print(f"\nasync/sync samples per second: {async_rate / sync_rate:.2f}x")
+    sync_steps = describe("sync", sync)
+    async_steps = describe(f"async (K={asyn['train']['max_staleness']})", asyn)
+    sync_wall, async_wall = wall_rate(sync), wall_rate(asyn)
+    print(
+        f"\nsamples per second over the steps' own seconds: sync {sync_steps:.2f}, async "
+        f"{async_steps:.2f} ({async_steps / sync_steps:.2f}x; async's steps leave out the "
+        "pipeline's drain at the end)"
+    )
+    print(
+        f"samples per second over the whole train stage: sync {sync_wall:.2f}, async "
+        f"{async_wall:.2f} (async's fill and drain included)"
+    )
+    print(f"async/sync samples per second: {async_wall / sync_wall:.2f}x")
     bounds(sync, asyn)
     print(f"load average at the end: {os.getloadavg()}")
 

@@ -15,7 +15,8 @@ from tokcap.loop._sync import _Tail
 
 def test_busy_meter_counts_only_the_time_a_call_is_out_and_averages_the_count() -> None:
     meter = BusyMeter()
-    assert meter.take() == {"engine_busy": 0.0, "in_flight": 0.0}  # nothing went out
+    idle = meter.take()
+    assert (idle["engine_busy"], idle["in_flight"]) == (0.0, 0.0)  # nothing went out
     meter.enter()
     meter.enter()
     meter.leave()
@@ -23,6 +24,7 @@ def test_busy_meter_counts_only_the_time_a_call_is_out_and_averages_the_count() 
     figures = meter.take()
     assert figures["engine_busy"] > 0.0
     assert 1.0 <= figures["in_flight"] <= 2.0
+    assert figures["window"] >= figures["engine_busy"]
     assert meter.take()["engine_busy"] == 0.0  # a new window starts at each take
 
 

@@ -29,6 +29,7 @@ class BusyMeter:
         self._last = time.perf_counter()
         self._busy_s = 0.0
         self._area = 0.0
+        self._window_start = self._last
 
     def _advance(self) -> None:
         now = time.perf_counter()
@@ -48,12 +49,15 @@ class BusyMeter:
         self._count -= 1
 
     def take(self) -> dict[str, float]:
-        """Since the last take: ``engine_busy`` (seconds with a call in flight) and
-        ``in_flight`` (calls in flight on average over those seconds)."""
+        """Since the last take: ``engine_busy`` (seconds with a call in flight),
+        ``in_flight`` (calls in flight on average over those seconds) and ``window`` (the
+        seconds since the last take: a step's share of the run's wall clock, between-step
+        work included)."""
         self._advance()
-        busy, area = self._busy_s, self._area
+        busy, area, window = self._busy_s, self._area, self._last - self._window_start
         self._busy_s = self._area = 0.0
-        return {"engine_busy": busy, "in_flight": area / busy if busy else 0.0}
+        self._window_start = self._last
+        return {"engine_busy": busy, "in_flight": area / busy if busy else 0.0, "window": window}
 
 
 class CpuMeter:

@@ -199,10 +199,10 @@ async def play_group(
 ) -> None:
     """Play ``episodes``; ``index`` (step or group) seeds them.
 
-    Each rollout is opened just before it plays (served gates), and a ``declared`` one
-    names its terminal call as soon as it ends, as a harness would, while the others still
-    play. ``played(episode, answered)`` is called once each rollout is done (also when it
-    failed), ``answered`` being when its last answer came back.
+    Served gates: every rollout is opened first (its URL is its gate's). A ``declared``
+    rollout names its terminal call as soon as it ends, as a harness would, while the
+    others still play. ``played(episode, answered)`` is called once each rollout is done
+    (also when it failed), ``answered`` being when its last answer came back.
     """
     config = loop.run.config
     control = loop.stack.control
@@ -211,8 +211,6 @@ async def play_group(
         seed = (config.seed * 10_000 + index) * 1_000 + n
         answered = time.perf_counter()
         try:
-            if loop.fleet is not None:
-                await loop.fleet.open(episode.rollout_id)
             loop.busy.enter()
             try:
                 await play_digits(
@@ -235,6 +233,9 @@ async def play_group(
             if played is not None:
                 played(episode, answered)
 
+    if loop.fleet is not None:  # before playing: a rollout's URL is its gate's, set at open
+        for episode in episodes:
+            await loop.fleet.open(episode.rollout_id)
     await play_rollouts(
         loop.stack.gate, episodes, play, concurrency=config.concurrency, http_client=loop.http
     )
