@@ -218,7 +218,9 @@ async def _messages_rollout(server: InProcessServer, rollout_id: str) -> list[An
 
 
 def test_the_anthropic_client_captures_a_tool_loop_on_one_chain(server: InProcessServer) -> None:
+    before = server.gate.telemetry.as_dict().get("tokcap/calls_by_api/messages", 0.0)
     seen = anyio.run(_messages_rollout, server, "api-msgs")
+    assert server.gate.telemetry.as_dict()["tokcap/calls_by_api/messages"] == before + 4
     assert [sum(b.type == "tool_use" for b in m.content) for m in seen[:2]] == [2, 1]
     assert [m.stop_reason for m in seen[:2]] == ["tool_use", "tool_use"]
     admitted = [e for e in events(server, "api-msgs") if isinstance(e, Admitted)]

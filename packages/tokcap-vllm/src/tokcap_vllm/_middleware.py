@@ -193,6 +193,7 @@ class GateMiddleware:
             if call.final:  # a retry under the key of a call that settled: its answer again
                 await _answer_again(send, call)
                 return
+            self.gate.telemetry.by_api.labels(kind).inc()
             body_again = _receive_body_again(decoded.body, receive, call.abandoned)
             await self._generate(
                 scope, body_again, watched_send, call, kind, decoded.structured_outputs
