@@ -151,6 +151,16 @@ def test_a_bad_structured_outputs_on_messages_is_typed(extension: object, extra:
             "unknown_previous_response",
         ),
         ("responses", {"input": "x", "request_id": ""}, "bad_request_id"),
+        (  # vLLM's converter raises its own error type (not a ValueError) on it
+            "responses",
+            {
+                "input": [
+                    {"role": "user", "content": "x"},
+                    {"type": "reasoning", "id": "r1", "summary": [], "encrypted_content": "e"},
+                ]
+            },
+            "bad_body",
+        ),
         (
             "responses",
             {
