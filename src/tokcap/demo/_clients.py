@@ -166,14 +166,14 @@ async def play_messages(
     ) as sdk:
         for turn in range(turns):
             count = _forced(turn, turns)
-            answer = await sdk.messages.create(  # type: ignore[call-overload]
+            answer = await sdk.messages.create(
                 model=model,
                 system=SYSTEM,
-                messages=messages,
-                tools=API_TOOLS["messages"],
+                messages=messages,  # type: ignore[arg-type]
+                tools=API_TOOLS["messages"],  # type: ignore[arg-type]
                 max_tokens=max_tokens + TOOL_TURN_TOKENS if count else max_tokens,
-                temperature=1.0,
-                extra_body=force_tools(count) if count else None,
+                # this SDK takes no sampling fields of its own: vLLM reads them from the body
+                extra_body={"temperature": 1.0, **(force_tools(count) if count else {})},
             )
             uses = [b for b in answer.content if b.type == "tool_use"]
             text = "".join(b.text for b in answer.content if b.type == "text")

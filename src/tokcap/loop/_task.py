@@ -202,13 +202,13 @@ async def _messages(
     async with anthropic.AsyncAnthropic(
         base_url=base, api_key=client.api_key, max_retries=0
     ) as sdk:
-        answer = await sdk.messages.create(  # type: ignore[call-overload]
+        answer = await sdk.messages.create(
             model=model,
             system=SYSTEM,
-            messages=messages,
+            messages=messages,  # type: ignore[arg-type]
             max_tokens=max_tokens,
-            temperature=1.0,
-            top_p=1.0,
+            # this SDK takes no sampling fields of its own: vLLM reads them from the body
+            extra_body={"temperature": 1.0, "top_p": 1.0},
         )
     return str(answer.id), "".join(b.text for b in answer.content if b.type == "text")
 
