@@ -4,7 +4,8 @@ Nothing here imports vLLM, torch, Ray or TransferQueue: `prepare_environment` mu
 before they are imported (`tokcap.prepare_environment` is its public door). `start_up` is
 the one explicit call that prepares the process (the CPU engine's
 environment defaults, quiet third-party loggers); `interruptible` runs a command so that
-the first Ctrl-C interrupts it and later ones let its shutdown finish.
+the first Ctrl-C interrupts it and later ones let its shutdown finish. `RunOptions` are
+the flags both commands share.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import json
 import logging
 import os
 import signal
+import time
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "ENVIRONMENT_DEFAULTS",
+    "RunOptions",
     "interruptible",
     "prepare_environment",
     "quiet_third_parties",
@@ -115,3 +119,29 @@ def save_and_print(
         console.print(f"[red]check failed: {problem}")
     console.print(f"saved [bold]{out / 'summary.json'}[/] and [bold]{out / 'report.html'}[/]")
     return 1 if problems else 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunOptions:
+    """The flags ``tokcap demo`` and ``tokcap train`` share: the seed, where the run is
+    saved, and where its services and gates run."""
+
+    seed: int = 0
+    out: Path | None = None
+    cache: Path = Path(".tokcap")
+    ray_address: str | None = None
+    gates: int = 0
+    gate_urls: tuple[str, ...] | list[str] = ()
+
+    def run_dir(self, prefix: str = "") -> Path:
+        """``out``, else a folder under ``cache/runs`` named ``prefix`` and the time."""
+        return self.out or self.cache / "runs" / time.strftime(f"{prefix}%Y%m%d-%H%M%S")
+
+    def placement(self) -> dict[str, Any]:
+        """These flags as the run config's keywords (``seed`` and where it runs)."""
+        return {
+            "seed": self.seed,
+            "ray_address": self.ray_address,
+            "gates": self.gates,
+            "gate_urls": tuple(self.gate_urls),
+        }

@@ -135,29 +135,35 @@ async def _submit_and_kill(pool: ReassemblerPool, request: ReassemblyRequest) ->
     return result[0]
 
 
-async def test_an_actor_killed_before_its_publish_wrote_is_replaced_and_the_group_redone(
-    sink: ActorSink, pool: ReassemblerPool
-) -> None:
-    request, staged = await _staged_group(sink, "stall-before", ["ok", "forest", "missing"])
+async def _killed_and_published(
+    sink: ActorSink, pool: ReassemblerPool, group: str, behaviours: list[str]
+) -> tuple[FinalizedGroup, FinalizedGroup]:
+    """Stage ``group``, kill its actor at ``publishing`` (`_submit_and_kill`) and check its
+    rows were published exactly once: the pool's result and the in-process one."""
+    request, staged = await _staged_group(sink, group, behaviours)
     finalized = await _submit_and_kill(pool, request)
     expected = _in_process(request, staged)
     assert finalized.outcome == "published"
-    assert finalized.metrics["time/publish_ms"] > 0.0  # the replacement published
-    assert await _held(sink, "stall-before") == (sorted(expected.rows), [])
+    assert await _held(sink, group) == (sorted(expected.rows), [])  # clear finished
     assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+    return finalized, expected.finalized
+
+
+async def test_an_actor_killed_before_its_publish_wrote_is_replaced_and_the_group_redone(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    behaviours = ["ok", "forest", "missing"]
+    finalized, _ = await _killed_and_published(sink, pool, "stall-before", behaviours)
+    assert finalized.metrics["time/publish_ms"] > 0.0  # the replacement published
 
 
 async def test_an_actor_killed_after_its_publish_wrote_is_not_republished(
     sink: ActorSink, pool: ReassemblerPool
 ) -> None:
-    request, staged = await _staged_group(sink, "stall-after", ["ok", "poisoned", "ok"])
-    finalized = await _submit_and_kill(pool, request)
-    expected = _in_process(request, staged)
-    assert finalized.outcome == "published"
-    assert _core_metrics(finalized) == _core_metrics(expected.finalized)
+    behaviours = ["ok", "poisoned", "ok"]
+    finalized, expected = await _killed_and_published(sink, pool, "stall-after", behaviours)
+    assert _core_metrics(finalized) == _core_metrics(expected)
     assert finalized.metrics["time/publish_ms"] == 0.0  # recovered: the dead actor published
-    assert await _held(sink, "stall-after") == (sorted(expected.rows), [])  # clear finished
-    assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
 
 
 async def test_an_actor_killed_mid_write_reports_an_unknown_outcome_with_the_keys(

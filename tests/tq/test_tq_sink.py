@@ -66,6 +66,14 @@ async def test_rows_with_other_fields_are_an_error_not_fewer_fields() -> None:
     assert info.value.code == "field_mismatch"
 
 
+async def _stored(prefix: str, rollouts: int) -> tuple[Any, list[StagedCall], list[str]]:
+    """A fresh sink holding ``rollouts`` simulated rollouts' calls: the sink, calls, keys."""
+    sink = fresh_tq_sink()
+    calls = _calls(prefix, rollouts)
+    await sink.put(calls)
+    return sink, calls, [c.key for c in calls]
+
+
 async def _clear_cancelled(sink: Any, keys: list[str]) -> None:
     with anyio.move_on_after(0) as scope:
         await sink.clear(keys)
@@ -74,10 +82,7 @@ async def _clear_cancelled(sink: Any, keys: list[str]) -> None:
 
 @pytest.mark.anyio
 async def test_a_cancelled_clear_still_frees_every_key() -> None:
-    sink = fresh_tq_sink()
-    calls = _calls("cancel", 40)
-    keys = [c.key for c in calls]
-    await sink.put(calls)
+    sink, calls, keys = await _stored("cancel", 40)
 
     await _clear_cancelled(sink, keys)
 
@@ -98,10 +103,7 @@ async def test_a_cancelled_clear_still_frees_every_key() -> None:
 
 @pytest.mark.anyio
 async def test_cancelling_the_task_mid_clear_frees_every_key() -> None:
-    sink = fresh_tq_sink()
-    calls = _calls("midclear", 40)
-    keys = [c.key for c in calls]
-    await sink.put(calls)
+    sink, _, keys = await _stored("midclear", 40)
     async with anyio.create_task_group() as tg:
         tg.start_soon(sink.clear, keys)
         await anyio.sleep(0.001)

@@ -61,6 +61,20 @@ def _health(server: InProcessServer) -> dict[str, Any]:
     return body
 
 
+def _only_the_victim_failed(
+    receipts: dict[str, Any], victim: str, reason: str, others: list[str]
+) -> None:
+    assert not receipts[victim].ok
+    assert receipts[victim].failure_reason == reason
+    for rid in others:
+        assert receipts[rid].ok, receipts[rid]
+
+
+def _a_new_rollout_is_captured(server: InProcessServer, rollout_id: str) -> None:
+    anyio.run(_turns, server, rollout_id, 2)
+    assert anyio.run(_receipts, server, [rollout_id])[rollout_id].ok
+
+
 @contextlib.contextmanager
 def _file_size_limit(limit: int) -> Iterator[None]:
     """A real write failure: the kernel refuses to grow any regular file of this process past
@@ -102,11 +116,8 @@ def test_a_ledger_file_that_cannot_be_written_poisons_that_rollout_alone(
         return await _receipts(server, [*others, "ct-file-victim"])
 
     receipts = anyio.run(main)
-    victim = receipts["ct-file-victim"]
-    assert not victim.ok
-    assert victim.failure_reason == "ledger_write_failed:EFBIG"
+    _only_the_victim_failed(receipts, "ct-file-victim", "ledger_write_failed:EFBIG", others)
     for rid in others:
-        assert receipts[rid].ok, receipts[rid]
         assert _staged(server, rid) == 3  # one conversation before the fault, one after
     assert _staged(server, "ct-file-victim") == 0  # refused at admission, later calls too
     assert gate.running
@@ -119,8 +130,7 @@ def test_a_ledger_file_that_cannot_be_written_poisons_that_rollout_alone(
         ).is_success
     health = _health(server)
     assert (health["status"], health["serving"]) == ("ok", True)
-    anyio.run(_turns, server, "ct-file-after", 2)
-    assert anyio.run(_receipts, server, ["ct-file-after"])["ct-file-after"].ok
+    _a_new_rollout_is_captured(server, "ct-file-after")
 
 
 class _RefusingLedger(Ledger):
@@ -158,13 +168,9 @@ def test_a_ledger_refusing_a_commit_poisons_that_rollout_alone(server: InProcess
 
     before = gate.metrics().get("tokcap/contained_failures/injected_refusal", 0.0)
     receipts = anyio.run(main)
-    victim = receipts["ct-ref-victim"]
-    assert not victim.ok
-    assert victim.failure_reason == "ledger_refused:injected_refusal"
+    _only_the_victim_failed(receipts, "ct-ref-victim", "ledger_refused:injected_refusal", others)
     for rid in others:
-        assert receipts[rid].ok, receipts[rid]
         assert len(receipts[rid].segments[0]) == 3
     assert gate.running
     assert gate.metrics()["tokcap/contained_failures/injected_refusal"] == before + 1
-    anyio.run(_turns, server, "ct-ref-after", 2)
-    assert anyio.run(_receipts, server, ["ct-ref-after"])["ct-ref-after"].ok
+    _a_new_rollout_is_captured(server, "ct-ref-after")

@@ -109,6 +109,15 @@ class GateModel(RuleBasedStateMachine):
             **extra,
         }
 
+    def _closed(self, rollout_id: str, life: _Rollout) -> None:
+        """The gate closed the rollout: its receipt verifies, ok exactly when a call was
+        answered."""
+        life.state = "closed"
+        receipt = assemble_receipt(
+            verify_manifest(manifest_of(self.server.gate.ledger(rollout_id)))
+        )
+        assert receipt.ok == bool(life.answered), receipt
+
     def _took(self, life: _Rollout, body: dict[str, Any], answer: dict[str, Any]) -> None:
         life.messages = [
             *body["messages"],
@@ -248,11 +257,7 @@ class GateModel(RuleBasedStateMachine):
             assert not life.answered
             return
         assert answer.status_code == 200, answer.text
-        life.state = "closed"
-        receipt = assemble_receipt(
-            verify_manifest(manifest_of(self.server.gate.ledger(rollout_id)))
-        )
-        assert receipt.ok == bool(life.answered), receipt
+        self._closed(rollout_id, life)
 
     @rule(rollout_id=rollouts)
     def release(self, rollout_id: str) -> None:
@@ -340,11 +345,7 @@ class GateModel(RuleBasedStateMachine):
         data = [line for line in lines if line.startswith("data: ")]
         assert "data: [DONE]" not in data  # never a normal end
         assert '"rollout_closed"' in data[-1], data[-1]
-        life.state = "closed"
-        receipt = assemble_receipt(
-            verify_manifest(manifest_of(self.server.gate.ledger(rollout_id)))
-        )
-        assert receipt.ok == bool(life.answered), receipt
+        self._closed(rollout_id, life)
 
     @rule(rollout_id=rollouts)
     def terminal_naming_no_call(self, rollout_id: str) -> None:

@@ -197,13 +197,17 @@ HOSTILE_IDS = [
 ]
 
 
+def _one_token_chat(server: InProcessServer) -> bytes:
+    """The body of a one-token chat completion on the server's model."""
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    return json.dumps(chat).encode()
+
+
 @pytest.mark.parametrize("rollout_id", HOSTILE_IDS)
 def test_hostile_rollout_ids_get_400_bad_rollout_id_everywhere(
     server: InProcessServer, rollout_id: str
 ) -> None:
-    body = json.dumps(
-        {"model": server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
-    ).encode()
+    body = _one_token_chat(server)
     host = f"host: {server.host}\r\ncontent-type: application/json".encode()
     rid = rollout_id.encode()
     auth = f"authorization: Bearer {CONTROL_TOKEN}".encode()
@@ -249,9 +253,7 @@ def test_hostile_rollout_ids_get_400_bad_rollout_id_everywhere(
 def test_control_characters_in_the_rollout_header_are_refused_with_400(
     server: InProcessServer, value: bytes
 ) -> None:
-    body = json.dumps(
-        {"model": server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
-    ).encode()
+    body = _one_token_chat(server)
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
     status, _ = _raw(server, head + b"\r\nx-tokcap-rollout-id: " + value, body)
     assert status == 400
@@ -261,9 +263,7 @@ def test_control_characters_in_the_rollout_header_are_refused_with_400(
 
 def test_a_crlf_split_header_naming_a_second_rollout_is_refused(server: InProcessServer) -> None:
     """``id\\r\\nX-Tokcap-Rollout-Id: other`` arrives as two rollout headers: ambiguous, so 400."""
-    body = json.dumps(
-        {"model": server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
-    ).encode()
+    body = _one_token_chat(server)
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"x-tokcap-rollout-id: sec-dup-a\r\nx-tokcap-rollout-id: sec-dup-b"

@@ -12,10 +12,11 @@ it stops with a typed error only when no gate answers, or when a push fails on a
 that still answers (a real push failure: every gate stays held, `FleetPushError`).
 `gate_entries` is ``summary.json``'s ``gates``; `lost_receipts` counts, per gate, the
 receipts a lost gate's rollouts got (lost with their gate, not failed verifications).
-`run_on_fleet` is the whole wiring that
-``tokcap demo --gates`` and ``tokcap train --gates`` share: the services and the gates, a
-`tokcap_vllm.GateFleet` and `tokcap_vllm.weights.FleetWeightSync` over them, what a dead
-run left reclaimed, and the `Stack`; the run's own work is a body run on it.
+`run_on_fleet` is the whole wiring that ``tokcap demo --gates`` and ``tokcap train
+--gates`` share: the services and the gates, a `tokcap_vllm.GateFleet` and
+`tokcap_vllm.weights.FleetWeightSync` over them, what a dead run left reclaimed, and the
+`Stack`; the run's own work is a body run on it (`tokcap.compose.run_in_process` is its
+in-process twin).
 """
 
 from __future__ import annotations

@@ -6,14 +6,13 @@ The process is prepared by `tokcap._startup.start_up` before this module is impo
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from .._startup import interruptible, save_and_print
+from .._startup import RunOptions, interruptible, save_and_print
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -22,7 +21,7 @@ FULL = {"groups": 4, "rollouts": 6, "turns": 4, "max_tokens": 24}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DemoOptions:
+class DemoOptions(RunOptions):
     """The ``tokcap demo`` flags (None: the quick or full default)."""
 
     groups: int | None = None
@@ -30,14 +29,8 @@ class DemoOptions:
     turns: int | None = None
     max_tokens: int | None = None
     segments: str = "terminal"
-    out: Path | None = None
     quick: bool = False
-    seed: int = 0
-    cache: Path = Path(".tokcap")
-    ray_address: str | None = None
     model_family: str = "qwen"
-    gates: int = 0
-    gate_urls: tuple[str, ...] | list[str] = ()
 
 
 def run_demo(options: DemoOptions, console: Console | None = None) -> int:
@@ -48,7 +41,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> int:
     err = Console(stderr=True)
     defaults = QUICK if options.quick else FULL
     pick = {k: getattr(options, k) or v for k, v in defaults.items()}
-    out = options.out or options.cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    out = options.run_dir()
     return interruptible(lambda: _run(options, pick, out, console, err), "the demo")
 
 
@@ -71,11 +64,8 @@ def _run(
             turns=pick["turns"],
             max_tokens=pick["max_tokens"],
             segments=options.segments,
-            seed=options.seed,
-            ray_address=options.ray_address,
             family=family.name,
-            gates=options.gates,
-            gate_urls=tuple(options.gate_urls),
+            **options.placement(),
         )
         run = run_pipeline(
             config,

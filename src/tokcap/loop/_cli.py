@@ -6,7 +6,6 @@ The process is prepared by `tokcap._startup.start_up` before this module is impo
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,7 +14,7 @@ from rich.console import Console
 
 from tokcap_core import ConfigError
 
-from .._startup import interruptible, save_and_print
+from .._startup import RunOptions, interruptible, save_and_print
 from ._summary import (
     build_train_summary,
     print_train_summary,
@@ -27,7 +26,7 @@ __all__ = ["TrainOptions", "run_train"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TrainOptions:
+class TrainOptions(RunOptions):
     """The ``tokcap train`` flags."""
 
     steps: int = 40
@@ -39,12 +38,6 @@ class TrainOptions:
     harness_api: Literal["chat", "responses", "messages"] = "chat"
     max_tokens: int = 16
     lr: float = 1e-2
-    seed: int = 0
-    out: Path | None = None
-    cache: Path = Path(".tokcap")
-    ray_address: str | None = None
-    gates: int = 0
-    gate_urls: tuple[str, ...] | list[str] = ()
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 2
     importance: bool | None = None
@@ -54,7 +47,7 @@ def run_train(options: TrainOptions, console: Console | None = None) -> int:
     """Run the loop; 0 when every invariant held, 1 when one failed, 2 for a bad option,
     130 on Ctrl-C."""
     console = console or summary_console()
-    out = options.out or options.cache / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
+    out = options.run_dir("train-")
     return interruptible(lambda: _checked(options, out, console), "the loop")
 
 
@@ -87,13 +80,10 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
             harness_api=options.harness_api,
             max_tokens=options.max_tokens,
             lr=options.lr,
-            seed=options.seed,
-            ray_address=options.ray_address,
-            gates=options.gates,
-            gate_urls=tuple(options.gate_urls),
             mode=options.mode,
             max_staleness=options.max_staleness,
             importance=options.importance,
+            **options.placement(),
         )
 
         def progress(record: StepRecord) -> None:
