@@ -124,6 +124,11 @@ def _parser() -> argparse.ArgumentParser:
         "digits: the user asks for more digits",
     )  # fmt: skip
     train.add_argument(
+        "--harness-api", choices=("chat", "responses", "messages"), default="chat",
+        help="the API the harness speaks: chat completions (default), the openai client's "
+        "Responses API (previous_response_id chaining) or the anthropic SDK's Messages",
+    )  # fmt: skip
+    train.add_argument(
         "--turns",
         type=_positive,
         help="model calls per rollout (default 2 for agent, 1 for digits)",

@@ -105,6 +105,23 @@ def test_real_tool_calls_were_made_and_spliced(summary: dict[str, Any]) -> None:
     assert summary["splices"]["total"] == sum(len(r["splices"]) for r in summary["per_rollout"])
 
 
+def test_the_harness_spoke_responses_and_messages_too(summary: dict[str, Any]) -> None:
+    """Group 1's response_id slot plays the openai Responses client, its declared slot the
+    anthropic SDK: each a verified rollout of three calls with tool calls, all on one chain
+    (and counted by the engine-parity check below, on vLLM's usage lengths)."""
+    apis = summary["apis"]
+    assert {a: (n["rollouts"], n["calls"]) for a, n in apis.items()} == {
+        "chat": (6, 18),
+        "responses": (1, 3),
+        "messages": (1, 3),
+    }
+    for r in summary["per_rollout"]:
+        if r["api"] != "chat":
+            assert (r["status"], r["on_chain"], r["breaks"]) == ("verified", 3, []), r
+            assert r["tool_calls"] >= 2, r
+    assert apis["responses"]["verified"] == apis["messages"]["verified"] == 1
+
+
 def test_rows_are_exactly_what_the_engine_reported(summary: dict[str, Any]) -> None:
     parity = summary["engine_parity"]
     assert parity["rows_checked"] == summary["rows"]["valid"]

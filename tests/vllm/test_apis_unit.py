@@ -91,6 +91,47 @@ def test_a_messages_request_is_planned_as_the_chat_request_vllm_makes_of_it() ->
     assert chat.messages[3]["tool_call_id"] == "t1"
     assert chat.tools[0]["function"]["name"] == "calc"
     assert decoded.body == json.dumps(body).encode()  # vLLM gets the body as sent
+    assert decoded.structured_outputs is None
+
+
+_CALC = [{"name": "calc", "input_schema": {"type": "object"}}]
+
+
+def _constrained(extension: object, **extra: Any) -> Any:
+    body = {
+        "model": "m",
+        "max_tokens": 8,
+        "tools": _CALC,
+        "messages": [{"role": "user", "content": "2+3?"}],
+        "structured_outputs": extension,
+        **extra,
+    }
+    return _decode("messages", body)
+
+
+def test_a_messages_request_carries_vllms_structured_outputs_to_the_engine_call() -> None:
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": "x"}})
+    assert _constrained({"structural_tag": tag}).structured_outputs.structural_tag == tag
+    assert _constrained({"choice": ["a", "b"]}).structured_outputs.choice == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("extension", "extra"),
+    [
+        (7, {}),  # not an object
+        ({"json": {}, "regex": "a"}, {}),  # two kinds of constraint
+        ({"structural_tag": "{not json"}, {}),
+        ({"unknown": 1}, {}),  # no constraint at all
+        (
+            {"choice": ["a"]},
+            {"tool_choice": {"type": "tool", "name": "calc"}},
+        ),  # beside a named tool
+    ],
+)
+def test_a_bad_structured_outputs_on_messages_is_typed(extension: object, extra: Any) -> None:
+    with pytest.raises(BadRequest) as refused:
+        _constrained(extension, **extra)
+    assert refused.value.code == "bad_body"
 
 
 @pytest.mark.parametrize(
@@ -110,6 +151,16 @@ def test_a_messages_request_is_planned_as_the_chat_request_vllm_makes_of_it() ->
             "unknown_previous_response",
         ),
         ("responses", {"input": "x", "request_id": ""}, "bad_request_id"),
+        (  # vLLM's converter raises its own error type (not a ValueError) on it
+            "responses",
+            {
+                "input": [
+                    {"role": "user", "content": "x"},
+                    {"type": "reasoning", "id": "r1", "summary": [], "encrypted_content": "e"},
+                ]
+            },
+            "bad_body",
+        ),
         (
             "responses",
             {

@@ -1,18 +1,18 @@
 """The Responses API and Anthropic Messages on the real engine, driven by the real clients.
 
 A rollout driven by the ``openai`` client's ``responses`` API and one driven by the
-``anthropic`` client (with one chat turn in the middle: mixed APIs stay one chain) each
-capture several turns with tool calls, verify, and reassemble into one row whose ids and
-logprobs are the engine's: every call's prompt and output lengths are the ones vLLM itself
-reported (``usage``), the chat turn's ids are the ones vLLM returned (``return_token_ids``),
-and the logprobs are the ones vLLM returned where the API returns them. Then the hostile
-cases on the new endpoints.
+``anthropic`` client each capture several turns with tool calls, verify, and reassemble
+into one row whose ids and logprobs are the engine's: every call's prompt and output
+lengths are the ones vLLM itself reported (``usage``), the chat turn's ids are the ones vLLM
+returned (``return_token_ids``), and the logprobs are the ones vLLM returned where the API
+returns them. A third rollout mixes the APIs (Messages, chat, Messages) on one chain. Then
+the hostile cases on the new endpoints.
 
-The tiny random model calls tools only when forced: the Responses API takes vLLM's
-``structured_outputs`` (``forced_tool_calls``); the Messages API has no such field and vLLM
-0.32's ``hermes`` parser does not constrain Anthropic's ``tool_choice`` (``any`` gives free
-text, ``tool`` answered a 400 from vLLM's own converter), so that rollout's tool call comes
-from its chat turn and travels on as ``tool_use`` / ``tool_result`` blocks.
+The tiny random model calls tools only when forced (``forced_tool_calls``: a structural
+tag in vLLM's ``structured_outputs``): the Responses API takes that field; the Messages API
+takes it as the gate's extension (in the ``anthropic`` client's ``extra_body``), so the
+model's own output comes back as ``tool_use`` blocks, parsed by the server's ``hermes``
+parser.
 """
 
 from __future__ import annotations
@@ -168,6 +168,77 @@ def test_the_responses_client_captures_a_tool_loop_on_one_chain(server: InProces
         assert item.name in forced
 
 
+def _blocks(message: Any) -> dict[str, Any]:
+    """An answer as the assistant message the next request sends back."""
+    return {
+        "role": "assistant",
+        "content": [b.model_dump(exclude_none=True) for b in message.content],
+    }
+
+
+def _results(message: Any) -> dict[str, Any]:
+    """The user message answering each ``tool_use`` block of ``message``."""
+    uses = [b for b in message.content if b.type == "tool_use"]
+    content = [
+        {
+            "type": "tool_result",
+            "tool_use_id": b.id,
+            "content": tool_result(
+                {"function": {"name": b.name, "arguments": json.dumps(b.input)}}
+            ),
+        }
+        for b in uses
+    ]
+    return {"role": "user", "content": content}
+
+
+async def _messages_rollout(server: InProcessServer, rollout_id: str) -> list[Any]:
+    """Four Messages turns: two forced parallel ``tool_use`` blocks, their results with one
+    forced call (streamed), its result, then a follow-up."""
+    seen: list[Any] = []
+    common: dict[str, Any] = {"model": server.model, "system": SYSTEM, "tools": ANTHROPIC_TOOLS}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 17 + 25?"}]
+    async with _anthropic(server, rollout_id) as a:
+        first = await a.messages.create(
+            messages=messages, max_tokens=300, extra_body=forced_tool_calls(TOOLS, 2), **common
+        )
+        seen.append(first)
+        messages += [_blocks(first), _results(first)]
+        async with a.messages.stream(
+            messages=messages, max_tokens=300, extra_body=forced_tool_calls(TOOLS, 1), **common
+        ) as stream:
+            second = await stream.get_final_message()
+        seen.append(second)
+        messages += [_blocks(second), _results(second)]
+        third = await a.messages.create(messages=messages, max_tokens=6, **common)
+        seen.append(third)
+        messages += [_blocks(third), {"role": "user", "content": "Sure?"}]
+        seen.append(await a.messages.create(messages=messages, max_tokens=6, **common))
+    return seen
+
+
+def test_the_anthropic_client_captures_a_tool_loop_on_one_chain(server: InProcessServer) -> None:
+    before = server.gate.telemetry.as_dict().get("tokcap/calls_by_api/messages", 0.0)
+    seen = anyio.run(_messages_rollout, server, "api-msgs")
+    assert server.gate.telemetry.as_dict()["tokcap/calls_by_api/messages"] == before + 4
+    assert [sum(b.type == "tool_use" for b in m.content) for m in seen[:2]] == [2, 1]
+    assert [m.stop_reason for m in seen[:2]] == ["tool_use", "tool_use"]
+    admitted = [e for e in events(server, "api-msgs") if isinstance(e, Admitted)]
+    assert [a.parent_id for a in admitted] == [None, "c000001", "c000002", "c000003"]
+    assert [a.splice_cause for a in admitted][1:3] == ["tool_call_format"] * 2
+    assert _staged_by_response(server, "api-msgs") == {
+        m.id: f"c00000{i}" for i, m in enumerate(seen, 1)
+    }
+    receipt, rows, staged = close_and_reassemble(server, "api-msgs")
+    assert receipt.ok, receipt.failure_reason
+    _assert_engine_lengths(
+        rows, staged, [(m.usage.input_tokens, m.usage.output_tokens) for m in seen]
+    )
+    forced = _tokenizer(server).decode(list(staged["c000001"].generated))
+    assert forced.count("<tool_call>") == 2  # the model's own output, parsed into the blocks
+    assert [b.name for b in seen[0].content if b.type == "tool_use"] == ["calc", "calc"]
+
+
 async def _anthropic_rollout(server: InProcessServer, rollout_id: str) -> list[Any]:
     """Messages (text), chat (a forced tool call), Messages streamed with the call and its
     result as ``tool_use`` / ``tool_result`` blocks, Messages again."""
@@ -234,7 +305,7 @@ async def _anthropic_rollout(server: InProcessServer, rollout_id: str) -> list[A
     return seen
 
 
-def test_the_anthropic_client_and_a_chat_turn_capture_one_chain(server: InProcessServer) -> None:
+def test_messages_and_a_chat_turn_capture_one_chain(server: InProcessServer) -> None:
     seen = anyio.run(_anthropic_rollout, server, "api-anth")
     admitted = [e for e in events(server, "api-anth") if isinstance(e, Admitted)]
     assert [a.parent_id for a in admitted] == [None, "c000001", "c000002", "c000003"]

@@ -4,7 +4,10 @@
   what the engine reported to the harness for that call (``return_token_ids``): the row
   up to the end of the call is exactly that call's ``prompt_token_ids + token_ids``, and
   its logprobs are the ones the server returned. The call is matched through the
-  manifest's ``Staged.response_id``.
+  manifest's ``Staged.response_id``. The Responses and Messages APIs return no ids: for
+  their calls the row's prompt and generated lengths must be the ones vLLM reported
+  (``usage``), and the logprobs the ones returned where the API returns them (a Responses
+  turn answered in text).
 - **Re-tokenisation drift** (what tokcap avoids): render the harness's final transcript
   through the chat template (or the family's tokenizer, `tokcap.demo._families`), as a trainer
   that re-tokenises text would, and compare with the row. Template text after the row's
@@ -78,7 +81,11 @@ def engine_parity(row: TrainingRow, manifest: Manifest, calls: Sequence[EngineCa
         if call is None:
             differs = span.start if differs is None else differs
             continue
-        at = _first_diff(ids[:end], call.prompt_token_ids + call.token_ids)
+        if call.usage is not None:
+            lengths = (end - span.gen_len, span.gen_len)
+            at = None if lengths == call.usage else span.start
+        else:
+            at = _first_diff(ids[:end], call.prompt_token_ids + call.token_ids)
         if at is not None and (differs is None or at < differs):
             differs = at
         gen_start = end - span.gen_len

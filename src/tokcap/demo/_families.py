@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ._harness import TOOLS, forced_tool_calls
+from ._harness import TOOLS, Api, forced_tool_calls
 
 __all__ = [
     "CHATML_TOOLS_TEMPLATE",
@@ -29,6 +29,7 @@ __all__ = [
     "QWEN_VLLM_ARGS",
     "ModelFamily",
     "chatml_tool_args",
+    "episode_api",
     "model_family",
 ]
 
@@ -106,6 +107,19 @@ def chatml_tool_args(template: str) -> tuple[str, ...]:
 
 QWEN_VLLM_ARGS: Final = (*ENGINE_ARGS, *chatml_tool_args(CHATML_TOOLS_TEMPLATE))
 """The engine options of the default (``qwen``) family: `tokcap demo` and `tokcap train`."""
+
+
+_API_SLOTS: Final[dict[int, Api]] = {0: "responses", 2: "messages"}
+
+
+def episode_api(family: str, group: int, slot: int) -> Api:
+    """The API rollout ``slot`` of ``group`` is played with: in every odd group of the
+    ``qwen`` family, slot 0 (``response_id``) speaks the Responses API and slot 2
+    (``declared``) Anthropic Messages; everything else chat. The ``mistral`` family forces
+    tool calls with a ``logit_bias`` neither API carries, so it speaks chat only."""
+    if family != "qwen" or group % 2 == 0:
+        return "chat"
+    return _API_SLOTS.get(slot, "chat")
 
 
 # A calc call's arguments as the tool's JSON schema allows them (integers 0..99).

@@ -19,6 +19,10 @@ Behaviours, one per rollout slot of a group (the rest are ``plain``):
 - ``rewrite``: half-way through, the harness summarises earlier turns into one user
   message (context compaction), so the rollout's history is a forest with a break.
 
+An episode's ``api`` says which API its harness speaks: ``chat`` (here), or the
+``responses`` / ``messages`` harness of `tokcap.demo._clients` (the official ``openai``
+Responses and ``anthropic`` clients, same task and turns).
+
 Each call asks the server for ``return_token_ids``: the demo's independent check
 compares every reassembled row with the ids the engine itself reported to the harness.
 """
@@ -37,8 +41,10 @@ from typing import Any, Final, Literal
 import openai
 
 __all__ = [
+    "APIS",
     "BEHAVIOURS",
     "TOOLS",
+    "Api",
     "Behaviour",
     "EngineCall",
     "Episode",
@@ -50,6 +56,9 @@ __all__ = [
 Behaviour = Literal["response_id", "content", "declared", "rewrite", "plain"]
 BEHAVIOURS: tuple[Behaviour, ...] = ("response_id", "content", "declared", "rewrite")
 """Behaviours of rollout slots 0..3 of every group; later slots are ``plain``."""
+Api = Literal["chat", "responses", "messages"]
+"""The API an episode's harness speaks."""
+APIS: tuple[Api, ...] = ("chat", "responses", "messages")
 
 SYSTEM = (
     "You solve arithmetic with the calc tool. When you know the result, answer with the number."
@@ -120,6 +129,9 @@ class EngineCall:
     finish_reason: str
     tool_calls: int = 0
     """How many tool calls vLLM's parser found in the answer."""
+    usage: tuple[int, int] | None = None
+    """The prompt and output lengths vLLM reported, for an API that returns no ids (the ids
+    lists are then empty)."""
 
 
 @dataclass(slots=True)
@@ -134,6 +146,7 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The final transcript, last assistant message included (what a re-tokeniser renders)."""
     reward: float = 0.0
+    api: Api = "chat"
 
     @property
     def final(self) -> EngineCall:
@@ -235,7 +248,22 @@ async def run_episode(
     history at every new user turn, which starts a new root); the
     assistant message goes back as vLLM returned it (``content`` and ``tool_calls``),
     followed by one ``role: "tool"`` answer per call, or by a user nudge after free text.
+    An episode whose ``api`` is not ``chat`` is played by `tokcap.demo._clients`.
     """
+    if episode.api != "chat":
+        from ._clients import play_messages, play_responses
+
+        play = play_responses if episode.api == "responses" else play_messages
+        forcing = force_tools or (lambda count: forced_tool_calls(TOOLS, count))
+        return await play(
+            client,
+            model,
+            episode,
+            turns=turns,
+            max_tokens=max_tokens,
+            force_tools=forcing,
+            seed=seed,
+        )
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": episode.task.prompt},

@@ -38,7 +38,7 @@ from ..compose import (
     run_in_process,
     tq_sink,
 )
-from ._families import QWEN_VLLM_ARGS
+from ._families import QWEN_VLLM_ARGS, episode_api
 from ._harness import BEHAVIOURS, Episode, Task, run_episode
 
 __all__ = ["DemoConfig", "DemoRun", "run_pipeline"]
@@ -191,7 +191,8 @@ def episodes(run: DemoRun) -> None:
         for i in range(config.rollouts):
             behaviour = BEHAVIOURS[i] if i < len(BEHAVIOURS) else "plain"
             rollout_id = f"{config.tag}-g{g:02d}-r{i:02d}"
-            run.episodes.append(Episode(rollout_id, g, behaviour, task))
+            api = episode_api(config.family, g, i)
+            run.episodes.append(Episode(rollout_id, g, behaviour, task, api=api))
 
 
 async def _rollouts(

@@ -208,6 +208,7 @@ def _trajectory(
     drift: Drift | None, retok_pieces: Sequence[str],
 ) -> str:  # fmt: skip
     tags = [f'<span class="tag">{_e(info["behaviour"])}</span>']
+    tags.append(f'<span class="tag">API: {_e(info.get("api", "chat"))}</span>')
     tags.append(f'<span class="tag">terminal: {_e(receipt.terminal_selection)}</span>')
     tags += [f'<span class="tag bad">break: {_e(c)}</span>' for c in receipt.break_causes]
     tags += [f'<span class="tag sp">splice: {_e(c)}</span>' for c in receipt.splice_causes]
@@ -233,6 +234,19 @@ def _trajectory(
     )
 
 
+def _api_table(apis: Mapping[str, Mapping[str, Any]]) -> str:
+    """Rollouts, calls and verified rollouts per API the harness spoke, with its client."""
+    rows = "".join(
+        f"<tr><td>{_e(api)}</td><td class=n>{n['rollouts']}</td><td class=n>{n['calls']}</td>"
+        f"<td class=n>{n['verified']}</td><td>{_e(n['client'])}</td></tr>"
+        for api, n in apis.items()
+    )
+    return (
+        "<div><h3>APIs the harness spoke</h3><table><tr><th>API</th><th>rollouts</th>"
+        f"<th>calls</th><th>verified</th><th>client</th></tr>{rows}</table></div>"
+    )
+
+
 def _cell(rollout: dict[str, Any], column: str) -> object:
     value = rollout.get(column)
     if column in ("breaks", "splices"):
@@ -241,8 +255,8 @@ def _cell(rollout: dict[str, Any], column: str) -> object:
 
 
 def _rollout_table(per_rollout: Sequence[dict[str, Any]]) -> str:
-    columns = ("rollout_id", "behaviour", "calls", "on_chain", "status", "terminal", "segments",
-               "breaks", "splices", "reward", "advantage", "drift_at")  # fmt: skip
+    columns = ("rollout_id", "behaviour", "api", "calls", "on_chain", "status", "terminal",
+               "segments", "breaks", "splices", "reward", "advantage", "drift_at")  # fmt: skip
     head = "".join(f"<th>{_e(c.replace('_', ' '))}</th>" for c in columns)
     body = "".join(
         "<tr>" + "".join(f"<td>{_e(_cell(r, c))}</td>" for c in columns) + "</tr>"
@@ -361,6 +375,7 @@ def render_report(
                     ),
                 ],
             ),
+            _api_table(summary.get("apis", {})),
             _kv_table("Timings (s)", list(summary["timings_s"].items())),
         )
     )

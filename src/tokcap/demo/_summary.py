@@ -108,6 +108,7 @@ def build_summary(
         "behaviours": {
             b: {"rollouts": n, "what": BEHAVIOUR_NOTES[b]} for b, n in behaviours.items()
         },
+        "apis": _per_api(run),
         "engine_parity": {
             "rows_checked": len(parity),
             "calls_checked": sum(p.calls_checked for p in parity),
@@ -151,6 +152,7 @@ def build_summary(
                 "rollout_id": e.rollout_id,
                 "group": e.group,
                 "behaviour": e.behaviour,
+                "api": e.api,
                 "calls": len(e.calls),
                 "on_chain": len(run.receipts[e.rollout_id].segments[0])
                 if run.receipts[e.rollout_id].segments
@@ -170,6 +172,25 @@ def build_summary(
         ],
         "pool": {k: v for k, v in sorted(pool.items()) if k.startswith(("time/", "groups/"))},
         "timings_s": {k: round(v, 3) for k, v in timings_s.items()},
+    }
+
+
+def _per_api(run: DemoRun) -> dict[str, dict[str, Any]]:
+    """Rollouts, calls and verified rollouts per API the harness spoke (every API listed)."""
+    from ._clients import API_NOTES
+
+    return {
+        api: {
+            "rollouts": sum(e.api == api for e in run.episodes),
+            "calls": sum(len(e.calls) for e in run.episodes if e.api == api),
+            "verified": sum(
+                run.receipts[e.rollout_id].ok
+                for e in run.episodes
+                if e.api == api and e.rollout_id in run.receipts
+            ),
+            "client": note,
+        }
+        for api, note in API_NOTES.items()
     }
 
 
@@ -256,6 +277,14 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         behaviours.add_row(name, str(info["rollouts"]), info["what"])
     console.print(behaviours)
 
+    apis = _table("APIs the harness spoke", "API", "rollouts", "calls", "verified", "client")
+    apis.columns[4].justify = "left"
+    for api, n in summary.get("apis", {}).items():
+        apis.add_row(
+            api, str(n["rollouts"]), str(n["calls"]), str(n["verified"]), n["client"]
+        )  # fmt: skip
+    console.print(apis)
+
     par, drift = summary["engine_parity"], summary["drift"]
     checks = _table("Checks", "", "result")
     checks.add_row(
@@ -272,14 +301,14 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     checks.add_row("GRPO advantage range", f"[{adv['min']:.3f}, {adv['max']:.3f}]")
     console.print(checks)
 
-    per = _table("Rollouts", "rollout", "path", "receipt / terminal", "chain", "break", "splices",
-                 "reward", "adv.", "drift@")  # fmt: skip
+    per = _table("Rollouts", "rollout", "path", "API", "receipt / terminal", "chain", "break",
+                 "splices", "reward", "adv.", "drift@")  # fmt: skip
     tag = f"{summary['config']['tag']}-"
     for r in summary["per_rollout"]:
         receipt = r["terminal"] if r["failure_reason"] is None else r["failure_reason"]
         splices = Counter(r.get("splices", ()))
         per.add_row(
-            r["rollout_id"].removeprefix(tag), r["behaviour"], receipt,
+            r["rollout_id"].removeprefix(tag), r["behaviour"], r.get("api", "chat"), receipt,
             f"{r.get('on_chain', '?')}/{r['calls']}", ",".join(r["breaks"]) or "-",
             ",".join(f"{c}:{n}" for c, n in sorted(splices.items())) or "-", f"{r['reward']:.3f}",
             f"{r['advantage'] + 0.0:+.2f}", "-" if r["drift_at"] is None else str(r["drift_at"]),

@@ -35,6 +35,7 @@ class TrainOptions(RunOptions):
     turns: int | None = None
     """None: 2 for the agent task, 1 for digits."""
     task: Literal["agent", "digits"] = "agent"
+    harness_api: Literal["chat", "responses", "messages"] = "chat"
     max_tokens: int = 16
     lr: float = 1e-2
     mode: Literal["sync", "async"] = "sync"
@@ -76,6 +77,7 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
             rollouts=options.rollouts,
             turns=options.turns or (2 if options.task == "agent" else 1),
             task=options.task,
+            harness_api=options.harness_api,
             max_tokens=options.max_tokens,
             lr=options.lr,
             mode=options.mode,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from tokcap_core import ConfigError
 
-from ._task import TASKS, Task
+from ._task import HARNESS_APIS, TASKS, HarnessApi, Task
 
 __all__ = ["LoopConfig"]
 
@@ -26,6 +26,8 @@ class LoopConfig:
     task: Task = "agent"
     """``agent``: a tool response from the environment between calls; ``digits``: a user
     asks for more (`tokcap.loop._task`)."""
+    harness_api: HarnessApi = "chat"
+    """The API the harness speaks (`tokcap.loop._task.HARNESS_APIS`)."""
     max_tokens: int = 16
     lr: float = 1e-2
     seed: int = 0
@@ -85,6 +87,10 @@ class LoopConfig:
                 raise ConfigError(f"bad_{name}", f"{name} must be an int >= 1: {value!r}")
         if self.task not in TASKS:
             raise ConfigError("bad_task", f"task is one of {TASKS}: {self.task!r}")
+        if self.harness_api not in HARNESS_APIS:
+            raise ConfigError(
+                "bad_harness_api", f"harness_api is one of {HARNESS_APIS}: {self.harness_api!r}"
+            )
         if self.task == "agent" and self.turns < 2:
             raise ConfigError(
                 "bad_turns", "the agent task needs >= 2 calls (a tool result between)"

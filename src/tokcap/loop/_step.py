@@ -221,6 +221,7 @@ async def play_group(
                     max_tokens=config.max_tokens,
                     seed=seed,
                     task=config.task,
+                    api=config.harness_api,
                 )
             finally:
                 loop.busy.leave()

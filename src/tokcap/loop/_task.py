@@ -20,6 +20,12 @@ steps.
 
 The scorer's witnesses follow the demo: per rollout slot, the scored response id, the
 scored content, a declared terminal, or none (the gate's deepest-chain choice).
+
+The harness speaks one of three APIs (``--harness-api``): ``chat`` (chat completions, the
+default), ``responses`` (the ``openai`` client's Responses API, each call after the first
+naming the one before by ``previous_response_id`` and sending only the environment's new
+turn) or ``messages`` (the ``anthropic`` SDK at the rollout's base URL, the whole history
+each call). The gate plans all three as the same chat turns, so the rows are alike.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from typing import Any, Literal
 import openai
 
 __all__ = [
+    "HARNESS_APIS",
     "TASKS",
     "WITNESSES",
     "DigitsEpisode",
+    "HarnessApi",
     "Task",
     "Witness",
     "digit_share",
@@ -44,6 +52,10 @@ __all__ = [
 
 Task = Literal["agent", "digits"]
 TASKS: tuple[Task, ...] = ("agent", "digits")
+
+HarnessApi = Literal["chat", "responses", "messages"]
+HARNESS_APIS: tuple[HarnessApi, ...] = ("chat", "responses", "messages")
+"""The APIs the harness can speak (the first is the default)."""
 
 Witness = Literal["response_id", "content", "declared", "none"]
 WITNESSES: tuple[Witness, ...] = ("response_id", "content", "declared", "none")
@@ -113,28 +125,92 @@ async def play_digits(
     max_tokens: int,
     seed: int,
     task: Task = "digits",
+    api: HarnessApi = "chat",
 ) -> DigitsEpisode:
-    """Play ``turns`` chat calls (sampled at temperature 1) of ``task``; fill the answers and
-    the reward."""
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": episode.prompt},
-    ]
+    """Play ``turns`` calls (sampled at temperature 1) of ``task`` over ``api``; fill the
+    answers and the reward."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": episode.prompt}]
+    call = _CALLERS[api]
     for turn in range(turns):
         if turn:
             said = MORE if task == "digits" else tool_response(episode.contents[-1])
             messages.append({"role": "user", "content": said})
-        response = await client.chat.completions.create(
-            model=model,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
-            temperature=1.0,
-            top_p=1.0,
-            seed=seed * 100 + turn,
+        response_id, content = await call(
+            client, model, messages, episode.response_ids, max_tokens, seed * 100 + turn
         )
-        content = response.choices[0].message.content or ""
-        episode.response_ids.append(response.id)
+        episode.response_ids.append(response_id)
         episode.contents.append(content)
         messages.append({"role": "assistant", "content": content})
     episode.reward = digit_share("".join(episode.contents))
     return episode
+
+
+async def _chat(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    earlier: list[str],
+    max_tokens: int,
+    seed: int,
+) -> tuple[str, str]:
+    response = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": SYSTEM}, *messages],  # type: ignore[list-item]
+        max_tokens=max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=seed,
+    )
+    return response.id, response.choices[0].message.content or ""
+
+
+async def _responses(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    earlier: list[str],
+    max_tokens: int,
+    seed: int,
+) -> tuple[str, str]:
+    """The newest user turn alone, chained to the call before by ``previous_response_id``."""
+    chained = {"previous_response_id": earlier[-1]} if earlier else {}
+    response = await client.responses.create(  # type: ignore[call-overload]
+        model=model,
+        input=messages[-1:],
+        instructions=SYSTEM,
+        max_output_tokens=max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        extra_body={"seed": seed},
+        **chained,
+    )
+    return str(response.id), str(response.output_text)
+
+
+async def _messages(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    earlier: list[str],
+    max_tokens: int,
+    seed: int,
+) -> tuple[str, str]:
+    """The whole history through the ``anthropic`` SDK (a Messages request has no seed)."""
+    import anthropic
+
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    async with anthropic.AsyncAnthropic(
+        base_url=base, api_key=client.api_key, max_retries=0
+    ) as sdk:
+        answer = await sdk.messages.create(
+            model=model,
+            system=SYSTEM,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            # this SDK takes no sampling fields of its own: vLLM reads them from the body
+            extra_body={"temperature": 1.0, "top_p": 1.0},
+        )
+    return str(answer.id), "".join(b.text for b in answer.content if b.type == "text")
+
+
+_CALLERS = {"chat": _chat, "responses": _responses, "messages": _messages}

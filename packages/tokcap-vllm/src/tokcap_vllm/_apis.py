@@ -42,6 +42,9 @@ class CapturedRequest:
     parent: GateCall | None = None
     """The parent the request named itself (``previous_response_id``)."""
     thread: ResponsesTurn | None = None
+    structured_outputs: Any = None
+    """vLLM's ``StructuredOutputsParams`` the engine call is constrained by, where the API's
+    own request has no field for it (Messages: the tokcap extension, `tokcap_vllm._messages`)."""
 
 
 async def decode_request(
@@ -62,8 +65,14 @@ async def decode_request(
     """
     if kind == "messages":
         handler = getattr(app_state, "anthropic_serving_messages", None)
-        chat = await messages_request(body, handler)
-        return CapturedRequest(chat, "chat", body, _checked(header_request_id, kind))
+        converted = await messages_request(body, handler)
+        return CapturedRequest(
+            converted.chat,
+            "chat",
+            body,
+            _checked(header_request_id, kind),
+            structured_outputs=converted.structured_outputs,
+        )
     if kind == "responses":
         if getattr(app_state, "openai_serving_responses", None) is None:
             raise Unsupported("responses_unavailable", "this server does not serve /v1/responses")

@@ -64,6 +64,9 @@ class Ticket:
     salt_version: int | None = None
     """The weight version at admission: the prompt's ``cache_salt`` (``tokcap-w<version>``),
     so the prefix cache never hands the call blocks an older version computed."""
+    structured_outputs: Any = None
+    """Guided decoding the request's API has no field for (a tokcap extension), set on the
+    engine call's sampling params; None leaves them as vLLM made them."""
 
 
 def cache_salt(version: int) -> str:
@@ -151,6 +154,8 @@ class CaptureHost:
                 params.flat_logprobs = True
                 if self.skips_logprob_text:
                     params.extra_args = {**(params.extra_args or {}), SKIP_LOGPROB_TEXT: True}
+        if ticket.structured_outputs is not None:
+            params.structured_outputs = ticket.structured_outputs
         delta = params.output_kind == RequestOutputKind.DELTA
         output_ids, logprobs, text = array("I"), array("f"), ""
         prompt_ids: Sequence[int] = ticket.prompt_ids

@@ -8,20 +8,39 @@ gate plans the captured call on that same conversion, made by vLLM's own code wi
 server handler's own settings (whether inline system messages are merged into the first;
 the effort a disabled thinking maps to), so the chat turn it plans is the one vLLM runs and
 a Messages call chains with chat calls of the same rollout exactly as a chat call would.
+
+A tokcap/vLLM extension: a captured Messages request may carry vLLM's ``structured_outputs``
+(the chat request's guided-decoding field; with the ``anthropic`` client, in
+``extra_body``). vLLM's Messages request has no such field and would drop it; the gate
+validates it as vLLM's chat request does (one kind of constraint, no constraint beside a
+named tool choice, a well-formed structural tag; else 400 ``bad_body``) and constrains the
+engine call by it, so a structural tag of ``<tool_call>`` blocks makes the model's own
+output parse, by the server's tool parser, into ``tool_use`` blocks of the answer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ._vllm import require_vllm
 from ._wire import ChatBody, chat_body, decode_object
 from .errors import BadRequest, Unsupported
 
-__all__ = ["messages_request"]
+__all__ = ["MessagesRequest", "messages_request"]
 
 
-async def messages_request(body: bytes, handler: Any) -> ChatBody:
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    """A Messages request as the gate captures it."""
+
+    chat: ChatBody
+    """The chat request vLLM's conversion makes of it (what the gate plans)."""
+    structured_outputs: Any
+    """vLLM's ``StructuredOutputsParams`` from the extension field (module doc), or None."""
+
+
+async def messages_request(body: bytes, handler: Any) -> MessagesRequest:
     """The chat request vLLM's Messages ``handler`` makes of ``body`` (typed errors if none)."""
     if handler is None:
         raise Unsupported("messages_unavailable", "this server does not serve /v1/messages")
@@ -43,10 +62,33 @@ async def messages_request(body: bytes, handler: Any) -> ChatBody:
     except ValueError as e:  # a tool change naming an undeclared tool, a bad tool schema, ...
         raise BadRequest("bad_body", f"invalid Messages request: {str(e)[:300]}") from e
     tools = [tool.model_dump() for tool in chat.tools] if chat.tools else None
-    return chat_body(
+    planned = chat_body(
         list(chat.messages),
         tools=tools,
         template_kwargs=chat.chat_template_kwargs,
         reasoning_effort=chat.reasoning_effort,
         stream=bool(chat.stream),
     )
+    extension = raw.get("structured_outputs")
+    if extension is None:
+        return MessagesRequest(planned, None)
+    return MessagesRequest(planned, _constraint(chat, tools, extension))
+
+
+def _constraint(chat: Any, tools: list[dict[str, Any]] | None, extension: object) -> Any:
+    """``extension`` validated by vLLM's chat request beside the converted ``chat``."""
+    protocol = require_vllm("vllm.entrypoints.openai.chat_completion.protocol")
+    invalid = require_vllm("vllm.exceptions").VLLMValidationError
+    if not isinstance(extension, dict):  # vLLM's own check would fail on it untyped
+        raise BadRequest("bad_body", "structured_outputs must be an object")
+    fields: dict[str, Any] = {"model": chat.model, "messages": [], "tools": tools}
+    choice = chat.tool_choice
+    if choice is not None:  # the validators read dicts
+        fields["tool_choice"] = choice.model_dump() if hasattr(choice, "model_dump") else choice
+    try:
+        checked = protocol.ChatCompletionRequest.model_validate(
+            {**fields, "structured_outputs": extension}
+        )
+    except (ValueError, invalid) as e:  # pydantic's ValidationError; vLLM's own
+        raise BadRequest("bad_body", f"invalid structured_outputs: {str(e)[:300]}") from e
+    return checked.extract_structured_outputs()

@@ -43,6 +43,12 @@ class GateMetrics(GateHooks):
 
         self.admitted = counter("tokcap_calls_admitted", "Captured calls admitted.")
         self.staged = counter("tokcap_calls_staged", "Captured calls committed.")
+        self.by_api = counter(
+            "tokcap_calls_by_api",
+            "Captured calls admitted, by the API the request spoke (chat, completion, "
+            "messages, responses).",
+            "api",
+        )
         self.failed = counter(
             "tokcap_calls_failed",
             "Captured calls failed, by reason bucket and whether a completion was served.",

@@ -193,8 +193,11 @@ class GateMiddleware:
             if call.final:  # a retry under the key of a call that settled: its answer again
                 await _answer_again(send, call)
                 return
+            self.gate.telemetry.by_api.labels(kind).inc()
             body_again = _receive_body_again(decoded.body, receive, call.abandoned)
-            await self._generate(scope, body_again, watched_send, call, kind)
+            await self._generate(
+                scope, body_again, watched_send, call, kind, decoded.structured_outputs
+            )
         except (GateError, RecursionError) as e:
             if not started:
                 await self._refuse(send, _typed(e))
@@ -214,11 +217,13 @@ class GateMiddleware:
         send: Send,
         call: GateCall,
         kind: str,
+        structured_outputs: object,
     ) -> None:
         assert call.plan is not None
         capture = self.gate.capture
         ticket = Ticket(
             prompt_ids=call.plan.prompt_ids,
+            structured_outputs=structured_outputs,
             on_finish=lambda result: capture.engine_finished(call, result),
             salt_version=capture.weights.version if capture.weights is not None else None,
         )

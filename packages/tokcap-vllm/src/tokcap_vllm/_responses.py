@@ -113,6 +113,7 @@ def responses_request(
         raise BadRequest("bad_body", f"invalid Responses request: {str(e)[:300]}") from e
     _check(request, harmony=harmony)
     utils = require_vllm(_UTILS)
+    invalid = require_vllm("vllm.exceptions").VLLMValidationError  # not a ValueError
     try:
         messages = utils.construct_input_messages(
             request_instructions=request.instructions, request_input=request.input
@@ -120,7 +121,7 @@ def responses_request(
         tools = utils.construct_tool_dicts(
             request.tools, request.tool_choice, exclude_tools_when_tool_choice_none
         )
-    except ValueError as e:  # vLLM's VLLMValidationError: an input item it cannot convert
+    except (ValueError, invalid) as e:  # an input item vLLM cannot convert
         raise BadRequest("bad_body", f"invalid Responses input: {str(e)[:300]}") from e
     effort = request.reasoning.effort if request.reasoning is not None else None
     chat = chat_body(
