@@ -74,9 +74,8 @@ def _answer_logprobs(model: Any, ids: list[int]) -> list[float]:
 
 def transcript(episode: Any, task: str) -> list[dict[str, str]]:
     """The chat a text-based trainer would rebuild from ``episode``: every answer, and
-    between them what the environment said (`tokcap.loop._task`)."""
-    from tokcap.loop import SYSTEM
-    from tokcap.loop._task import MORE, tool_response
+    between them what the environment said (`tokcap.loop.tool_response`)."""
+    from tokcap.loop import MORE, SYSTEM, tool_response
 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": episode.prompt}]
     for turn, answer in enumerate(episode.contents):

@@ -8,9 +8,7 @@ import sys
 import anyio
 
 from tokcap.compose import Batch
-from tokcap.loop import DigitsEpisode
-from tokcap.loop._meters import BusyMeter, CpuMeter
-from tokcap.loop._sync import _Tail
+from tokcap.loop import BusyMeter, CpuMeter, DigitsEpisode, StepTail
 
 
 def test_busy_meter_counts_only_the_time_a_call_is_out_and_averages_the_count() -> None:
@@ -61,7 +59,7 @@ def _episodes(groups: int, rollouts: int) -> list[DigitsEpisode]:
 
 def test_the_tail_names_a_group_once_its_last_rollout_played_and_keeps_the_last_answer() -> None:
     episodes = _episodes(2, 2)
-    tail = _Tail(10.0, episodes)
+    tail = StepTail(10.0, episodes)
     assert tail.played(episodes[0], 11.0) is None
     assert tail.played(episodes[2], 13.0) is None
     assert tail.played(episodes[1], 12.0) == "t-g0"
@@ -75,7 +73,7 @@ def test_the_tail_names_a_group_once_its_last_rollout_played_and_keeps_the_last_
 
 
 def test_the_tail_merges_group_batches_in_group_order() -> None:
-    tail = _Tail(0.0, _episodes(2, 2))
+    tail = StepTail(0.0, _episodes(2, 2))
     tail._batches["t-g1"] = Batch(advantages=[1.0, -1.0])
     tail._batches["t-g0"] = Batch(advantages=[0.5, -0.5])
     assert tail.batch().advantages == [0.5, -0.5, 1.0, -1.0]

@@ -1,6 +1,6 @@
 """The demo's harness on the two other APIs agents speak: OpenAI Responses and Anthropic Messages.
 
-The same task, tool and turn pattern as the chat harness (`tokcap.demo._harness.run_episode`:
+The same task, tool and turn pattern as the chat harness (`tokcap.demo._harness.play_chat`:
 forced tool calls on even turns, two on the first, free text between and last), over HTTP
 through the gate with the official clients:
 
@@ -15,20 +15,31 @@ Neither API returns token ids. Each `EngineCall` keeps the prompt and output len
 reported (``usage``) and, for a Responses turn answered in text, the logprobs vLLM returned;
 the demo's engine-parity check compares those with the row (`tokcap.demo._checks`). The
 transcript is kept in chat form (what vLLM converts both APIs into), for the re-tokenisation
-check.
+check. `run_episode` plays an episode on the API it names.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import openai
 
 from ._harness import _TOOL_TURN_TOKENS as TOOL_TURN_TOKENS
-from ._harness import NUDGE, SYSTEM, TOOLS, EngineCall, Episode, score, tool_result
+from ._harness import (
+    NUDGE,
+    SYSTEM,
+    TOOLS,
+    EngineCall,
+    Episode,
+    forced_tool_calls,
+    play_chat,
+    score,
+    tool_result,
+)
 
-__all__ = ["API_NOTES", "API_TOOLS", "play_messages", "play_responses"]
+__all__ = ["API_NOTES", "API_TOOLS", "play_messages", "play_responses", "run_episode"]
 
 API_NOTES: dict[str, str] = {
     "chat": "openai: chat.completions (ids returned: return_token_ids)",
@@ -209,3 +220,36 @@ def _scored(episode: Episode, chat: list[dict[str, Any]]) -> Episode:
     episode.messages = chat
     episode.reward = score(episode.task, episode.final.content)
     return episode
+
+
+async def run_episode(
+    client: openai.AsyncOpenAI,
+    model: str,
+    episode: Episode,
+    *,
+    turns: int,
+    max_tokens: int,
+    seed: int,
+    force_tools: Callable[[int], dict[str, Any]] | None = None,
+    tools_every_turn: bool = False,
+) -> Episode:
+    """Play ``episode`` on the API it names (``episode.api``): chat completions through
+    `tokcap.demo._harness.play_chat` (``tools_every_turn`` applies there only), Responses
+    through `play_responses`, Messages through `play_messages`; both of those force their
+    tool calls with ``force_tools`` too (default `forced_tool_calls` on `TOOLS`)."""
+    if episode.api == "chat":
+        return await play_chat(
+            client,
+            model,
+            episode,
+            turns=turns,
+            max_tokens=max_tokens,
+            seed=seed,
+            force_tools=force_tools,
+            tools_every_turn=tools_every_turn,
+        )
+    play = play_responses if episode.api == "responses" else play_messages
+    forcing = force_tools or (lambda count: forced_tool_calls(TOOLS, count))
+    return await play(
+        client, model, episode, turns=turns, max_tokens=max_tokens, force_tools=forcing, seed=seed
+    )

@@ -50,7 +50,7 @@ __all__ = [
     "Episode",
     "Task",
     "forced_tool_calls",
-    "run_episode",
+    "play_chat",
 ]
 
 Behaviour = Literal["response_id", "content", "declared", "rewrite", "plain"]
@@ -228,7 +228,7 @@ def score(task: Task, content: str) -> float:
     return correct + 0.1 * max(0.0, 1.0 - len(content) / 200.0)
 
 
-async def run_episode(
+async def play_chat(
     client: openai.AsyncOpenAI,
     model: str,
     episode: Episode,
@@ -248,22 +248,7 @@ async def run_episode(
     history at every new user turn, which starts a new root); the
     assistant message goes back as vLLM returned it (``content`` and ``tool_calls``),
     followed by one ``role: "tool"`` answer per call, or by a user nudge after free text.
-    An episode whose ``api`` is not ``chat`` is played by `tokcap.demo._clients`.
     """
-    if episode.api != "chat":
-        from ._clients import play_messages, play_responses
-
-        play = play_responses if episode.api == "responses" else play_messages
-        forcing = force_tools or (lambda count: forced_tool_calls(TOOLS, count))
-        return await play(
-            client,
-            model,
-            episode,
-            turns=turns,
-            max_tokens=max_tokens,
-            force_tools=forcing,
-            seed=seed,
-        )
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": episode.task.prompt},

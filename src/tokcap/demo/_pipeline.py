@@ -38,8 +38,9 @@ from ..compose import (
     run_in_process,
     tq_sink,
 )
+from ._clients import run_episode
 from ._families import QWEN_VLLM_ARGS, episode_api
-from ._harness import BEHAVIOURS, Episode, Task, run_episode
+from ._harness import BEHAVIOURS, Episode, Task
 
 __all__ = ["DemoConfig", "DemoRun", "run_pipeline"]
 
@@ -112,7 +113,7 @@ def run_pipeline(
     """Start everything, run the rollouts, reassemble, and shut everything down again.
 
     ``vllm_args`` serve ``config.model``; ``force_tools`` and ``tools_every_turn`` go to
-    `tokcap.demo._harness.run_episode` (default: the Hermes structural tag, every other turn).
+    `tokcap.demo._clients.run_episode` (default: the Hermes structural tag, every other turn).
     """
     harness = functools.partial(
         run_episode, force_tools=force_tools, tools_every_turn=tools_every_turn

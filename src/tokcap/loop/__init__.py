@@ -6,16 +6,23 @@ push), its summary and report. The command itself is ``tokcap train``.
 """
 
 from ._loop import LoopConfig, StepRecord, TrainRun, load_policy, run_loop
+from ._meters import BusyMeter, CpuMeter
 from ._report import render_train_report
 from ._staleness import STALE, LoopError, Provenance, SkipCount, StalenessPolicy, provenance
 from ._summary import build_train_summary, print_train_summary, tokcap_share, train_problems
-from ._task import SYSTEM, DigitsEpisode
+from ._sync import StepTail
+from ._task import HARNESS_APIS, MORE, SYSTEM, DigitsEpisode, HarnessApi, tool_response
 from ._watchdog import LagWatch
 
 __all__ = [
+    "HARNESS_APIS",
+    "MORE",
     "STALE",
     "SYSTEM",
+    "BusyMeter",
+    "CpuMeter",
     "DigitsEpisode",
+    "HarnessApi",
     "LagWatch",
     "LoopConfig",
     "LoopError",
@@ -23,6 +30,7 @@ __all__ = [
     "SkipCount",
     "StalenessPolicy",
     "StepRecord",
+    "StepTail",
     "TrainRun",
     "build_train_summary",
     "load_policy",
@@ -31,5 +39,6 @@ __all__ = [
     "render_train_report",
     "run_loop",
     "tokcap_share",
+    "tool_response",
     "train_problems",
 ]

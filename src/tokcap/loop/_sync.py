@@ -25,7 +25,7 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
     Each group is collected (closed in one batch, receipts fetched and verified, reassembled,
     its rows read) as soon as its last rollout has played, while the other groups still
     generate: what blocks the step is only the work left once the last answer came back
-    (`_Tail`). Nothing is pushed before the step trains, so every row is still sampled by
+    (`StepTail`). Nothing is pushed before the step trains, so every row is still sampled by
     the version being trained.
     """
     config = loop.run.config
@@ -41,7 +41,7 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         for g in range(config.groups)
         for i in range(config.rollouts)
     ]
-    tail = _Tail(started, episodes)
+    tail = StepTail(started, episodes)
     async with anyio.create_task_group() as collectors:
 
         def played(episode: DigitsEpisode, answered: float) -> None:
@@ -77,7 +77,7 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
     )
 
 
-class _Tail:
+class StepTail:
     """A sync step's groups, each collected once its rollouts have played, and the timing
     of what was left to do after the last answer.
 
