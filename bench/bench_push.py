@@ -23,8 +23,10 @@ file read by both), each client kept across pushes as a trainer keeps it (its co
 the gate's spec and its push file reused), timed from the trainer's call until it returns:
 vLLM's reload, the version label, the prefix-cache reset and the resume included, so the
 engine serves the new version (checked: ``/weight_info`` reports it). Split into check,
-stage (write the file) and swap (pause ... resume). Against an in-memory ``clone`` of the
-same state dict, same run.
+stage (write the file) and swap (pause ... resume). ``1 gate, http``: the same push with
+``transport="http"`` (the bytes streamed in the request body, what gates on other hosts
+take), here over loopback: a floor for a real network, which adds the bytes' time on the
+wire. Against an in-memory ``clone`` of the same state dict, same run.
 
 Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large] [--served]``.
 """
@@ -341,7 +343,11 @@ async def served_push(
     import httpx
 
     start = time.perf_counter()
-    if fleet is None:
+    if gate.transport == "http":  # the bytes streamed in the request body, as across hosts
+        await gate.push(weights, version)
+        end = time.perf_counter()
+        split = [float("nan")] * 3
+    elif fleet is None:
         await gate.check_version(version)
         tensors = await gate.check(weights)
         checked = time.perf_counter()
@@ -369,20 +375,28 @@ async def served_runs(
     as a trainer keeps them (their connections and the gate's spec reused)."""
     from tokcap_vllm.weights import FleetWeightSync, GateWeightClient
 
-    figures: dict[str, list[list[float]]] = {"1 gate": [], "2 gates": []}
+    figures: dict[str, list[list[float]]] = {"1 gate": [], "2 gates": [], "1 gate, http": []}
     copy_s = []
     version = 0
     async with (
         GateWeightClient(urls[0], token) as one,
+        GateWeightClient(urls[0], token, transport="http") as streamed,
         FleetWeightSync([(url, token) for url in urls]) as fleet,
     ):
         await one.spec()
+        await streamed.spec()
         for client in fleet.clients:
             await client.spec()
+        rounds = (
+            ("1 gate", one, urls[:1], None),
+            ("2 gates", one, urls, fleet),
+            ("1 gate, http", streamed, urls[:1], None),
+        )
         for _ in range(pushes):
-            for label, gates, sync in (("1 gate", urls[:1], None), ("2 gates", urls, fleet)):
+            for label, client, gates, sync in rounds:
                 version += 1  # above every gate's, whichever were pushed before
-                figures[label].append(await served_push(one, sync, gates, token, weights, version))
+                push = await served_push(client, sync, gates, token, weights, version)
+                figures[label].append(push)
             started = time.perf_counter()
             copies = {k: v.clone() for k, v in weights.items()}
             copy_s.append(time.perf_counter() - started)
@@ -443,12 +457,13 @@ def main() -> None:
             cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
             small = build_small_model(cache / "small")
             served.append(bench_served("~100M", small, max(2, args.pushes // 2)))
-        print("\nsummary (served, shared memory, same host)")
+        print("\nsummary (served; shared memory on the same host, http as across hosts)")
         for r in served:
             print(
                 f"  {r['model']:6} {r['mb']:7.1f} MB  1 gate {r['1 gate']:7.1f} ms, "
-                f"2 gates {r['2 gates']:7.1f} ms, copy {r['copy_ms']:6.1f} ms "
-                f"({r['1 gate'] / r['copy_ms']:.1f}x / {r['2 gates'] / r['copy_ms']:.1f}x; "
+                f"2 gates {r['2 gates']:7.1f} ms, http {r['1 gate, http']:7.1f} ms, "
+                f"copy {r['copy_ms']:6.1f} ms ({r['1 gate'] / r['copy_ms']:.1f}x / "
+                f"{r['2 gates'] / r['copy_ms']:.1f}x / {r['1 gate, http'] / r['copy_ms']:.1f}x; "
                 f"load {r['load'][0]:.1f})"
             )
         return
