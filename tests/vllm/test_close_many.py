@@ -4,15 +4,18 @@ per rollout, the ledgers' hash chains exactly as single closes leave them."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import types
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 
 import tokcap_vllm.persist as persist
 from tests.vllm._helpers import client, control
+from tokcap_core import Receipt
 from tokcap_core.ledger import CLOSED, Closed, manifest_of
 from tokcap_vllm import (
     CloseResult,
@@ -152,8 +155,6 @@ def test_a_failed_fsync_is_reported_for_every_rollout_of_the_batch(
 def test_a_batch_body_is_checked_whole_and_each_rollout_on_its_own() -> None:
     """No engine: a real gate's control plane over ASGI. Repeated ids refuse the batch
     (422); a bad witness or id fails its own rollout only, with the single close's code."""
-    import httpx
-
     from tokcap_vllm import Gate
     from tokcap_vllm.extend import ControlPlane
 
@@ -194,3 +195,62 @@ def test_a_batch_body_is_checked_whole_and_each_rollout_on_its_own() -> None:
     assert ok["head"]["seq"] >= 1
     assert (bad_id["error"]["status"], bad_id["error"]["code"]) == (400, "bad_rollout_id")
     assert bad_witness["error"]["code"] == "bad_content_fingerprint"
+
+
+class _Wire(httpx.AsyncBaseTransport):
+    """Counts the requests sent; with ``rewrite_heads``, a stand-in for a gate whose batch
+    close answers heads its manifests do not end at (a fault a real gate cannot be made to
+    show): every head hash in the answer is replaced."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, *, rewrite_heads: bool) -> None:
+        self.inner = inner
+        self.rewrite_heads = rewrite_heads
+        self.requests = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests += 1
+        response = await self.inner.handle_async_request(request)
+        body = await response.aread()
+        if self.rewrite_heads and request.url.path.endswith("/close"):
+            answer = json.loads(body)
+            for outcome in answer["results"]:
+                outcome["head"]["hash"] = "0" * 64
+            body = json.dumps(answer).encode()
+        return httpx.Response(response.status_code, content=body)
+
+
+@pytest.mark.parametrize("fault", ["none", "over_bound", "wrong_head"])
+def test_a_batch_close_verifies_the_receipts_it_answers(fault: str) -> None:
+    """No engine: a real gate's control plane over ASGI. ``close_many(receipts=...)`` gives
+    each closed rollout the receipt `fetch_receipts` verifies; a manifest over the gate's
+    bound is left out of the answer and fetched (poisoned ``manifest_too_large``, as a
+    fetch is), and a manifest that does not end at the answered head is poisoned
+    ``unexpected_head``."""
+    from tokcap_vllm import ControlPlaneClient, Gate, GateConfig
+    from tokcap_vllm.extend import ControlPlane
+
+    bound = 64 if fault == "over_bound" else GateConfig().max_manifest_bytes
+    gate = Gate(GateConfig(max_manifest_bytes=bound))
+    rids = ["cm-r-a", "cm-r-b"]
+    for rid in rids:
+        gate.open(rid)
+    plane = ControlPlane(gate, environ={"TOKCAP_CONTROL_TOKEN": "unit-token"})
+    wire = _Wire(httpx.ASGITransport(plane), rewrite_heads=fault == "wrong_head")
+
+    async def main() -> tuple[list[CloseResult], int, list[Receipt]]:
+        async with ControlPlaneClient("http://gate", "unit-token", transport=wire) as cp:
+            closes = [RolloutClose(rollout_id=rid, reward=1.0) for rid in rids]
+            results = await cp.close_many(closes, receipts="terminal")
+            sent = wire.requests
+            heads = {r.rollout_id: r.head_or_raise() for r in results}
+            return results, sent, await cp.fetch_receipts(rids, expected_heads=heads)
+
+    results, sent, fetched = anyio.run(main)
+    assert sent == (1 + len(rids) if fault == "over_bound" else 1)  # left-out ones fetched
+    assert [r.receipt for r in results] == fetched
+    reasons = {
+        "none": "no_terminal",  # opened, no calls
+        "over_bound": "manifest_invalid:manifest_too_large",
+        "wrong_head": "manifest_invalid:unexpected_head",
+    }
+    assert [r.failure_reason for r in fetched] == [reasons[fault]] * 2

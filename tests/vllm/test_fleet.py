@@ -181,3 +181,24 @@ async def test_a_probe_marks_a_gate_that_stopped_answering_lost_and_keeps_one_th
     assert [(r.alive, r.unreachable) for r in fleet.report()] == [(True, 0), (False, 2)]
     with pytest.raises(ValueError, match="not a gate of this fleet"):
         await fleet.probe("http://gate-c:8000")
+
+
+@pytest.mark.anyio
+async def test_a_batch_close_with_receipts_answers_what_fetch_receipts_would(
+    two: Fleet,
+) -> None:
+    """Receipts from the close's own answer are the ones a separate fetch verifies, and a
+    dead gate's rollouts get their ``gate_unreachable`` receipt in the same results."""
+    fleet, hosts = two.fleet, two.hosts
+    rids = await _open_four(fleet, "w")  # w0, w2 on gate-a; w1, w3 on gate-b
+    hosts.down.add("gate-b:8000")
+    closes = [RolloutClose(rollout_id=rid, reward=0.5) for rid in rids]
+    results = await fleet.close_many(closes, receipts="terminal")
+    heads = {r.rollout_id: r.head_or_raise() for r in results}
+    fetched = await fleet.fetch_receipts(rids, expected_heads=heads)
+    assert [r.receipt for r in results] == fetched
+    assert [r.receipt.failure_reason for r in results if r.receipt is not None] == [
+        "no_terminal",
+        "gate_unreachable:ConnectError",
+    ] * 2
+    await fleet.release_many(rids)

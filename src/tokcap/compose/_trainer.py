@@ -6,7 +6,8 @@ trainer does after that, `finish` what it does after its optimizer step:
 
 1. close every rollout with its reward (and the scorer's witness) in one batch per gate,
    sharing one durable ledger write (group commit), keeping the ledger heads;
-2. fetch verified receipts from the control plane, checked against those heads;
+2. verify each rollout's receipt against its head, from the manifest the close answered
+   with (no second round trip; fetched for any the gate left out);
 3. send metadata-only reassembly requests to the Ray pool, with the rewards the *verified
    receipts* carry (the ledger is the one source of truth, never the harness's copy);
 4. let the policy decide each group (accept, replace or drop) and train only accepted
@@ -69,8 +70,14 @@ class ControlPlane(Protocol):
         """Close ``rollout_id`` with its reward and witness; its ledger head."""
         ...
 
-    async def close_many(self, closes: Sequence[RolloutClose]) -> list[CloseResult]:
-        """Close many rollouts with one durable write per gate; one result per rollout."""
+    async def close_many(
+        self,
+        closes: Sequence[RolloutClose],
+        *,
+        receipts: Literal["terminal", "all"] | None = None,
+    ) -> list[CloseResult]:
+        """Close many rollouts with one durable write per gate; one result per rollout
+        (with ``receipts``: each closed one's receipt, verified against its head)."""
         ...
 
     async def release_many(self, rollout_ids: Iterable[str]) -> None:
@@ -120,9 +127,9 @@ class CollectTimings:
     """Seconds `collect` spent in each of its stages."""
 
     close_s: float
-    """Closing every rollout on its gate."""
+    """Closing every rollout on its gate, and verifying the receipts the closes answered."""
     receipts_s: float
-    """Fetching and verifying the receipts."""
+    """Fetching and verifying the receipts the closes did not answer."""
     reassemble_s: float
     """The Ray pool's reassembly and the policy's decisions."""
     rows_s: float
@@ -186,15 +193,18 @@ async def collect(
         )
         for f in finished
     ]
-    heads = {r.rollout_id: r.head_or_raise() for r in await control.close_many(closes)}
+    segments: Literal["terminal", "all"] = capture.segments  # type: ignore[assignment]
+    closed = await control.close_many(closes, receipts=segments)
+    heads = {r.rollout_id: r.head_or_raise() for r in closed}
+    batch.receipts = {r.rollout_id: r.receipt for r in closed if r.receipt is not None}
     t1 = time.perf_counter()
-    receipts = await control.fetch_receipts(
-        list(heads),
-        expected_heads=heads,
-        segments=capture.segments,  # type: ignore[arg-type]
-    )
+    left = [rid for rid in heads if rid not in batch.receipts]
+    if left:  # a control plane that answers no receipts with its closes
+        fetched = await control.fetch_receipts(
+            left, expected_heads={rid: heads[rid] for rid in left}, segments=segments
+        )
+        batch.receipts.update((r.rollout_id, r) for r in fetched)
     t2 = time.perf_counter()
-    batch.receipts = {r.rollout_id: r for r in receipts}
     members: dict[str, list[str]] = {}
     for f in finished:
         members.setdefault(f.group_id, []).append(f.rollout_id)

@@ -22,11 +22,11 @@ __all__ = ["run_step"]
 async def run_step(loop: StepContext, step: int) -> StepRecord:
     """Play, collect, train and push one step; its record (``finish`` left running).
 
-    Each group is collected (closed in one batch, receipts fetched and verified, reassembled,
-    its rows read) as soon as its last rollout has played, while the other groups still
-    generate: what blocks the step is only the work left once the last answer came back
-    (`StepTail`). Nothing is pushed before the step trains, so every row is still sampled by
-    the version being trained.
+    Each group is collected (closed in one batch whose answer carries the manifests,
+    receipts verified, reassembled, its rows read) as soon as its last rollout has played,
+    while the other groups still generate: what blocks the step is only the work left once
+    the last answer came back (`StepTail`). Nothing is pushed before the step trains, so
+    every row is still sampled by the version being trained.
     """
     config = loop.run.config
     clock = _Clock()
@@ -85,7 +85,8 @@ class StepTail:
     last answer; ``capture_verify`` runs from there until every group's receipts are
     verified (declares, closes, receipts still pending); ``reassemble`` until every group's
     rows are read. The per-group work done while other groups were still generating is
-    summed apart (``overlapped``; ``close`` and ``fetch_receipts`` are summed per group).
+    summed apart (``overlapped``; ``close`` and ``fetch_receipts`` are summed per group:
+    ``close`` verifies the receipts its answer carried, ``fetch_receipts`` any it left out).
     """
 
     def __init__(self, started: float, episodes: list[DigitsEpisode]) -> None:

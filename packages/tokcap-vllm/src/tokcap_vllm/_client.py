@@ -19,31 +19,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
+import attrs
 import httpx
 import msgspec
 
-from tokcap_core import (
-    Manifest,
-    Receipt,
-    VerificationError,
-    assemble_receipt,
-    decode_manifest,
-    verify_manifest,
-)
+from tokcap_core import Manifest, Receipt, decode_manifest
 from tokcap_core.errors import ManifestError
-from tokcap_core.ids import StagingKey, staging_key, validate_rollout_id
-from tokcap_core.ledger import MAX_MANIFEST_BYTES, Admitted, genesis_hash
-from tokcap_core.reasons import make_reason
+from tokcap_core.ids import validate_rollout_id
+from tokcap_core.ledger import MAX_MANIFEST_BYTES
 
 from ._closes import CloseResult, RolloutClose, error_of_status, release_all
 from ._http import AsyncClosing, bearer_http
+from ._receipts import manifest_failure, verified_receipt
 from .api import (
     CONTROL_PREFIX,
-    MANIFEST_FAILURE_BUCKET,
     MAX_CLOSE_BATCH,
     CloseBody,
     CloseManyBody,
     CloseManyResponse,
+    CloseOutcome,
     ErrorBody,
     HeadResponse,
     Health,
@@ -183,7 +177,12 @@ class ControlPlaneClient(AsyncClosing):
         body = CloseBody(reward=reward, witnesses=witnesses)
         return await self._post_head(_path(rollout_id, "close"), body)
 
-    async def close_many(self, closes: Sequence[RolloutClose]) -> list[CloseResult]:
+    async def close_many(
+        self,
+        closes: Sequence[RolloutClose],
+        *,
+        receipts: Literal["terminal", "all"] | None = None,
+    ) -> list[CloseResult]:
         """Close many rollouts with ONE durable ledger write on the gate (group commit).
 
         Returns one `CloseResult` per rollout, in order: its durable head, or the typed
@@ -192,6 +191,11 @@ class ControlPlaneClient(AsyncClosing):
         answer (the gate is unreachable after the request left), every rollout's result
         holds that `ControlUnreachable`: whether each closed is then unknown, as for a
         single close. Auth failures raise. Batches over `MAX_CLOSE_BATCH` are sent in parts.
+
+        ``receipts`` (the segments, as in `fetch_receipts`): each closed rollout's result
+        also holds its receipt, verified against its head exactly as `fetch_receipts`
+        would, from the manifest the close answered with (one fetch for a manifest the gate
+        left out); control-plane failures of such a fetch raise.
         """
         ids = [validate_rollout_id(c.rollout_id) for c in closes]
         if len(set(ids)) != len(ids):
@@ -199,7 +203,7 @@ class ControlPlaneClient(AsyncClosing):
         out: list[CloseResult] = []
         for start in range(0, len(closes), MAX_CLOSE_BATCH):
             part = closes[start : start + MAX_CLOSE_BATCH]
-            body = CloseManyBody(rollouts=[c.wire() for c in part])
+            body = CloseManyBody(rollouts=[c.wire() for c in part], manifests=receipts is not None)
             try:
                 data = await self._send(
                     "POST", "close", idempotent=False, body=msgspec.json.encode(body)
@@ -208,8 +212,37 @@ class ControlPlaneClient(AsyncClosing):
                 out.extend(CloseResult(rollout_id=c.rollout_id, error=e) for c in part)
                 continue
             answer = msgspec.json.decode(data, type=CloseManyResponse)
-            out.extend(CloseResult.of(outcome) for outcome in answer.results)
+            out.extend(self._with_receipt(outcome, receipts) for outcome in answer.results)
+        if receipts is not None:
+            await self._fetch_left_out(out, receipts)
         return out
+
+    def _with_receipt(
+        self, outcome: CloseOutcome, segments: Literal["terminal", "all"] | None
+    ) -> CloseResult:
+        result = CloseResult.of(outcome)
+        if segments is None or result.head is None or not outcome.manifest:
+            return result
+        receipt = verified_receipt(
+            result.rollout_id,
+            bytes(outcome.manifest),
+            expected_head=result.head,
+            segments=segments,
+            max_bytes=self.max_manifest_bytes,
+        )
+        return attrs.evolve(result, receipt=receipt)
+
+    async def _fetch_left_out(
+        self, results: list[CloseResult], segments: Literal["terminal", "all"]
+    ) -> None:
+        """Fetch the receipts of closed rollouts whose manifest the close left out."""
+        left = {i: r for i, r in enumerate(results) if r.head is not None and r.receipt is None}
+        if not left:
+            return
+        heads = {r.rollout_id: r.head_or_raise() for r in left.values()}
+        fetched = await self.fetch_receipts(list(heads), expected_heads=heads, segments=segments)
+        for (index, result), receipt in zip(left.items(), fetched, strict=True):
+            results[index] = attrs.evolve(result, receipt=receipt)
 
     async def release_many(self, rollout_ids: Iterable[str]) -> None:
         """`release` every rollout, concurrently (``max_concurrency``); the first error raises
@@ -234,20 +267,18 @@ class ControlPlaneClient(AsyncClosing):
         try:
             data = await self.manifest_bytes(rollout_id)
         except (ControlNotFound, ManifestError) as e:
-            return _manifest_failure(rollout_id, e.code, None)
+            return manifest_failure(rollout_id, e.code)
         except ControlRequestError as e:
             if e.status != 413:
                 raise
-            return _manifest_failure(rollout_id, e.code, None)
-        manifest = None
-        try:
-            manifest = decode_manifest(data, max_bytes=self.max_manifest_bytes)
-            if manifest.rollout_id != rollout_id:
-                raise VerificationError("wrong_rollout", "the gate served another rollout")
-            state = verify_manifest(manifest, expected_head=expected_head)
-        except VerificationError as e:
-            return _manifest_failure(rollout_id, e.code, manifest)
-        return assemble_receipt(state, segments=segments)
+            return manifest_failure(rollout_id, e.code)
+        return verified_receipt(
+            rollout_id,
+            data,
+            expected_head=expected_head,
+            segments=segments,
+            max_bytes=self.max_manifest_bytes,
+        )
 
     async def fetch_receipts(
         self,
@@ -359,37 +390,3 @@ class ControlPlaneClient(AsyncClosing):
 def _path(rollout_id: str, action: str | None = None) -> str:
     validate_rollout_id(rollout_id)  # the grammar has no character that needs quoting
     return f"rollouts/{rollout_id}" + (f"/{action}" if action else "")
-
-
-def _manifest_failure(rollout_id: str, code: str, manifest: Manifest | None) -> Receipt:
-    """A poisoned receipt for a rollout whose manifest is missing or does not verify."""
-    return poisoned_receipt(rollout_id, make_reason(MANIFEST_FAILURE_BUCKET, code), manifest)
-
-
-def poisoned_receipt(rollout_id: str, reason: str, manifest: Manifest | None = None) -> Receipt:
-    """A poisoned receipt with ``reason`` for a rollout whose manifest cannot be trusted.
-
-    Its ``sink_keys`` are the staging keys the (unverified) manifest admitted, if any, so
-    cleanup can still free them (clearing an absent key is harmless).
-    """
-    keys: tuple[StagingKey, ...] = ()
-    head = (0, genesis_hash(rollout_id))
-    if manifest is not None and manifest.rollout_id == rollout_id:
-        keys = tuple(
-            staging_key(rollout_id, e.event.call_id)
-            for e in manifest.entries
-            if isinstance(e.event, Admitted)
-        )
-        head = manifest.head
-    return Receipt(
-        rollout_id=rollout_id,
-        status="poisoned",
-        failure_reason=reason,
-        terminal_call_id=None,
-        terminal_selection=None,
-        segments=(),
-        ledger_head=head,
-        reward=None,
-        sink_keys=keys,
-        break_causes=(),
-    )

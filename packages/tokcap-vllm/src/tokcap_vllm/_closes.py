@@ -16,6 +16,8 @@ from typing import Any
 import anyio
 import attrs
 
+from tokcap_core import Receipt
+
 from .api import CloseManyItem, CloseOutcome, WitnessBody
 from .errors import (
     ControlAuthError,
@@ -73,6 +75,8 @@ class CloseResult:
     rollout_id: str
     head: tuple[int, str] | None = None
     error: ControlPlaneError | None = None
+    receipt: Receipt | None = None
+    """With ``close_many(receipts=…)``: the rollout's receipt, verified against ``head``."""
 
     @property
     def ok(self) -> bool:

@@ -12,7 +12,9 @@ Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``)
 - ``POST close`` `CloseManyBody` — close many rollouts with ONE durable write (group
   commit: they close concurrently, then one fsync covers every head); the answer holds one
   `CloseOutcome` per rollout, in order: its head, or the status and code its own close
-  would have answered (a rollout that failed never hides the others' heads)
+  would have answered (a rollout that failed never hides the others' heads); with
+  ``manifests``, each closed rollout's manifest too (the bytes of ``GET …/manifest``,
+  left out over the manifest bound), saving the trainer a request per rollout
 - ``DELETE rollouts/{id}`` — the gate forgets a closed rollout (sink keys are the trainer's)
 
 Statuses: 400 bad JSON or id, a duplicated ``Authorization`` header, or a token in the
@@ -26,6 +28,7 @@ and never appears in a log line, ``repr``, metric or error.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 from collections.abc import Iterator, Mapping
@@ -175,7 +178,7 @@ class ControlPlane:
                 return await self._release(rollout_id)
             if action == "manifest":
                 _allow(method, "GET")
-                return self._manifest(rollout_id)
+                return _Reply(self._manifest(rollout_id))
             if action == "terminal":
                 _allow(method, "POST")
                 return self._terminal(rollout_id, await _body(receive, TerminalBody))
@@ -231,14 +234,24 @@ class ControlPlane:
         items = [RolloutItem(rollout_id=rid, state=s) for rid, s in page]  # type: ignore[arg-type]
         return _json(RolloutPage(rollouts=items, next_cursor=next_cursor))
 
-    def _manifest(self, rollout_id: RolloutId) -> _Reply:
+    def _manifest(self, rollout_id: str) -> bytes:
+        """The manifest's bytes; `TooLarge` over the gate's bound."""
         body = encode_manifest(manifest_of(self.gate.ledger(rollout_id)))
         bound = self.gate.config.max_manifest_bytes
         if len(body) > bound:
             raise TooLarge(
                 "manifest_too_large", f"the manifest is {len(body)} bytes, the bound is {bound}"
             )
-        return _Reply(body)
+        return body
+
+    def _closed_outcome(self, rollout_id: str, head: Head, manifests: bool) -> CloseOutcome:
+        """A closed rollout's answer in a batch close, with its manifest if asked and within
+        the bound (over it, the trainer's ``GET …/manifest`` gets the 413)."""
+        outcome = CloseOutcome(rollout_id=rollout_id, head=head)
+        if manifests:  # set only when present: an empty Raw would be encoded as nothing
+            with contextlib.suppress(TooLarge):
+                outcome.manifest = msgspec.Raw(self._manifest(rollout_id))
+        return outcome
 
     def _terminal(self, rollout_id: RolloutId, body: TerminalBody) -> _Reply:
         if (body.call_id is None) == (body.response_id is None):
@@ -278,7 +291,7 @@ class ControlPlane:
             asked_id = items[index].rollout_id
             if isinstance(answer, tuple):
                 head = Head(seq=answer[0], hash=answer[1])
-                results[index] = CloseOutcome(rollout_id=asked_id, head=head)
+                results[index] = self._closed_outcome(asked_id, head, body.manifests)
                 continue
             results[index] = _outcome(asked_id, _as_gate_error(answer))
         return _json(CloseManyResponse(results=[r for r in results if r is not None]))

@@ -28,9 +28,10 @@ from tokcap_core.ids import StagingKey, validate_rollout_id
 from tokcap_core.ledger import genesis_hash
 from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
 
-from ._client import ControlPlaneClient, poisoned_receipt
+from ._client import ControlPlaneClient
 from ._closes import CloseResult, RolloutClose, release_all
 from ._http import AsyncClosing
+from ._receipts import poisoned_receipt
 from .errors import ControlNotFound, ControlPlaneError, ControlUnreachable
 
 __all__ = ["FleetGateReport", "GateFleet"]
@@ -204,12 +205,18 @@ class GateFleet(AsyncClosing):
         gate.closed += 1
         return head
 
-    async def close_many(self, closes: Sequence[RolloutClose]) -> list[CloseResult]:
+    async def close_many(
+        self,
+        closes: Sequence[RolloutClose],
+        *,
+        receipts: Literal["terminal", "all"] | None = None,
+    ) -> list[CloseResult]:
         """`ControlPlaneClient.close_many` on every owning gate at once (one durable write per
         gate); one result per rollout, in order.
 
         A lost rollout, or one on a gate that stops answering now, gets the genesis head as
-        in `close` (its receipt is poisoned ``gate_unreachable``).
+        in `close` (its receipt is poisoned ``gate_unreachable``: with ``receipts``, the
+        result holds that receipt).
         """
         by_gate: dict[int, list[int]] = {}
         for index, c in enumerate(closes):
@@ -218,7 +225,15 @@ class GateFleet(AsyncClosing):
 
         async def one_gate(gate: _Gate, indexes: list[int]) -> None:
             asked = [i for i in indexes if closes[i].rollout_id not in self._lost]
-            results = await gate.client.close_many([closes[i] for i in asked])
+            try:
+                results = await gate.client.close_many(
+                    [closes[i] for i in asked], receipts=receipts
+                )
+            except ControlUnreachable as gone:  # a left-out manifest's fetch found it gone
+                if gone.code != _UNREACHABLE:
+                    raise
+                self._gate_lost(gate, gone, also=[closes[i].rollout_id for i in asked])
+                results = []
             for index, result in zip(asked, results, strict=True):
                 rid = result.rollout_id
                 e = result.error
@@ -229,9 +244,12 @@ class GateFleet(AsyncClosing):
                     gate.closed += 1
                 out[index] = result
             for index in indexes:
-                if out[index] is None:
-                    rid = closes[index].rollout_id
-                    out[index] = CloseResult(rollout_id=rid, head=(0, genesis_hash(rid)))
+                rid = closes[index].rollout_id
+                result = out[index] or CloseResult(rollout_id=rid, head=(0, genesis_hash(rid)))
+                if receipts is not None and result.receipt is None and rid in self._lost:
+                    lost = poisoned_receipt(rid, self._lost[rid])
+                    result = attrs.evolve(result, receipt=lost)
+                out[index] = result
 
         async with anyio.create_task_group() as tg:
             for indexes in by_gate.values():

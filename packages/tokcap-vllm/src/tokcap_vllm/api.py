@@ -95,11 +95,14 @@ class CloseManyItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     witnesses: WitnessBody | None = None
 
 
-class CloseManyBody(msgspec.Struct, forbid_unknown_fields=True):
+class CloseManyBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """``POST /tokcap/v1/close``: close every rollout listed with one durable write
     (distinct ids, at most `MAX_CLOSE_BATCH`)."""
 
     rollouts: list[CloseManyItem]
+    manifests: bool = False
+    """Answer each closed rollout's manifest too (`CloseOutcome.manifest`), so the trainer
+    verifies its receipt without another request."""
 
 
 class CloseProblem(msgspec.Struct):
@@ -117,6 +120,10 @@ class CloseOutcome(msgspec.Struct, omit_defaults=True):
     rollout_id: str
     head: Head | None = None
     error: CloseProblem | None = None
+    manifest: msgspec.Raw = msgspec.Raw()
+    """With ``manifests`` asked: the closed rollout's manifest, exactly the bytes ``GET
+    …/manifest`` answers (empty when not asked, or over the gate's manifest bound: fetch
+    it then)."""
 
 
 class CloseManyResponse(msgspec.Struct):
