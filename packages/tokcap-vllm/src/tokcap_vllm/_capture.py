@@ -7,10 +7,11 @@ next one attaches is the rollout's `tokcap_vllm._planning.ParentIndex`.
 Per captured request: `enter` joins the rollout, holds the call's idempotency key and
 request id (or finds the earlier call to answer again), plans it against the parent index and
 appends ``Admitted``; the engine runs on the admitted ids (`CaptureHost`);
-`engine_finished` starts the sink write at once; `respond` (just before the response's
-last byte) makes the call a parent and schedules its commit, which appends ``Staged`` once
-the sink acknowledged, or ``Failed(served=True)`` if it did not. A call whose response
-never completed is `abandon`-ed (``Failed(served=False)``, its staged row cleared).
+`engine_finished` starts the sink write at once (`StageWriter` batches the writes of calls
+that finish together); `respond` (just before the response's last byte) makes the call a
+parent and schedules its commit, which appends ``Staged`` once the sink acknowledged, or
+``Failed(served=True)`` if it did not. A call whose response never completed is
+`abandon`-ed (``Failed(served=False)``, its staged row cleared).
 
 Containment: nothing that goes wrong with one call reaches the task group the gate
 serves. A sink failure, a ledger refusal (``ledger_refused``) or an unexpected error
@@ -50,6 +51,7 @@ from ._planning import ChatPlan, Observed, ParentIndex, PlannedRequest
 from ._records import GateCall, answerable
 from ._responses import ResponsesTurn
 from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
+from ._stage_writer import StageWriter
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
 from .errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
@@ -82,6 +84,8 @@ class CapturePath:
         """The watched weight state (`Gate.watch_weights`)."""
         self.kv_kept: set[int] = set()
         """Versions whose push let calls in flight keep their older KV (push mode ``keep``)."""
+        self.stager = StageWriter(sink, config.capture.stage_timeout_s, self._written)
+        """Writes staged calls to the sink, batching those that finish together."""
 
     async def enter(
         self,
@@ -216,22 +220,18 @@ class CapturePath:
             call.stage_error = call.stage_error or "gate_not_serving"
             call.sink_done.set()
             return
-        self.tg.start_soon(self._guarded, self._stage, call)
+        self.stager.write(call, self.tg)
 
-    async def _stage(self, call: GateCall) -> None:
-        assert call.staged is not None
-        started = time.perf_counter()
-        try:
-            with anyio.fail_after(self.config.capture.stage_timeout_s):
-                await self.sink.put([call.staged])
-        except TimeoutError:
-            call.stage_error = "timeout"
-        except Exception as e:  # the sink's failure is recorded for this rollout alone
-            call.stage_error = getattr(e, "code", None) or type(e).__name__
-        finally:
-            call.sink_done.set()
+    async def _written(self, calls: list[GateCall], seconds: float) -> None:
+        """Tell the observers each call's sink write (a failing observer: that rollout's)."""
+
+        async def tell(call: GateCall) -> None:
+            assert call.staged is not None
             for hook in self.observers:
-                hook.on_sink_write(call.staged, time.perf_counter() - started, call.stage_error)
+                hook.on_sink_write(call.staged, seconds, call.stage_error)
+
+        for call in calls:
+            await self._guarded(tell, call)
 
     def respond(self, call: GateCall, seen: Observed) -> None:
         """The harness got the whole response (``seen``): index the call as a parent, commit
