@@ -78,7 +78,7 @@ async def train_steps(
 ) -> None:
     """Run every step of ``loop`` (sync or async, `LoopConfig.mode`), recording each one,
     with a watchdog on the event loop's lag."""
-    lag, cpu = LagWatch(), CpuMeter()
+    lag, cpu = LagWatch(log=stages.log), CpuMeter()
 
     async def stamp(record: StepRecord) -> StepRecord:
         """Add the step's engine-busy seconds, calls in flight and CPU seconds."""
