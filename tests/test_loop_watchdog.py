@@ -28,21 +28,27 @@ def test_a_stall_names_the_blocking_frame_and_is_logged() -> None:
     anyio.run(main)
     (stall,) = watch.stalls
     assert stall.samples > 0
-    assert not stall.starved
+    assert stall.cause == "blocked"
     assert any("_a_blocking_call_on_the_loop" in frame for frame in stall.stack)
     assert watch.run_ms == stall.lag_ms >= 100.0
     (line,) = logged
     assert "_a_blocking_call_on_the_loop" in line
 
 
-def test_a_loop_that_waited_in_its_selector_was_starved_not_blocked() -> None:
-    watch = LagWatch(keep=2)
-    idle = ("asyncio/base_events.py:1 _run_once", "selectors.py:468 select")
+def test_a_stall_s_cause_follows_the_cpu_the_loop_and_the_process_got() -> None:
+    logged: list[str] = []
+    watch = LagWatch(keep=2, log=logged.append)
     busy = ("asyncio/base_events.py:1 _run_once", "tokcap/x.py:3 decode")
-    assert watch.record(300.0, [idle, idle]).starved
-    blocked = watch.record(500.0, [idle, busy, busy])
-    assert (blocked.starved, blocked.stack, blocked.samples) == (False, busy, 3)
+    blocked = watch.record(300.0, [busy, busy], loop_cpu_ms=280.0, process_cpu_ms=300.0)
+    assert (blocked.cause, blocked.stack, blocked.samples) == ("blocked", busy, 2)
     assert "tokcap/x.py:3 decode" in blocked.culprit()
-    watch.record(100.0, [])  # the sampler saw nothing: kept, not called starved
+    gil = watch.record(500.0, [], loop_cpu_ms=20.0, process_cpu_ms=450.0)
+    assert (gil.cause, gil.stack) == ("gil", ())
+    idle = ("asyncio/base_events.py:1 _run_once", "selectors.py:468 select")
+    assert watch.record(100.0, [idle], loop_cpu_ms=5.0, process_cpu_ms=10.0).cause == "cpu"
     assert [s.lag_ms for s in watch.stalls] == [500.0, 300.0]
-    assert (watch.stall_count, watch.stalls[1].culprit().endswith("loop idle")) == (3, True)
+    # a stall the sampler saw at leisure in one call: a blocking call, on the CPU or not
+    assert watch.record(260.0, [busy] * 3, loop_cpu_ms=1.0).cause == "blocked"
+    assert watch.causes == {"blocked": 2, "gil": 1, "cpu": 1}
+    assert len(logged) == 2  # the run's worst so far only
+    assert "worst: event loop stalled 500 ms (gil): no sample" in watch.summary()

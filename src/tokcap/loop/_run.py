@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import openai
+from rich.markup import escape
 
 from tokcap_vllm import GateFleet
 
@@ -78,7 +79,7 @@ async def train_steps(
 ) -> None:
     """Run every step of ``loop`` (sync or async, `LoopConfig.mode`), recording each one,
     with a watchdog on the event loop's lag."""
-    lag, cpu = LagWatch(log=stages.log), CpuMeter()
+    lag, cpu = LagWatch(log=lambda line: stages.log(escape(f"[tokcap] {line}"))), CpuMeter()
 
     async def stamp(record: StepRecord) -> StepRecord:
         """Add the step's engine-busy seconds, calls in flight and CPU seconds."""
@@ -96,6 +97,7 @@ async def train_steps(
             await _sync_steps(loop, stages, on_step, lag, stamp)
         watch.cancel_scope.cancel()
     loop.run.loop_lag_ms_max = lag.run_ms
+    stages.log(escape(f"[tokcap] {lag.summary()}"))
 
 
 async def _sync_steps(

@@ -8,11 +8,14 @@ driver takes the window's maximum after each step (`take`).
 A lag alone does not say what to fix, so while `run` watches, a sampling thread looks at
 the loop every ``sample_s``: when the loop has not woken for ``stall_ms`` past its tick, it
 records the loop thread's Python stack (``sys._current_frames``) until the loop wakes
-again. Each such stall becomes a `Stall` naming its most sampled stack (the culprit),
-logged through ``log`` when it ends; `stalls` keeps the worst. A stall whose samples all
-show the loop thread inside the selector's wait was not blocked by the loop's own code:
-the thread was ready but did not run (another thread held the GIL, or the box's CPUs were
-busy elsewhere): `Stall.starved`.
+again. Each such stall becomes a `Stall` naming its most sampled stack and the CPU time
+the loop thread and the whole process got meanwhile; a stall that is the run's worst so
+far is logged through ``log``, and `stalls` keeps the worst. The CPU times say who is to
+blame when the stack does not: a loop thread on the CPU for most of the stall, or one the
+sampler saw (at leisure) in the same call outside its selector, was busy with its own work
+(``blocked``: the stack names it); one that got little CPU while the process got much
+waited for the GIL another thread held (``gil``); a process that got little CPU was
+starved by the box (``cpu``: other processes on its cores).
 """
 
 from __future__ import annotations
@@ -24,35 +27,50 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import anyio
 
 __all__ = ["LagWatch", "Stall"]
 
-_IDLE_FRAMES = ("select", "poll")
-"""Leaf functions of a loop thread that waits in its selector for I/O or timers."""
+Cause = Literal["blocked", "gil", "cpu"]
+
+_BUSY = 0.5
+"""A thread on the CPU for at least this share of a stall was busy, not waiting."""
 
 
 @dataclass(frozen=True, slots=True)
 class Stall:
     """One time the event loop woke ``lag_ms`` late: the loop thread's most sampled stack
-    (outermost first, ``file:line function``) over ``samples`` samples."""
+    (outermost first, ``file:line function``; empty: the sampler never ran), and the CPU
+    time the loop thread and the process got during the stall."""
 
     lag_ms: float
     stack: tuple[str, ...]
     samples: int
-    starved: bool
-    """Every sample showed the loop waiting in its selector: starved (GIL or CPU), not
-    blocked by its own code."""
+    loop_cpu_ms: float
+    process_cpu_ms: float
+    expected: int = 1
+    """The samples a sampler that ran freely would have taken."""
+
+    @property
+    def cause(self) -> Cause:
+        """``blocked`` (the loop's own work: on the CPU, or in a blocking call the sampler
+        saw at leisure), ``gil`` (another thread of the process ran) or ``cpu`` (the
+        process did not run): see the module."""
+        if self.loop_cpu_ms >= _BUSY * self.lag_ms:
+            return "blocked"
+        if self.samples >= _BUSY * self.expected and self.stack and not _idle(self.stack):
+            return "blocked"
+        return "gil" if self.process_cpu_ms >= _BUSY * self.lag_ms else "cpu"
 
     def culprit(self) -> str:
-        """One line: the stall and the innermost frames of its stack."""
-        where = (
-            "starved (GIL or CPU), loop idle"
-            if self.starved
-            else " <- ".join(reversed(self.stack[-4:]))
+        """One line: the stall, its cause, where the loop was, the CPU it got."""
+        where = " <- ".join(reversed(self.stack[-2:])) if self.stack else "no sample"
+        return (
+            f"event loop stalled {self.lag_ms:.0f} ms ({self.cause}): {where}; CPU meanwhile: "
+            f"loop thread {self.loop_cpu_ms:.0f} ms, process {self.process_cpu_ms:.0f} ms"
         )
-        return f"event loop stalled {self.lag_ms:.0f} ms ({self.samples} samples): {where}"
 
 
 class LagWatch:
@@ -77,7 +95,8 @@ class LagWatch:
         self.run_ms = 0.0
         self.stalls: list[Stall] = []
         """The worst stalls of the run (at most ``keep``), worst first."""
-        self.stall_count = 0
+        self.causes: Counter[Cause] = Counter()
+        """Every stall of the run, by cause."""
         self._beat = time.perf_counter()
         self._samples: list[tuple[str, ...]] = []
 
@@ -91,17 +110,39 @@ class LagWatch:
         lag, self.window_ms = self.window_ms, 0.0
         return lag
 
-    def record(self, lag_ms: float, samples: list[tuple[str, ...]]) -> Stall:
-        """A stall of ``lag_ms`` from the loop thread's sampled stacks: kept if among the
-        worst, logged."""
-        stack = Counter(samples).most_common(1)[0][0] if samples else ()
-        starved = bool(samples) and all(_idle(s) for s in samples)
-        stall = Stall(lag_ms=lag_ms, stack=stack, samples=len(samples), starved=starved)
-        self.stall_count += 1
+    def record(
+        self,
+        lag_ms: float,
+        samples: list[tuple[str, ...]],
+        *,
+        loop_cpu_ms: float = 0.0,
+        process_cpu_ms: float = 0.0,
+    ) -> Stall:
+        """A stall of ``lag_ms`` from the loop thread's sampled stacks and CPU times: counted,
+        kept if among the worst, logged if the worst so far."""
+        stall = Stall(
+            lag_ms=lag_ms,
+            stack=Counter(samples).most_common(1)[0][0] if samples else (),
+            samples=len(samples),
+            loop_cpu_ms=loop_cpu_ms,
+            process_cpu_ms=process_cpu_ms,
+            expected=max(1, int((lag_ms - self.stall_ms) / (self.sample_s * 1e3))),
+        )
+        worst = not self.stalls or lag_ms > self.stalls[0].lag_ms
+        self.causes[stall.cause] += 1
         self.stalls = sorted([*self.stalls, stall], key=lambda s: -s.lag_ms)[: self.keep]
-        if self.log is not None:
-            self.log(f"[tokcap] {stall.culprit()}")
+        if worst and self.log is not None:
+            self.log(stall.culprit())
         return stall
+
+    def summary(self) -> str:
+        """One line over the run: the stalls by cause and the worst one."""
+        if not self.stalls:
+            return f"event loop: no stall over {self.stall_ms:.0f} ms"
+        causes = ", ".join(f"{n} {cause}" for cause, n in self.causes.most_common())
+        return f"event loop: stalls over {self.stall_ms:.0f} ms: {causes}; worst: " + (
+            self.stalls[0].culprit()
+        )
 
     async def run(self) -> None:
         """Watch until cancelled (with the sampling thread while it runs)."""
@@ -116,16 +157,25 @@ class LagWatch:
         sampler.start()
         try:
             while True:
-                start = time.perf_counter()
+                start, loop_cpu, process_cpu = (
+                    time.perf_counter(),
+                    time.thread_time(),
+                    time.process_time(),
+                )
                 self._beat = start
                 await anyio.sleep(self.tick_s)
                 woke = time.perf_counter()
-                lag_ms = max(0.0, (woke - start - self.tick_s) * 1e3)
                 self._beat = woke
                 samples, self._samples = self._samples, []
+                lag_ms = max(0.0, (woke - start - self.tick_s) * 1e3)
                 self.note(lag_ms)
                 if lag_ms >= self.stall_ms:
-                    self.record(lag_ms, samples)
+                    self.record(
+                        lag_ms,
+                        samples,
+                        loop_cpu_ms=(time.thread_time() - loop_cpu) * 1e3,
+                        process_cpu_ms=(time.process_time() - process_cpu) * 1e3,
+                    )
         finally:
             stop.set()
             sampler.join()
@@ -146,12 +196,13 @@ def _stack(frame: object) -> tuple[str, ...]:
     return tuple(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in summary)
 
 
+def _idle(stack: tuple[str, ...]) -> bool:
+    """The loop thread waits in its selector (for I/O or a timer)."""
+    return stack[-1].rsplit(" ", 1)[-1] in ("select", "poll")
+
+
 def _short(path: str) -> str:
     for marker in ("site-packages/", "/src/", "/lib/python"):
         if marker in path:
             return path.split(marker, 1)[1]
     return path
-
-
-def _idle(stack: tuple[str, ...]) -> bool:
-    return bool(stack) and stack[-1].rsplit(" ", 1)[-1] in _IDLE_FRAMES
