@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,6 +52,9 @@ class Stall:
     process_cpu_ms: float
     expected: int = 1
     """The samples a sampler that ran freely would have taken."""
+    others: tuple[str, ...] = ()
+    """The process's other threads seen outside a wait during the stall (``thread: file:line
+    function``, most often seen first): who may have held the GIL."""
 
     @property
     def cause(self) -> Cause:
@@ -67,10 +70,11 @@ class Stall:
     def culprit(self) -> str:
         """One line: the stall, its cause, where the loop was, the CPU it got."""
         where = " <- ".join(reversed(self.stack[-2:])) if self.stack else "no sample"
-        return (
+        line = (
             f"event loop stalled {self.lag_ms:.0f} ms ({self.cause}): {where}; CPU meanwhile: "
             f"loop thread {self.loop_cpu_ms:.0f} ms, process {self.process_cpu_ms:.0f} ms"
         )
+        return line + (f"; other threads busy: {', '.join(self.others[:3])}" if self.others else "")
 
 
 class LagWatch:
@@ -99,6 +103,7 @@ class LagWatch:
         """Every stall of the run, by cause."""
         self._beat = time.perf_counter()
         self._samples: list[tuple[str, ...]] = []
+        self._others: list[str] = []
 
     def note(self, lag_ms: float) -> None:
         """Record one observed lag."""
@@ -117,6 +122,7 @@ class LagWatch:
         *,
         loop_cpu_ms: float = 0.0,
         process_cpu_ms: float = 0.0,
+        others: Sequence[str] = (),
     ) -> Stall:
         """A stall of ``lag_ms`` from the loop thread's sampled stacks and CPU times: counted,
         kept if among the worst, logged if the worst so far."""
@@ -127,6 +133,7 @@ class LagWatch:
             loop_cpu_ms=loop_cpu_ms,
             process_cpu_ms=process_cpu_ms,
             expected=max(1, int((lag_ms - self.stall_ms) / (self.sample_s * 1e3))),
+            others=tuple(name for name, _ in Counter(others).most_common()),
         )
         worst = not self.stalls or lag_ms > self.stalls[0].lag_ms
         self.causes[stall.cause] += 1
@@ -167,6 +174,7 @@ class LagWatch:
                 woke = time.perf_counter()
                 self._beat = woke
                 samples, self._samples = self._samples, []
+                others, self._others = self._others, []
                 lag_ms = max(0.0, (woke - start - self.tick_s) * 1e3)
                 self.note(lag_ms)
                 if lag_ms >= self.stall_ms:
@@ -175,6 +183,7 @@ class LagWatch:
                         samples,
                         loop_cpu_ms=(time.thread_time() - loop_cpu) * 1e3,
                         process_cpu_ms=(time.process_time() - process_cpu) * 1e3,
+                        others=others,
                     )
         finally:
             stop.set()
@@ -186,14 +195,27 @@ class LagWatch:
             late_ms = (time.perf_counter() - self._beat - self.tick_s) * 1e3
             if late_ms < self.stall_ms:
                 continue
-            frame = sys._current_frames().get(loop_thread)
+            frames = sys._current_frames()
+            frame = frames.pop(loop_thread, None)
             if frame is not None:
                 self._samples.append(_stack(frame))
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, other in frames.items():
+                if ident != threading.get_ident() and other.f_code.co_name not in _WAITS:
+                    leaf = _stack(other)[-1]
+                    self._others.append(f"{names.get(ident, ident)}: {leaf}")
 
 
 def _stack(frame: object) -> tuple[str, ...]:
     summary = traceback.extract_stack(frame)  # type: ignore[arg-type]
     return tuple(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in summary)
+
+
+_WAITS = frozenset(
+    {"wait", "select", "poll", "sleep", "acquire", "get", "recv", "recv_into", "accept",
+     "_wait_for_tstate_lock", "read", "readinto", "run_forever", "_run_once", "join", "worker"}
+)  # fmt: skip
+"""Leaf functions of a thread that waits (on a lock, a queue, a socket, a timer)."""
 
 
 def _idle(stack: tuple[str, ...]) -> bool:
