@@ -10,7 +10,8 @@ the loop every ``sample_s``: when the loop has not woken for ``stall_ms`` past i
 records the loop thread's Python stack (``sys._current_frames``) until the loop wakes
 again. Each such stall becomes a `Stall` naming its most sampled stack and the CPU time
 the loop thread and the whole process got meanwhile; a stall that is the run's worst so
-far is logged through ``log``, and `stalls` keeps the worst. The CPU times say who is to
+far, or one the loop's own work caused, is logged through ``log``; `stalls` keeps the
+worst. The CPU times say who is to
 blame when the stack does not: a loop thread on the CPU for most of the stall, or one the
 sampler saw (at leisure) in the same call outside its selector, was busy with its own work
 (``blocked``: the stack names it); one that got little CPU while the process got much
@@ -125,7 +126,7 @@ class LagWatch:
         others: Sequence[str] = (),
     ) -> Stall:
         """A stall of ``lag_ms`` from the loop thread's sampled stacks and CPU times: counted,
-        kept if among the worst, logged if the worst so far."""
+        kept if among the worst, logged if the worst so far or ``blocked``."""
         stall = Stall(
             lag_ms=lag_ms,
             stack=Counter(samples).most_common(1)[0][0] if samples else (),
@@ -138,7 +139,7 @@ class LagWatch:
         worst = not self.stalls or lag_ms > self.stalls[0].lag_ms
         self.causes[stall.cause] += 1
         self.stalls = sorted([*self.stalls, stall], key=lambda s: -s.lag_ms)[: self.keep]
-        if worst and self.log is not None:
+        if (worst or stall.cause == "blocked") and self.log is not None:
             self.log(stall.culprit())
         return stall
 
@@ -213,7 +214,7 @@ def _stack(frame: object) -> tuple[str, ...]:
 
 _WAITS = frozenset(
     {"wait", "select", "poll", "sleep", "acquire", "get", "recv", "recv_into", "accept",
-     "_wait_for_tstate_lock", "read", "readinto", "run_forever", "_run_once", "join", "worker"}
+     "_wait_for_tstate_lock", "read", "readinto", "run_forever", "_run_once", "join", "_worker"}
 )  # fmt: skip
 """Leaf functions of a thread that waits (on a lock, a queue, a socket, a timer)."""
 
