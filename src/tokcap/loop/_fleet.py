@@ -23,14 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
-
 from tokcap_core import CaptureConfig, ConfigError, TokcapError
 from tokcap_tq import TQSink
 from tokcap_vllm import GateFleet
 from tokcap_vllm.weights import FleetWeightSync
 
-from ..compose import FleetRun, gate_versions, push_to_live_gates, run_on_fleet
+from ..compose import FleetRun, drop_dead_gates, push_to_live_gates, run_on_fleet
 from ..demo import QWEN_VLLM_ARGS
 from ._run import Training
 from ._step import Pushed
@@ -51,7 +49,7 @@ def run_fleet(training: Training, sink: TQSink, capture: CaptureConfig) -> None:
 
         async def push(trainer: Any) -> Pushed:
             if trainer.version > pushed[-1]:
-                await _probe_all(fleet, weights)
+                await drop_dead_gates(fleet, weights)
                 await push_to_live_gates(fleet, weights, trainer.weights(), trainer.version)
                 pushed.append(trainer.version)
             return await _pushed(fleet, weights)
@@ -73,22 +71,13 @@ def run_fleet(training: Training, sink: TQSink, capture: CaptureConfig) -> None:
     )
 
 
-async def _probe_all(fleet: GateFleet, weights: FleetWeightSync) -> None:
-    """Probe every gate the sync pushes to (`GateFleet.probe`: one that does not answer is
-    marked lost, its open rollouts poisoned), then stop pushing to the lost ones."""
-    async with anyio.create_task_group() as tg:
-        for client in weights.clients:
-            tg.start_soon(fleet.probe, client.base_url)
-    await gate_versions(fleet, weights)
-
-
 async def _pushed(fleet: GateFleet, weights: FleetWeightSync) -> Pushed:
     """Every live gate's version now; the label is the engines' one label (else all). A
     gate that stopped answering since the push is dropped first."""
     try:
         infos = await weights.infos()
     except TokcapError:
-        await _probe_all(fleet, weights)
+        await drop_dead_gates(fleet, weights)
         infos = await weights.infos()
     labels = sorted({info.engine_version for info in infos})
     return Pushed(
