@@ -52,7 +52,7 @@ def test_a_stall_s_cause_follows_the_cpu_the_loop_and_the_process_got() -> None:
     logged: list[str] = []
     watch = LagWatch(keep=2, log=logged.append)
     busy = ("asyncio/base_events.py:1 _run_once", "tokcap/x.py:3 decode")
-    blocked = watch.record(300.0, [busy, busy], loop_cpu_ms=280.0, process_cpu_ms=300.0)
+    blocked = watch.record(300.0, [busy, busy], loop_cpu_ms=290.0, process_cpu_ms=300.0)
     assert (blocked.cause, blocked.stack, blocked.samples) == ("blocked", busy, 2)
     assert "tokcap/x.py:3 decode" in blocked.culprit()
     gil = watch.record(500.0, [], loop_cpu_ms=20.0, process_cpu_ms=450.0)
@@ -62,6 +62,11 @@ def test_a_stall_s_cause_follows_the_cpu_the_loop_and_the_process_got() -> None:
     assert [s.lag_ms for s in watch.stalls] == [500.0, 300.0]
     # a stall the sampler saw at leisure in one call: a blocking call, on the CPU or not
     assert watch.record(260.0, [busy] * 3, loop_cpu_ms=1.0).cause == "blocked"
-    assert watch.causes == {"blocked": 2, "gil": 1, "cpu": 1}
+    # many small calls, the loop on the CPU half the time and the process all of it: the
+    # loop waited its turn for the GIL
+    other = ("asyncio/base_events.py:1 _run_once", "uuid.py:723 uuid4")
+    shared = watch.record(400.0, [busy, other], loop_cpu_ms=190.0, process_cpu_ms=380.0)
+    assert shared.cause == "gil"
+    assert watch.causes == {"blocked": 2, "gil": 2, "cpu": 1}
     assert len(logged) == 3  # the worst so far, and every one the loop caused
     assert "worst: event loop stalled 500 ms (gil): no sample" in watch.summary()

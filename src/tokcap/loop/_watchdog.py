@@ -12,11 +12,12 @@ again. Each such stall becomes a `Stall` naming its most sampled stack and the C
 the loop thread and the whole process got meanwhile; a stall that is the run's worst so
 far, or one the loop's own work caused, is logged through ``log``; `stalls` keeps the
 worst. The CPU times say who is to
-blame when the stack does not: a loop thread on the CPU for most of the stall, or one the
-sampler saw (at leisure) in the same call outside its selector, was busy with its own work
-(``blocked``: the stack names it); one that got little CPU while the process got much
-waited for the GIL another thread held (``gil``); a process that got little CPU was
-starved by the box (``cpu``: other processes on its cores).
+blame when the stack does not: a loop thread the sampler saw (at leisure) in one call for
+most of the stall, or one on the CPU for most of it, was busy with its own work
+(``blocked``: the stack names it); one that got part of the CPU while the process got
+much waited its turn for the GIL other threads held (``gil``: `Stall.others` names them);
+a process that got little CPU was starved by the box (``cpu``: other processes on its
+cores).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ __all__ = ["LagWatch", "Stall"]
 Cause = Literal["blocked", "gil", "cpu"]
 
 _BUSY = 0.5
-"""A thread on the CPU for at least this share of a stall was busy, not waiting."""
+"""A process on the CPU, or a call sampled, for at least this share of a stall held it."""
+_OWN = 0.8
+"""A loop thread on the CPU for this share of a stall was busy with its own work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +56,20 @@ class Stall:
     process_cpu_ms: float
     expected: int = 1
     """The samples a sampler that ran freely would have taken."""
+    stack_samples: int = 0
+    """The samples that showed ``stack``."""
     others: tuple[str, ...] = ()
     """The process's other threads seen outside a wait during the stall (``thread: file:line
     function``, most often seen first): who may have held the GIL."""
 
     @property
     def cause(self) -> Cause:
-        """``blocked`` (the loop's own work: on the CPU, or in a blocking call the sampler
-        saw at leisure), ``gil`` (another thread of the process ran) or ``cpu`` (the
-        process did not run): see the module."""
-        if self.loop_cpu_ms >= _BUSY * self.lag_ms:
+        """``blocked`` (the loop's own work: one call seen in at least half the samples a
+        free sampler takes, or the loop thread on the CPU for most of the stall), ``gil``
+        (the process ran, the loop waited its turn) or ``cpu`` (the process did not run)."""
+        if self.stack and not _idle(self.stack) and self.stack_samples >= _BUSY * self.expected:
             return "blocked"
-        if self.samples >= _BUSY * self.expected and self.stack and not _idle(self.stack):
+        if self.loop_cpu_ms >= _OWN * self.lag_ms:
             return "blocked"
         return "gil" if self.process_cpu_ms >= _BUSY * self.lag_ms else "cpu"
 
@@ -127,9 +132,11 @@ class LagWatch:
     ) -> Stall:
         """A stall of ``lag_ms`` from the loop thread's sampled stacks and CPU times: counted,
         kept if among the worst, logged if the worst so far or ``blocked``."""
+        top = Counter(samples).most_common(1)
         stall = Stall(
             lag_ms=lag_ms,
-            stack=Counter(samples).most_common(1)[0][0] if samples else (),
+            stack=top[0][0] if top else (),
+            stack_samples=top[0][1] if top else 0,
             samples=len(samples),
             loop_cpu_ms=loop_cpu_ms,
             process_cpu_ms=process_cpu_ms,
