@@ -87,7 +87,7 @@ async def train_steps(
         record.seconds.update(await cpu.take())
         return record
 
-    async with openai.DefaultAsyncHttpxClient() as loop.http, anyio.create_task_group() as watch:
+    async with _harness_http() as loop.http, anyio.create_task_group() as watch:
         watch.start_soon(lag.run)
         await cpu.start()
         loop.busy.take()
@@ -116,3 +116,21 @@ async def _sync_steps(
             if on_step is not None:
                 on_step(record)
             advance(1)
+
+
+HARNESS_KEEPALIVE_S = 2.0
+"""How long the harness keeps an idle connection to a gate: shorter than the gate's own
+keep-alive (vLLM's default 5 s), so it never sends a call on a connection the gate is
+closing (a reset, taken for a dead gate)."""
+
+
+def _harness_http() -> openai.DefaultAsyncHttpxClient:
+    """The harness's shared HTTP client: openai's defaults, idle connections kept less long."""
+    limits = openai.DEFAULT_CONNECTION_LIMITS
+    return openai.DefaultAsyncHttpxClient(
+        limits=type(limits)(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=HARNESS_KEEPALIVE_S,
+        )
+    )
