@@ -39,6 +39,8 @@ Cause = Literal["blocked", "gil", "cpu"]
 
 _BUSY = 0.5
 """A process on the CPU, or a call sampled, for at least this share of a stall held it."""
+_MIN_SEEN = 3
+"""Fewer samples of one call than this say nothing (a stall just over the threshold)."""
 _OWN = 0.8
 """A loop thread on the CPU for this share of a stall was busy with its own work."""
 
@@ -67,7 +69,8 @@ class Stall:
         """``blocked`` (the loop's own work: one call seen in at least half the samples a
         free sampler takes, or the loop thread on the CPU for most of the stall), ``gil``
         (the process ran, the loop waited its turn) or ``cpu`` (the process did not run)."""
-        if self.stack and not _idle(self.stack) and self.stack_samples >= _BUSY * self.expected:
+        seen = self.stack_samples >= max(_MIN_SEEN, _BUSY * self.expected)
+        if self.stack and not _idle(self.stack) and seen:
             return "blocked"
         if self.loop_cpu_ms >= _OWN * self.lag_ms:
             return "blocked"
