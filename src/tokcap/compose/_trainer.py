@@ -47,6 +47,7 @@ __all__ = [
     "FinishTimings",
     "Finished",
     "clear_orphaned",
+    "close_verified",
     "collect",
     "finish",
 ]
@@ -177,6 +178,26 @@ class Batch:
         return sum(r.ok for r in self.receipts.values())
 
 
+async def close_verified(
+    control: ControlPlane, closes: Sequence[RolloutClose], capture: CaptureConfig
+) -> dict[str, Receipt]:
+    """Close ``closes`` in one batch and return every rollout's receipt by id, each
+    verified against the head its close answered: the receipts come in the close's reply,
+    and any the control plane did not answer (a manifest over the gate's bound, or a
+    control plane that answers none) are fetched and verified the same way."""
+    segments: Literal["terminal", "all"] = capture.segments  # type: ignore[assignment]
+    closed = await control.close_many(closes, receipts=segments)
+    heads = {r.rollout_id: r.head_or_raise() for r in closed}
+    receipts = {r.rollout_id: r.receipt for r in closed if r.receipt is not None}
+    left = [rid for rid in heads if rid not in receipts]
+    if left:
+        fetched = await control.fetch_receipts(
+            left, expected_heads={rid: heads[rid] for rid in left}, segments=segments
+        )
+        receipts.update((r.rollout_id, r) for r in fetched)
+    return receipts
+
+
 async def collect(
     control: ControlPlane,
     pool: ReassemblerPool,
@@ -193,18 +214,8 @@ async def collect(
         )
         for f in finished
     ]
-    segments: Literal["terminal", "all"] = capture.segments  # type: ignore[assignment]
-    closed = await control.close_many(closes, receipts=segments)
-    heads = {r.rollout_id: r.head_or_raise() for r in closed}
-    batch.receipts = {r.rollout_id: r.receipt for r in closed if r.receipt is not None}
-    t1 = time.perf_counter()
-    left = [rid for rid in heads if rid not in batch.receipts]
-    if left:  # a control plane that answers no receipts with its closes
-        fetched = await control.fetch_receipts(
-            left, expected_heads={rid: heads[rid] for rid in left}, segments=segments
-        )
-        batch.receipts.update((r.rollout_id, r) for r in fetched)
-    t2 = time.perf_counter()
+    batch.receipts = await close_verified(control, closes, capture)
+    t1 = t2 = time.perf_counter()  # the receipts came with the closes
     members: dict[str, list[str]] = {}
     for f in finished:
         members.setdefault(f.group_id, []).append(f.rollout_id)

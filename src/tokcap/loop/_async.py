@@ -54,7 +54,7 @@ from tokcap_tq import TQGroupBuffer
 from tokcap_vllm import RolloutClose
 
 from .._stages import Stages
-from ..compose import Batch, clear_orphaned
+from ..compose import Batch, clear_orphaned, close_verified
 from ._staleness import SkipCount, StalenessPolicy
 from ._step import StepContext, StepRecord, play_group, step_record
 from ._task import WITNESSES, DigitsEpisode, group_prompt
@@ -246,17 +246,12 @@ async def _collect(loop: StepContext, pumps: _Pumps, buffer: TQGroupBuffer, grou
         )
         for e in group.episodes
     ]
-    # one request per gate, one shared fsync (group commit)
-    heads = {r.rollout_id: r.head_or_raise() for r in await stack.control.close_many(closes)}
+    # one request per gate, one shared fsync (group commit); the receipts come with it
+    by_id = await close_verified(stack.control, closes, capture)
     ids = group.rollout_ids
-    group.receipts = await stack.control.fetch_receipts(
-        ids,
-        expected_heads=heads,
-        segments=capture.segments,  # type: ignore[arg-type]
-    )
+    group.receipts = [by_id[r] for r in ids]
     verified = time.perf_counter()
     group.seconds["capture_verify"] = verified - start
-    by_id = {r.rollout_id: r for r in group.receipts}
     await buffer.reserve(group.group_id, ids, loop.trainer.version, pumps.steps_done)
     group.finalized = await stack.pool.submit(
         ReassemblyRequest(

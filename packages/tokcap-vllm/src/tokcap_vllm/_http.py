@@ -10,6 +10,9 @@ import httpx
 
 __all__ = ["AsyncClosing", "bearer_http", "each_concurrently"]
 
+KEEPALIVE_S = 2.0
+"""Seconds a control-plane client keeps an idle connection (under the gate's 5 s)."""
+
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -17,12 +20,20 @@ _R = TypeVar("_R")
 def bearer_http(
     base_url: str, token: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None
 ) -> httpx.AsyncClient:
-    """A connection pool that sends ``token`` in the ``authorization`` header only."""
+    """A connection pool that sends ``token`` in the ``authorization`` header only.
+
+    Idle connections are dropped after `KEEPALIVE_S`, before a gate drops them (vLLM's
+    server keeps them 5 s by default): a request sent on a connection the server is
+    closing is reset, and a reset close or release would be taken for a dead gate.
+    """
     return httpx.AsyncClient(
         base_url=base_url,
         headers={"authorization": f"Bearer {token}"},
         timeout=timeout_s,
         transport=transport,
+        limits=httpx.Limits(
+            max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S
+        ),  # httpx's defaults but the expiry
     )
 
 
