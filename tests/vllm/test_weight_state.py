@@ -209,6 +209,16 @@ def test_a_full_push_passes_in_its_own_order_and_equal_tied_copies_are_fine() ->
     assert all(t.is_contiguous() for _, t in checked)
 
 
+def test_finite_weights_whose_sum_overflows_pass_the_check() -> None:
+    weights = full()
+    weights["b.weight"] = torch.full((3,), 3e38)  # finite; their float32 sum is inf
+    assert [name for name, _ in check_push(weights, SPEC, tied=TIED)] == list(weights)
+    weights["b.weight"] = torch.tensor([3e38, float("inf"), -3e38])
+    with pytest.raises(WeightPushError) as info:
+        check_push(weights, SPEC, tied=TIED)
+    assert info.value.code == "non_finite_weights"
+
+
 def test_chunks_carry_the_raw_bytes_and_split_on_the_size_bound() -> None:
     tensors = [
         ("x", torch.arange(4, dtype=torch.float32)),

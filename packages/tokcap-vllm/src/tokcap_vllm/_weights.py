@@ -150,10 +150,13 @@ def check_push(
 
 def _finite(tensor: torch.Tensor) -> bool:
     """One reduction pass, no copy: a NaN or inf anywhere makes the float32 sum non-finite
-    (20x faster than ``isfinite().all()`` here; only a sum past 3e38 would alarm falsely)."""
+    (20x faster than ``isfinite().all()`` here). A non-finite sum of finite values (past
+    3e38) is told apart by the exact element-wise check, run only then."""
     import torch
 
-    return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
+    if torch.isfinite(tensor.sum(dtype=torch.float32)):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 def _chunks(
