@@ -48,6 +48,7 @@ __all__ = [
     "TOKEN_ENV",
     "FleetGate",
     "FleetRun",
+    "drop_dead_gates",
     "fleet_gates",
     "fleet_token",
     "gate_entries",
@@ -142,6 +143,22 @@ async def push_to_live_gates(
             raise
         await _drop_lost(fleet, weights)
         return await weights.push(state, version)
+
+
+async def drop_dead_gates(fleet: GateFleet, weights: FleetWeightSync) -> list[str]:
+    """Probe every gate ``weights`` pushes to (`GateFleet.probe`: one that does not answer
+    is marked lost, its open rollouts poisoned ``gate_unreachable``), stop pushing to the
+    lost ones, and return their URLs. What a trainer runs before a push while the gates
+    serve (``--async``): a push that fails on a gate nobody knew was dead holds every gate
+    (captured calls answer 503) until it is pushed again without it. `WeightPushError`
+    ``no_gates`` when none answers."""
+    async with anyio.create_task_group() as tg:
+        for client in weights.clients:
+            tg.start_soon(fleet.probe, client.base_url)
+    before = [c.base_url for c in weights.clients]
+    await _drop_lost(fleet, weights)
+    kept = {c.base_url for c in weights.clients}
+    return [url for url in before if url not in kept]
 
 
 async def _drop_lost(fleet: GateFleet, weights: FleetWeightSync) -> None:

@@ -40,10 +40,14 @@ SERVED_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30",
 }
 """What every served gate's environment adds: vLLM's RL routes (the weight pushes) and its
 engine core in its own process, as the served weight-push tests run it (a trainer process
-started by ``tokcap`` has set the in-process default, 0, that its children would inherit)."""
+started by ``tokcap`` has set the in-process default, 0, that its children would inherit).
+The keep-alive outlives the clients' (httpx keeps an idle connection 5 s, vLLM's uvicorn by
+default 5 s too): with equal timeouts a request sent on a connection the server is closing
+gets a reset (``ReadError``), which a trainer takes for a dead gate."""
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ from ._staleness import STALE, LoopError, Provenance, SkipCount, StalenessPolicy
 from ._summary import build_train_summary, print_train_summary, tokcap_share, train_problems
 from ._sync import StepTail
 from ._task import HARNESS_APIS, MORE, SYSTEM, DigitsEpisode, HarnessApi, tool_response
-from ._watchdog import LagWatch
+from ._watchdog import LagWatch, Stall
 
 __all__ = [
     "HARNESS_APIS",
@@ -29,6 +29,7 @@ __all__ = [
     "Provenance",
     "SkipCount",
     "StalenessPolicy",
+    "Stall",
     "StepRecord",
     "StepTail",
     "TrainRun",

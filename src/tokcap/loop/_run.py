@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import openai
+from rich.markup import escape
 
 from tokcap_vllm import GateFleet
 
@@ -78,7 +79,7 @@ async def train_steps(
 ) -> None:
     """Run every step of ``loop`` (sync or async, `LoopConfig.mode`), recording each one,
     with a watchdog on the event loop's lag."""
-    lag, cpu = LagWatch(), CpuMeter()
+    lag, cpu = LagWatch(log=lambda line: stages.log(escape(f"[tokcap] {line}"))), CpuMeter()
 
     async def stamp(record: StepRecord) -> StepRecord:
         """Add the step's engine-busy seconds, calls in flight and CPU seconds."""
@@ -86,7 +87,7 @@ async def train_steps(
         record.seconds.update(await cpu.take())
         return record
 
-    async with openai.DefaultAsyncHttpxClient() as loop.http, anyio.create_task_group() as watch:
+    async with _harness_http() as loop.http, anyio.create_task_group() as watch:
         watch.start_soon(lag.run)
         await cpu.start()
         loop.busy.take()
@@ -96,6 +97,7 @@ async def train_steps(
             await _sync_steps(loop, stages, on_step, lag, stamp)
         watch.cancel_scope.cancel()
     loop.run.loop_lag_ms_max = lag.run_ms
+    stages.log(escape(f"[tokcap] {lag.summary()}"))
 
 
 async def _sync_steps(
@@ -114,3 +116,21 @@ async def _sync_steps(
             if on_step is not None:
                 on_step(record)
             advance(1)
+
+
+HARNESS_KEEPALIVE_S = 2.0
+"""How long the harness keeps an idle connection to a gate: shorter than the gate's own
+keep-alive (vLLM's default 5 s), so it never sends a call on a connection the gate is
+closing (a reset, taken for a dead gate)."""
+
+
+def _harness_http() -> openai.DefaultAsyncHttpxClient:
+    """The harness's shared HTTP client: openai's defaults, idle connections kept less long."""
+    limits = openai.DEFAULT_CONNECTION_LIMITS
+    return openai.DefaultAsyncHttpxClient(
+        limits=type(limits)(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=HARNESS_KEEPALIVE_S,
+        )
+    )
