@@ -22,15 +22,16 @@ Served gates (``--served``; the deployment shape): for the tiny model and
 file read by both), each client kept across pushes as a trainer keeps it (its connections,
 the gate's spec and its push file reused), timed from the trainer's call until it returns:
 vLLM's reload, the version label, the prefix-cache reset and the resume included, so the
-engine serves the new version (checked: ``/weight_info`` reports it). Split into check,
-stage (write the file) and swap (pause ... resume). ``1 gate, http``: the same push with
-``transport="http"`` (the bytes streamed in the request body, what gates on other hosts
-take), here over loopback: a floor for a real network, which adds the bytes' time on the
-wire. Against an in-memory ``clone`` of the same state dict, same run. The first round is
-the trainer's first push (its push file and the engine's reload buffers are new): printed
-on its own line, ``cold``, and left out of the medians, which are the steady state a
-trainer pushing step after step sees. The swap of the 1-gate push is split further by
-route (the time of each HTTP call, seen from the trainer).
+engine serves the new version (checked: ``/weight_info`` reports it). Split into check +
+stage (the finite-values check runs while the file is written) and swap (pause ...
+resume). ``1 gate, http``: the same push with ``transport="http"`` (the bytes streamed in
+the request body, what gates on other hosts take), here over loopback: a floor for a real
+network, which adds the bytes' time on the wire. Against an in-memory ``clone`` of the
+same state dict, same run. The first round is the trainer's first push (its push file and
+the engine's reload buffers are new): printed on its own line, ``cold``, and left out of
+the medians, which are the steady state a trainer pushing step after step sees. The swap
+of the 1-gate push is split further by route (the time of each HTTP call, seen from the
+trainer).
 
 Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large] [--served]``.
 """
@@ -342,29 +343,27 @@ async def served_push(
 ) -> list[float]:
     """One push to every gate in ``urls`` through the trainer's long-lived client (``gate``:
     a `GateWeightClient` for one gate; ``fleet``: a `FleetWeightSync` for several): [total,
-    check, stage, swap] seconds (the fleet's steps run concurrently per gate; check and
-    stage are shared, so only the total is split out for one gate)."""
+    check + stage, swap] seconds (the check runs while the file is written; the fleet's
+    steps run concurrently per gate, so only the total is split out for one gate)."""
     import httpx
 
     start = time.perf_counter()
     if gate.transport == "http":  # the bytes streamed in the request body, as across hosts
         await gate.push(weights, version)
         end = time.perf_counter()
-        split = [float("nan")] * 3
-    elif fleet is None:
+        split = [float("nan")] * 2
+    elif fleet is None:  # what `GateWeightClient.push` does, timed step by step
         await gate.check_version(version)
-        tensors = await gate.check(weights)
-        checked = time.perf_counter()
-        staged = await gate.stage(tensors)  # into the client's push file, kept for the next
+        staged = await gate.check_and_stage(weights)  # the finite check while writing the file
         staging = time.perf_counter()
         await gate.swap(staged, version)
         await gate.release()
         end = time.perf_counter()
-        split = [checked - start, staging - checked, end - staging]
+        split = [staging - start, end - staging]
     else:
         await fleet.push(weights, version)
         end = time.perf_counter()
-        split = [float("nan")] * 3
+        split = [float("nan")] * 2
     async with httpx.AsyncClient(headers={"authorization": f"Bearer {token}"}) as http:
         for url in urls:  # the engine serves the new version
             label = await http.get(url + "/weight_info")
@@ -467,7 +466,7 @@ def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
         out[label + " cold"] = cold[0] * 1e3
         print(f"{'push, ' + label:30}{total * 1e3:10.1f}{total / copy:9.1f}")
         if label == "1 gate":
-            for i, part in enumerate(("check", "stage (write shm file)", "swap (reload, resume)")):
+            for i, part in enumerate(("check + stage (shm file)", "swap (reload, resume)")):
                 seconds = med(r[i + 1] for r in runs)
                 print(f"{'  ' + part:30}{seconds * 1e3:10.1f}{seconds / copy:9.1f}")
             for path, times in routes.seconds.items():
