@@ -20,11 +20,6 @@ Worker side (`TokcapShmWeightTransferEngine`), driven by vLLM's worker:
   exactly the spec: a partial push leaves a fused layer half-initialised (NaN, measured).
   Then vLLM's layerwise reload (initialise, ``model.load_weights``, finalise), the path
   ``reload_weights(is_checkpoint_format=True)`` takes: CPU repacking included.
-  That reload allocates a layer's worth of fresh tensors per layer, and oneDNN's repacked
-  weights, on every push: with glibc's defaults most of those are ``mmap``-ed and returned
-  to the kernel when freed, so every push pays a page fault (a zeroed page) per 4 KiB
-  twice over, which cost more than the copies (~5x the reload, measured). The engine keeps
-  its freed heap memory for the next push instead (`_keep_freed_memory`, at start-up).
   A finish with nothing staged loads nothing and succeeds: vLLM's worker leaves its
   update flag set when a finish raises (the next start then fails), and such an empty
   finish is how a client clears it.
@@ -50,13 +45,10 @@ Importing this module imports vLLM and torch::
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
@@ -120,7 +112,6 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
         model: torch.nn.Module,
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        _keep_freed_memory()
         self._staged: dict[str, torch.Tensor] = {}
         self._spec: dict[str, TensorSpec] | None = None
 
@@ -172,33 +163,6 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
     def shutdown(self) -> None:
         """Drop anything staged."""
         self._staged = {}
-
-
-_M_TRIM_THRESHOLD: Final = -1
-_M_MMAP_THRESHOLD: Final = -3
-_MMAP_THRESHOLD_MAX: Final = 32 << 20
-"""glibc's ceiling for ``M_MMAP_THRESHOLD`` on 64-bit hosts: blocks above it stay mmap-ed."""
-_TRIM_THRESHOLD: Final = 1 << 30
-
-
-def _keep_freed_memory() -> bool:
-    """Make this process's glibc allocator serve blocks up to 32 MiB from its heap and keep
-    up to 1 GiB of freed heap rather than hand it back to the kernel, so a reload reuses
-    pages it already faulted in. False where there is no glibc (nothing changed).
-
-    A reload frees and re-allocates the same sizes layer after layer, push after push;
-    glibc's default (a dynamic mmap threshold, trimming above 128 KiB) returns most of it
-    to the kernel, and taking it back costs a zeroed page per 4 KiB.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others: no mallopt
-        return False
-    heap = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-    return bool(heap and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
 
 
 class StateDictSource(WeightSource):
