@@ -22,11 +22,16 @@ Served gates (``--served``; the deployment shape): for the tiny model and
 file read by both), each client kept across pushes as a trainer keeps it (its connections,
 the gate's spec and its push file reused), timed from the trainer's call until it returns:
 vLLM's reload, the version label, the prefix-cache reset and the resume included, so the
-engine serves the new version (checked: ``/weight_info`` reports it). Split into check,
-stage (write the file) and swap (pause ... resume). ``1 gate, http``: the same push with
-``transport="http"`` (the bytes streamed in the request body, what gates on other hosts
-take), here over loopback: a floor for a real network, which adds the bytes' time on the
-wire. Against an in-memory ``clone`` of the same state dict, same run.
+engine serves the new version (checked: ``/weight_info`` reports it). Split into check +
+stage (the finite-values check runs while the file is written) and swap (pause ...
+resume). ``1 gate, http``: the same push with ``transport="http"`` (the bytes streamed in
+the request body, what gates on other hosts take), here over loopback: a floor for a real
+network, which adds the bytes' time on the wire. Against an in-memory ``clone`` of the
+same state dict, same run. The first round is the trainer's first push (its push file and
+the engine's reload buffers are new): printed on its own line, ``cold``, and left out of
+the medians, which are the steady state a trainer pushing step after step sees. The swap
+of the 1-gate push is split further by route (the time of each HTTP call, seen from the
+trainer).
 
 Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large] [--served]``.
 """
@@ -44,7 +49,7 @@ from array import array
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 for _name, _value in {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -338,29 +343,27 @@ async def served_push(
 ) -> list[float]:
     """One push to every gate in ``urls`` through the trainer's long-lived client (``gate``:
     a `GateWeightClient` for one gate; ``fleet``: a `FleetWeightSync` for several): [total,
-    check, stage, swap] seconds (the fleet's steps run concurrently per gate; check and
-    stage are shared, so only the total is split out for one gate)."""
+    check + stage, swap] seconds (the check runs while the file is written; the fleet's
+    steps run concurrently per gate, so only the total is split out for one gate)."""
     import httpx
 
     start = time.perf_counter()
     if gate.transport == "http":  # the bytes streamed in the request body, as across hosts
         await gate.push(weights, version)
         end = time.perf_counter()
-        split = [float("nan")] * 3
-    elif fleet is None:
+        split = [float("nan")] * 2
+    elif fleet is None:  # what `GateWeightClient.push` does, timed step by step
         await gate.check_version(version)
-        tensors = await gate.check(weights)
-        checked = time.perf_counter()
-        staged = await gate.stage(tensors)  # into the client's push file, kept for the next
+        staged = await gate.check_and_stage(weights)  # the finite check while writing the file
         staging = time.perf_counter()
         await gate.swap(staged, version)
         await gate.release()
         end = time.perf_counter()
-        split = [checked - start, staging - checked, end - staging]
+        split = [staging - start, end - staging]
     else:
         await fleet.push(weights, version)
         end = time.perf_counter()
-        split = [float("nan")] * 3
+        split = [float("nan")] * 2
     async with httpx.AsyncClient(headers={"authorization": f"Bearer {token}"}) as http:
         for url in urls:  # the engine serves the new version
             label = await http.get(url + "/weight_info")
@@ -368,18 +371,43 @@ async def served_push(
     return [end - start, *split]
 
 
+class TimedTransport:
+    """An httpx transport that records how long each request took, by path."""
+
+    def __init__(self) -> None:
+        import httpx
+
+        self.inner = httpx.AsyncHTTPTransport()
+        self.seconds: dict[str, list[float]] = {}
+        self.recording = False
+
+    async def handle_async_request(self, request: Any) -> Any:
+        start = time.perf_counter()
+        response = await self.inner.handle_async_request(request)  # its headers: work done
+        if self.recording:
+            self.seconds.setdefault(request.url.path, []).append(time.perf_counter() - start)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 async def served_runs(
-    urls: list[str], token: str, weights: Any, pushes: int
+    urls: list[str], token: str, weights: Any, pushes: int, routes: TimedTransport
 ) -> tuple[dict[str, list[list[float]]], list[float]]:
     """``pushes`` rounds of (1 gate, 2 gates, in-memory clone), clients kept across pushes
-    as a trainer keeps them (their connections and the gate's spec reused)."""
+    as a trainer keeps them (their connections and the gate's spec reused); the first
+    round's pushes come first in each list. ``routes`` times the 1-gate client's requests
+    after the first round."""
+    import httpx
+
     from tokcap_vllm.weights import FleetWeightSync, GateWeightClient
 
     figures: dict[str, list[list[float]]] = {"1 gate": [], "2 gates": [], "1 gate, http": []}
     copy_s = []
     version = 0
     async with (
-        GateWeightClient(urls[0], token) as one,
+        GateWeightClient(urls[0], token, http=cast(httpx.AsyncBaseTransport, routes)) as one,
         GateWeightClient(urls[0], token, transport="http") as streamed,
         FleetWeightSync([(url, token) for url in urls]) as fleet,
     ):
@@ -392,11 +420,13 @@ async def served_runs(
             ("2 gates", one, urls, fleet),
             ("1 gate, http", streamed, urls[:1], None),
         )
-        for _ in range(pushes):
+        for round_ in range(pushes):
+            routes.recording = round_ > 0
             for label, client, gates, sync in rounds:
                 version += 1  # above every gate's, whichever were pushed before
                 push = await served_push(client, sync, gates, token, weights, version)
                 figures[label].append(push)
+                routes.recording = False  # the 1-gate client's own pushes only
             started = time.perf_counter()
             copies = {k: v.clone() for k, v in weights.items()}
             copy_s.append(time.perf_counter() - started)
@@ -416,11 +446,13 @@ def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
     megabytes = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
     token = secrets.token_hex(16)
     print(f"\n== served {name}: {megabytes:.0f} MB; starting 2 gates ...", flush=True)
+    pushes = max(2, pushes)  # the first is reported apart
     procs, urls = start_gates(model_dir, 2, token)
     med = statistics.median
+    routes = TimedTransport()
     try:
         load = os.getloadavg()
-        figures, copy_s = asyncio.run(served_runs(urls, token, weights, pushes))
+        figures, copy_s = asyncio.run(served_runs(urls, token, weights, pushes, routes))
         load = tuple(max(a, b) for a, b in zip(load, os.getloadavg(), strict=True))
     finally:
         stop_all(procs)
@@ -428,15 +460,23 @@ def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
     print(f"load average (1, 5, 15 min; the higher of start and end): {load}")
     print(f"{'':30}{'median ms':>10}{'x copy':>9}")
     out: dict[str, Any] = {"model": name, "mb": megabytes, "copy_ms": copy * 1e3, "load": load}
-    for label, runs in figures.items():
+    for label, (cold, *runs) in figures.items():
         total = med(r[0] for r in runs)
         out[label] = total * 1e3
+        out[label + " cold"] = cold[0] * 1e3
         print(f"{'push, ' + label:30}{total * 1e3:10.1f}{total / copy:9.1f}")
         if label == "1 gate":
-            for i, part in enumerate(("check", "stage (write shm file)", "swap (reload, resume)")):
+            for i, part in enumerate(("check + stage (shm file)", "swap (reload, resume)")):
                 seconds = med(r[i + 1] for r in runs)
                 print(f"{'  ' + part:30}{seconds * 1e3:10.1f}{seconds / copy:9.1f}")
+            for path, times in routes.seconds.items():
+                if path.startswith("/tokcap/v1/weights"):
+                    continue  # check_version's and release's, not the swap's
+                seconds = med(times)
+                print(f"{'    ' + path:30}{seconds * 1e3:10.1f}{seconds / copy:9.1f}")
     print(f"{'baseline: in-memory clone':30}{copy * 1e3:10.1f}{1.0:9.1f}")
+    colds = ", ".join(f"{label} {out[label + ' cold']:.1f}" for label in figures)
+    print(f"first push (cold; not in the medians), ms: {colds}")
     return out
 
 
@@ -456,7 +496,7 @@ def main() -> None:
         if not args.skip_large:
             cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
             small = build_small_model(cache / "small")
-            served.append(bench_served("~100M", small, max(2, args.pushes // 2)))
+            served.append(bench_served("~100M", small, max(3, args.pushes // 2 + 1)))
         print("\nsummary (served; shared memory on the same host, http as across hosts)")
         for r in served:
             print(

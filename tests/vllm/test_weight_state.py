@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcap_vllm._shm import write_push_file as _write_file
+from tokcap_vllm._weight_client import StagedPush, check_while_staging
 from tokcap_vllm._weight_state import begin, fail, succeed
 from tokcap_vllm._weights import _chunks
 from tokcap_vllm.weights import (
@@ -20,6 +21,7 @@ from tokcap_vllm.weights import (
     WeightPhase,
     WeightPushError,
     WeightState,
+    WeightSyncError,
     check_push,
     expected_spec,
     read_checkpoint_spec,
@@ -207,6 +209,49 @@ def test_a_full_push_passes_in_its_own_order_and_equal_tied_copies_are_fine() ->
     checked = check_push(weights, SPEC, tied=TIED)
     assert [name for name, _ in checked] == list(weights)
     assert all(t.is_contiguous() for _, t in checked)
+
+
+def test_finite_weights_whose_sum_overflows_pass_the_check() -> None:
+    weights = full()
+    weights["b.weight"] = torch.full((3,), 3e38)  # finite; their float32 sum is inf
+    assert [name for name, _ in check_push(weights, SPEC, tied=TIED)] == list(weights)
+    weights["b.weight"] = torch.tensor([3e38, float("inf"), -3e38])
+    with pytest.raises(WeightPushError) as info:
+        check_push(weights, SPEC, tied=TIED)
+    assert info.value.code == "non_finite_weights"
+
+
+@pytest.mark.parametrize(
+    ("values", "stage_fails", "expected"),
+    [
+        ([1.0, 2.0], False, None),
+        ([1.0, float("nan")], False, "non_finite_weights"),
+        ([1.0, float("nan")], True, "non_finite_weights"),  # the refusal wins
+        ([1.0, 2.0], True, "stage_failed"),
+    ],
+)
+def test_the_finite_check_run_while_staging_refuses_whatever_the_staging_did(
+    values: list[float], stage_fails: bool, expected: str | None
+) -> None:
+    tensors = [("w", torch.tensor(values))]
+    written: list[object] = []
+
+    async def stage(ts: object) -> StagedPush:
+        written.append(ts)
+        if stage_fails:
+            raise WeightSyncError("stage_failed", "disk full")
+        return StagedPush("/dev/shm/tokcap-push-x", [], owned_here=True)
+
+    async def main() -> StagedPush:
+        return await check_while_staging(tensors, stage)
+
+    if expected is None:
+        assert anyio.run(main).path == "/dev/shm/tokcap-push-x"
+    else:
+        with pytest.raises((WeightPushError, WeightSyncError)) as info:
+            anyio.run(main)
+        assert info.value.code == expected
+    assert written == [tensors]
 
 
 def test_chunks_carry_the_raw_bytes_and_split_on_the_size_bound() -> None:

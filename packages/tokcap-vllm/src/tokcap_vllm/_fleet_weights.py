@@ -19,6 +19,7 @@ push after push, removed by `aclose`); with ``"http"`` each gate gets its own up
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,9 +31,9 @@ from tokcap_core import TokcapError
 from ._guarded_routes import WeightInfo
 from ._http import AsyncClosing, each_concurrently
 from ._shm import SHM_DIR, PushFile
-from ._weight_client import GateWeightClient, PushTransport, StagedPush
+from ._weight_client import GateWeightClient, PushTransport, StagedPush, check_while_staging
 from ._weight_state import WeightPushError, WeightSyncError
-from ._weights import PushMode
+from ._weights import PushMode, check_push
 
 if TYPE_CHECKING:
     import torch
@@ -151,8 +152,7 @@ class FleetWeightSync(AsyncClosing):
             try:
                 await client.check_version(version)
                 async with lock:  # one check and one file for gates that agree on the spec
-                    tensors = await _checked(client, weights, checked)
-                    staged = await self._stage(client, tensors, shared)
+                    staged = await self._check_and_stage(client, weights, checked, shared)
                 await client.swap(staged, version)
                 outcomes[i] = GateOutcome(client.base_url, None)
             except TokcapError as e:
@@ -179,19 +179,39 @@ class FleetWeightSync(AsyncClosing):
             raise error
         return await self._release_all()
 
-    async def _stage(
+    async def _check_and_stage(
         self,
         client: GateWeightClient,
-        tensors: Sequence[tuple[str, torch.Tensor]],
+        weights: Mapping[str, torch.Tensor],
+        checked: list[tuple[object, list[tuple[str, torch.Tensor]]]],
         shared: list[StagedPush],
     ) -> StagedPush:
-        """Shared memory: one file for the fleet (the first gate to get here writes it)."""
+        """Shared memory: one file for the fleet, written by the first gate to get here while
+        its finite-values check runs (`check_while_staging`); the file is the fleet's, so a
+        push refused there reached no gate."""
         if client.transport != "shm" or client.shm_dir != self.shm_dir:
-            return await client.stage(tensors)
-        if not shared:
+            return await client.stage(await _checked(client, weights, checked))
+        if shared:
+            await _checked(client, weights, checked)
+            return shared[0]
+        spec = await client.spec()
+        tensors = await anyio.to_thread.run_sync(
+            functools.partial(check_push, weights, spec[0], tied=spec[1], check_finite=False)
+        )
+        if client.check_finite:
+            staged = await check_while_staging(tensors, self._write)
+        else:
+            staged = await self._write(tensors)
+        checked.append((spec, tensors))
+        shared.append(staged)
+        return staged
+
+    async def _write(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> StagedPush:
+        try:
             path, entries = await anyio.to_thread.run_sync(self._file.write, tensors)
-            shared.append(StagedPush(path, entries, owned_here=True))
-        return shared[0]
+        except OSError as e:
+            raise WeightSyncError("stage_failed", str(e)) from e
+        return StagedPush(path, entries, owned_here=True)
 
     async def _release_all(self) -> list[WeightInfo]:
         return await each_concurrently(self.clients, GateWeightClient.release)

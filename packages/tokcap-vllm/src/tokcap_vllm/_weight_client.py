@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -51,12 +51,19 @@ from ._http import AsyncClosing, bearer_http
 from ._shm import SHM_DIR, Entry, PushFile, entries_for, file_chunks
 from ._spec import TensorSpec
 from ._weight_state import WeightPushError, WeightSyncError
-from ._weights import PUSH_MODES, PushMode, check_push, resets_running_kv, vllm_pause_mode
+from ._weights import (
+    PUSH_MODES,
+    PushMode,
+    check_push,
+    refuse_non_finite,
+    resets_running_kv,
+    vllm_pause_mode,
+)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GateWeightClient", "PushTransport", "StagedPush"]
+__all__ = ["GateWeightClient", "PushTransport", "StagedPush", "check_while_staging"]
 
 PushTransport = Literal["shm", "http"]
 _MODES = PUSH_MODES
@@ -164,9 +171,20 @@ class GateWeightClient(AsyncClosing):
         was sent, or `WeightSyncError`. Do not modify the tensors until it returns.
         """
         await self.check_version(version)
-        tensors = await self.check(weights)
-        await self.swap(await self.stage(tensors), version)
+        await self.swap(await self.check_and_stage(weights), version)
         return await (self.release() if release else self.info())
+
+    async def check_and_stage(self, weights: Mapping[str, torch.Tensor]) -> StagedPush:
+        """Steps 1 and 2; with ``transport="shm"`` the finite-values check runs while the
+        push file is written (the file is this client's: the gate sees nothing of a push
+        refused here)."""
+        if self.transport != "shm" or not self.check_finite:
+            return await self.stage(await self.check(weights))
+        spec, tied = await self.spec()
+        tensors = await anyio.to_thread.run_sync(
+            functools.partial(check_push, weights, spec, tied=tied, check_finite=False)
+        )
+        return await check_while_staging(tensors, self.stage)
 
     async def check_version(self, version: int) -> None:
         """`WeightPushError` unless ``version`` is an int above the gate's."""
@@ -288,6 +306,35 @@ class GateWeightClient(AsyncClosing):
                 f"{method} {path}: HTTP {response.status_code} {response.text[:300]}",
             )
         return response
+
+
+async def check_while_staging(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    stage: Callable[[Sequence[tuple[str, torch.Tensor]]], Awaitable[StagedPush]],
+) -> StagedPush:
+    """``stage(tensors)`` while `refuse_non_finite` reads them in another thread (both
+    release the GIL); the check's refusal wins over a staging failure."""
+    staged: list[StagedPush] = []
+    failures: list[WeightSyncError] = []
+
+    async def write() -> None:
+        try:
+            staged.append(await stage(tensors))
+        except WeightSyncError as e:
+            failures.append(e)
+
+    refusal: WeightPushError | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write)
+        try:
+            await anyio.to_thread.run_sync(refuse_non_finite, tensors)
+        except WeightPushError as e:
+            refusal = e
+    if refusal is not None:
+        raise refusal
+    if failures:
+        raise failures[0]
+    return staged[0]
 
 
 async def _stream(
