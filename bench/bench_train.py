@@ -43,6 +43,10 @@ tokcap.quiet_third_parties()
 
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
 WORK = ("close", "fetch_receipts", "overlapped")
+ACTOR = ("time/fetch_ms", "time/reassemble_ms", "time/publish_ms", "time/clear_ms")
+ACTOR_MS: list[dict[str, float]] = []
+"""Each group's timings in the Ray pool's actor (steps 1..): read staged calls, verify and
+reassemble, publish rows, clear the staged calls."""
 
 
 @dataclass(slots=True)
@@ -154,6 +158,8 @@ def run_loop_bench(steps: int) -> tuple[Any, RetokFigures | None]:
     config = LoopConfig(model=model_dir, steps=steps)
 
     def observe(step: int, episodes: list[Any], batch: Any, trainer: Any) -> None:
+        if step:  # after the warm-up step: what the pool's actors spent per group
+            ACTOR_MS.extend({k: g.metrics.get(k, 0.0) for k in ACTOR} for g in batch.groups)
         if step == steps - 1:
             try:
                 found.append(
@@ -189,6 +195,15 @@ def print_steps(run: Any) -> None:
         + ", ".join(f"{k} {v:.3f} s" for k, v in work.items())
         + " (overlapped: the part done while other groups still generated)"
     )
+    if ACTOR_MS:
+        print(
+            "reassembly per group, in the pool's actor (mean ms): "
+            + ", ".join(
+                f"{k.removeprefix('time/').removesuffix('_ms')} "
+                f"{statistics.mean(g[k] for g in ACTOR_MS):.1f}"
+                for k in ACTOR
+            )
+        )
     share = statistics.mean(tokcap_share(s.seconds) for s in measured)
     print(f"tokcap share of a step: {share * 100:.1f} %")
     k3 = max(s.parity["k3"] for s in run.steps)

@@ -226,6 +226,7 @@ async def collect(
             receipts=tuple(batch.receipts[r] for r in ids),
             rewards=tuple(batch.receipts[r].reward for r in ids),
             max_seq_len=capture.max_seq_len,
+            clear_staging=False,  # `finish` clears them, off the step's blocking path
         )
         for group_id, ids in members.items()
     ]
@@ -271,7 +272,10 @@ async def clear_orphaned(control: ControlPlane, sink: TokenSink) -> int:
 
 
 async def finish(control: ControlPlane, sink: TokenSink, batch: Batch) -> FinishTimings:
-    """After the optimizer step: free the batch's rows and release its rollouts on the gate.
+    """After the optimizer step: free the batch's rows and the staged calls they were
+    reassembled from, and release its rollouts on the gate. `collect` leaves the staged
+    calls to this (the pool's actors do not clear them): a clear is a TransferQueue round
+    trip per group that would otherwise sit between the last answer and the rows.
 
     Over a fleet (a ``control`` with ``orphaned_keys``, `tokcap_vllm.GateFleet`), the
     staged calls that rollouts of a lost gate left in the sink are cleared too: no receipt
@@ -279,6 +283,7 @@ async def finish(control: ControlPlane, sink: TokenSink, batch: Batch) -> Finish
     """
     t0 = time.perf_counter()
     await sink.clear_rows([row.key for row in batch.rows])
+    await sink.clear([k for g in batch.groups if not g.staging_cleared for k in g.staging_keys])
     await clear_orphaned(control, sink)
     t1 = time.perf_counter()
     await control.release_many(list(batch.receipts))
