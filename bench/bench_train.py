@@ -42,7 +42,7 @@ tokcap.prepare_environment()  # the CPU engine's environment defaults, before vL
 tokcap.quiet_third_parties()
 
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
-WORK = ("close", "fetch_receipts", "overlapped")
+WORK = ("close", "fetch_receipts", "pool", "read_rows", "overlapped")
 ACTOR = ("time/fetch_ms", "time/reassemble_ms", "time/publish_ms", "time/clear_ms")
 ACTOR_MS: list[dict[str, float]] = []
 """Each group's timings in the Ray pool's actor (steps 1..): read staged calls, verify and

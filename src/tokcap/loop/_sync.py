@@ -18,6 +18,11 @@ from ._task import WITNESSES, DigitsEpisode, group_prompt
 
 __all__ = ["run_step"]
 
+_WORK = ("close", "fetch_receipts", "pool", "read_rows")
+"""The collecting work a sync step sums over its groups (seconds): closing (receipts
+verified from the reply), fetching receipts the closes did not answer, the Ray pool's
+reassembly, and reading the accepted rows (`tokcap.compose.CollectTimings`)."""
+
 
 async def run_step(loop: StepContext, step: int) -> StepRecord:
     """Play, collect, train and push one step; its record (``finish`` left running).
@@ -99,7 +104,7 @@ class StepTail:
         self._batches: dict[str, Batch] = {}
         self._verified: list[float] = []
         self._spans: list[tuple[float, float]] = []
-        self._work: dict[str, float] = {"close": 0.0, "fetch_receipts": 0.0}
+        self._work: dict[str, float] = dict.fromkeys(_WORK, 0.0)
 
     def played(self, episode: DigitsEpisode, answered: float) -> str | None:
         """Note a rollout done (its last answer at ``answered``); its group id once the
@@ -119,6 +124,8 @@ class StepTail:
         self._verified.append(start + t.close_s + t.receipts_s)
         self._work["close"] += t.close_s
         self._work["fetch_receipts"] += t.receipts_s
+        self._work["pool"] += t.reassemble_s
+        self._work["read_rows"] += t.rows_s
         self._spans.append((start, done))
 
     def batch(self) -> Batch:
