@@ -1,10 +1,11 @@
 """The gate's batched sink writes (`StageWriter`), without an engine: real staged calls of
 synthetic rollouts, the real `MemorySink`, wrapped to hold or refuse puts where a test says.
 
-The laws: calls that finish while a put is in flight go together in the next put; a lone
-call is written at once; a row the sink refuses fails only its own call; a put that times
-out fails every call it held; every call's ``sink_done`` is set once its answer is known,
-and calls left when the gate stops are not served.
+The laws: up to `WRITERS` puts run at once, and calls that finish while they are all in
+flight go together in the next put; a lone call is written at once; a row the sink
+refuses fails only its own call; a put that times out fails every call it held; every
+call's ``sink_done`` is set once its answer is known, and calls left when the gate stops
+are not served.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tokcap_core import MemorySink, SinkError, StagedCall
 from tokcap_core.ledger import Ledger
 from tokcap_core.testing import staged_calls
 from tokcap_vllm._records import GateCall, RolloutRecord
-from tokcap_vllm._stage_writer import StageWriter
+from tokcap_vllm._stage_writer import WRITERS, StageWriter
 
 
 class HeldSink(MemorySink):
@@ -89,6 +90,34 @@ def test_calls_that_finish_during_a_put_go_together_in_the_next(staged: list[Sta
     assert sink.puts == [1, 2]  # the first at once, the two that waited in one put
     assert told == [1, 2]  # the observers hear every call
     assert [call.stage_error for call in calls] == [None] * 3
+    assert anyio.run(sink.get, [s.key for s in staged]) == staged
+
+
+@given(staged=_distinct(WRITERS + 2))
+@FEW
+def test_calls_that_finish_while_every_writer_is_busy_go_together(
+    staged: list[StagedCall],
+) -> None:
+    """Each of the first `WRITERS` calls gets a put of its own at once (the last call of a
+    burst does not wait for the put before it); the calls after them wait, in one put."""
+    sink = HeldSink()
+
+    async def main() -> list[GateCall]:
+        calls = _gate_calls(staged)
+        sink.release = anyio.Event()
+        writer = StageWriter(sink, 30.0, _ignore)
+        async with anyio.create_task_group() as tg:
+            for call in calls[:WRITERS]:
+                writer.write(call, tg)
+                await anyio.wait_all_tasks_blocked()
+            for call in calls[WRITERS:]:
+                writer.write(call, tg)
+            sink.release.set()
+        return calls
+
+    calls = anyio.run(main)
+    assert sink.puts == [1] * WRITERS + [2]
+    assert [call.stage_error for call in calls] == [None] * len(staged)
     assert anyio.run(sink.get, [s.key for s in staged]) == staged
 
 

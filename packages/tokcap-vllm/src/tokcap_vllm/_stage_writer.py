@@ -3,9 +3,10 @@
 A call's row is written as soon as the engine finished it; its ``Staged`` entry waits for
 the sink's answer, and a close waits for that entry. When a step's rollouts all finish at
 once, one put per call queues as many round trips to the sink as there are calls, and the
-last close waits for the last of them. So calls that finish while a put is in flight wait
-for it and go together in the next one: one round trip for all of them, and a lone call
-is written at once, as before.
+last close waits for the last of them. So up to `WRITERS` puts run at once, and
+calls that finish while they are all in flight go together in the next one: one round
+trip for all of them. A lone call is written at once, as before, and so are the last
+calls of a burst while the put before them is still in flight.
 
 Failure stays with its rollout: a put the sink refuses is retried call by call (an
 identical re-put is a no-op), so only the rows the sink refuses fail; a timeout fails the
@@ -28,6 +29,9 @@ from ._records import GateCall
 
 __all__ = ["StageWriter"]
 
+WRITERS = 2
+"""Puts in flight at once (each of a batch of queued calls)."""
+
 Written = Callable[[list[GateCall], float], Awaitable[None]]
 """Told, after each put, the calls it wrote (each with its ``stage_error``) and its seconds."""
 
@@ -40,13 +44,13 @@ class StageWriter:
         self.timeout_s = timeout_s
         self.written = written
         self._queued: list[GateCall] = []
-        self._writing = False  # a task of the gate's group is draining `_queued`
+        self._writing = 0  # tasks of the gate's group draining `_queued`
 
     def write(self, call: GateCall, tg: TaskGroup) -> None:
         """Queue ``call`` (its ``staged`` row built); a task in ``tg`` writes the queue."""
         self._queued.append(call)
-        if not self._writing:
-            self._writing = True
+        if self._writing < WRITERS:
+            self._writing += 1
             tg.start_soon(self._drain)
 
     async def _drain(self) -> None:
@@ -55,7 +59,7 @@ class StageWriter:
                 batch, self._queued = self._queued, []
                 await self._stage(batch)
         finally:
-            self._writing = False
+            self._writing -= 1
             left, self._queued = self._queued, []
             for call in left:  # cancelled (the gate stopped serving) before their put
                 call.stage_error = "gate_not_serving"
