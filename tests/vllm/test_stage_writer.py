@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import anyio
+from anyio.abc import TaskGroup
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -105,13 +106,8 @@ def test_calls_that_finish_while_every_writer_is_busy_go_together(
     async def main() -> list[GateCall]:
         calls = _gate_calls(staged)
         sink.release = anyio.Event()
-        writer = StageWriter(sink, 30.0, _ignore)
         async with anyio.create_task_group() as tg:
-            for call in calls[:WRITERS]:
-                writer.write(call, tg)
-                await anyio.wait_all_tasks_blocked()
-            for call in calls[WRITERS:]:
-                writer.write(call, tg)
+            await _busy_writers(StageWriter(sink, 30.0, _ignore), calls, tg)
             sink.release.set()
         return calls
 
@@ -152,27 +148,35 @@ def test_a_put_that_times_out_fails_every_call_it_held(staged: list[StagedCall])
     assert [call.stage_error for call in calls] == ["timeout", "timeout"]
 
 
-@given(staged=_distinct(2))
+@given(staged=_distinct(WRITERS + 1))
 @FEW
 def test_calls_left_when_the_gate_stops_are_not_served(staged: list[StagedCall]) -> None:
-    """The gate's task group is cancelled while a put is held and a call is queued: both are
-    done with ``gate_not_serving``, so nothing waits on them and nothing commits them."""
+    """The gate's task group is cancelled while every writer's put is held and a call is
+    queued: all are done with ``gate_not_serving``, so nothing waits on them and nothing
+    commits them."""
     sink = HeldSink()
 
     async def main() -> list[GateCall]:
         calls = _gate_calls(staged)
         sink.release = anyio.Event()
-        writer = StageWriter(sink, 30.0, _ignore)
         async with anyio.create_task_group() as tg:
-            writer.write(calls[0], tg)
-            await anyio.wait_all_tasks_blocked()
-            writer.write(calls[1], tg)
+            await _busy_writers(StageWriter(sink, 30.0, _ignore), calls, tg)
             tg.cancel_scope.cancel()
         return calls
 
     calls = anyio.run(main)
-    assert [call.stage_error for call in calls] == ["gate_not_serving"] * 2
+    assert [call.stage_error for call in calls] == ["gate_not_serving"] * len(staged)
     assert all(call.sink_done.is_set() for call in calls)
+
+
+async def _busy_writers(writer: StageWriter, calls: list[GateCall], tg: TaskGroup) -> None:
+    """Write the first `WRITERS` calls one by one, each until its put is held, then queue
+    the rest while every writer is busy."""
+    for call in calls[:WRITERS]:
+        writer.write(call, tg)
+        await anyio.wait_all_tasks_blocked()
+    for call in calls[WRITERS:]:
+        writer.write(call, tg)
 
 
 async def _ignore(batch: list[GateCall], seconds: float) -> None:

@@ -130,7 +130,8 @@ class CollectTimings:
     close_s: float
     """Closing every rollout on its gate, and verifying the receipts the closes answered."""
     receipts_s: float
-    """Fetching and verifying the receipts the closes did not answer."""
+    """A separate receipt round trip: 0.0 in `collect`, whose closes answer the receipts
+    (`close_verified`; fetching any they left out is counted in ``close_s``)."""
     reassemble_s: float
     """The Ray pool's reassembly and the policy's decisions."""
     rows_s: float
@@ -215,7 +216,7 @@ async def collect(
         for f in finished
     ]
     batch.receipts = await close_verified(control, closes, capture)
-    t1 = t2 = time.perf_counter()  # the receipts came with the closes
+    t1 = time.perf_counter()
     members: dict[str, list[str]] = {}
     for f in finished:
         members.setdefault(f.group_id, []).append(f.rollout_id)
@@ -251,8 +252,8 @@ async def collect(
     )
     batch.timings = CollectTimings(
         close_s=t1 - t0,
-        receipts_s=t2 - t1,
-        reassemble_s=t3 - t2,
+        receipts_s=0.0,
+        reassemble_s=t3 - t1,
         rows_s=time.perf_counter() - t3,
     )
     return batch
