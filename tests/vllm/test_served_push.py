@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -69,22 +70,40 @@ def _port() -> int:
 
 
 @pytest.fixture(scope="module")
-def gates(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """Two ``tokcap-vllm serve`` processes on loopback, started together; their base URLs."""
+def gate_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where each gate's output goes (``gate0.log``, ``gate1.log``)."""
+    return tmp_path_factory.mktemp("gates")
+
+
+@pytest.fixture(scope="module")
+def gates(tiny_model: Path, gate_logs: Path) -> Iterator[list[str]]:
+    """Two ``tokcap-vllm serve`` processes on loopback, started together; their base URLs.
+
+    Gate 0 loads pushes directly (the default on CPU); gate 1 always through vLLM's
+    layerwise reload (``TOKCAP_SHM_LOAD=layerwise``), so the fleet tests push both ways.
+    """
     env = dict(
         os.environ,
         VLLM_SERVER_DEV_MODE="1",
         TOKCAP_CONTROL_TOKEN=TOKEN,
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_LOGGING_LEVEL="INFO",
     )
     cli = str(Path(sys.executable).with_name("tokcap-vllm"))
-    logs = tmp_path_factory.mktemp("gates")
+    logs = gate_logs
     procs, urls = [], []
-    for i in range(2):
+    for i, load in enumerate(["auto", "layerwise"]):
         port = _port()
         command = [cli, "serve", str(tiny_model), "--host", "127.0.0.1", "--port", str(port)]
         with (logs / f"gate{i}.log").open("wb") as log:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen([*command, *SERVE_ARGS], env=env, stdout=log, stderr=log))
+            procs.append(
+                subprocess.Popen(
+                    [*command, *SERVE_ARGS],
+                    env={**env, "TOKCAP_SHM_LOAD": load},
+                    stdout=log,
+                    stderr=log,
+                )
+            )
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for proc, url, i in zip(procs, urls, range(2), strict=True):
@@ -172,6 +191,21 @@ def engine_parity(url: str, model: Any, weights: Weights, count: int = 3) -> flo
     return logprob_parity(engine, trainer, mask).k3
 
 
+def last_load(gate_logs: Path, gate: int) -> str:
+    """How the gate's engine loaded its last push, as its worker logged it."""
+    lines = (gate_logs / f"gate{gate}.log").read_text(errors="replace").splitlines()
+    loads = [line for line in lines if "tokcap_shm loaded" in line]
+    assert loads, f"gate {gate} logged no load"
+    return loads[-1]
+
+
+def loaded_directly(line: str) -> bool:
+    """The worker's line says: a direct load, every packed layer's weight a view of the push
+    file (the trainer writes a fused layer's shards back to back)."""
+    found = re.search(r"direct load: (\d+) packed layers \((\d+) from views of the file", line)
+    return found is not None and int(found[1]) > 0 and found[1] == found[2]
+
+
 def _named(url: str, body: dict[str, Any]) -> dict[str, Any]:
     models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
     return {**body, "model": models[0]["id"]}
@@ -241,13 +275,14 @@ def test_with_the_token_vllms_routes_answer(gates: list[str]) -> None:
 @pytest.mark.usefixtures("restore")
 @pytest.mark.parametrize("transport", ["shm", "http"])
 def test_a_push_from_another_process_lands_exactly(
-    gates: list[str], model: Any, original: Weights, transport: str
+    gates: list[str], gate_logs: Path, model: Any, original: Weights, transport: str
 ) -> None:
     url = gates[0]
     assert engine_parity(url, model, original) <= SAME
     new = perturbed(original, seed=1 if transport == "shm" else 2)
     info = run(lambda: push(url, new, transport=transport))
     assert (info.phase, info.engine_version) == ("READY", str(info.version))
+    assert loaded_directly(last_load(gate_logs, 0))  # not vLLM's layerwise reload
     assert engine_parity(url, model, new) <= SAME  # vs the trainer's copy, fresh prefix cache
     assert engine_parity(url, model, original) > 1e-4  # the engine really moved
     assert captured(url) == (200, info.version)  # the native version, per staged call
@@ -423,7 +458,7 @@ def test_vllms_own_trainer_engine_factory_pushes_through_the_registered_backend(
 
 @pytest.mark.usefixtures("restore")
 def test_a_push_that_fails_on_one_gate_holds_the_fleet_until_a_push_succeeds_on_all(
-    gates: list[str], model: Any, original: Weights, tmp_path: Path
+    gates: list[str], gate_logs: Path, model: Any, original: Weights, tmp_path: Path
 ) -> None:
     new = perturbed(original, seed=4)
 
@@ -452,7 +487,9 @@ def test_a_push_that_fails_on_one_gate_holds_the_fleet_until_a_push_succeeds_on_
 
     version, current = run(fleet_push)
     assert current == version
-    for url in gates:
+    assert loaded_directly(last_load(gate_logs, 0))
+    assert "layerwise reload (TOKCAP_SHM_LOAD=layerwise)" in last_load(gate_logs, 1)
+    for url in gates:  # the same weights, however each engine loaded them
         assert captured(url) == (200, version)
         assert engine_parity(url, model, new) <= SAME
 

@@ -145,7 +145,7 @@ def test_a_push_file_maps_back_to_the_same_tensors(tmp_path: Path) -> None:
     tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64))]
     spec = {"a": ("float32", (3, 5)), "b": ("int64", (7,))}
     path, entries = write_push_file(tensors, str(tmp_path))
-    mapped = dict(map_push_file(path, entries, spec))
+    mapped = dict(map_push_file(path, entries, spec)[0])
     assert torch.equal(mapped["a"], tensors[0][1])
     assert torch.equal(mapped["b"], tensors[1][1])
 
@@ -154,11 +154,11 @@ def test_a_push_file_is_rewritten_in_place_and_mapped_without_a_copy(tmp_path: P
     spec = {"a": ("float32", (3, 5))}
     push = PushFile(str(tmp_path))
     path, entries = push.write([("a", torch.zeros(3, 5))])
-    mapped = dict(map_push_file(path, entries, spec))
+    mapped = dict(map_push_file(path, entries, spec)[0])
     assert push.write([("a", torch.ones(3, 5))])[0] == path  # same file, pages reused
     assert torch.equal(mapped["a"], torch.ones(3, 5))  # the mapping views the file's pages
     mapped["a"].add_(1)  # copy-on-write: the file keeps its bytes
-    assert torch.equal(dict(map_push_file(path, entries, spec))["a"], torch.ones(3, 5))
+    assert torch.equal(dict(map_push_file(path, entries, spec)[0])["a"], torch.ones(3, 5))
     path, entries = push.write([("a", torch.full((3, 5), 2.0)), ("b", torch.arange(3))])
     assert Path(path).stat().st_size == entries[-1][3] + entries[-1][4]  # resized
     push.remove()

@@ -45,7 +45,9 @@ Importing this module imports vLLM and torch::
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -63,7 +65,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ._shm import SHM_DIR, Entry, map_push_file, write_push_file
+from ._direct_load import DirectLoader, direct_refusal
+from ._direct_plan import NotDirect
+from ._shm import KEPT_PREFIX, SHM_DIR, Entry, PushMapping, map_push_file, write_push_file
 from ._spec import TensorSpec, engine_spec
 
 if TYPE_CHECKING:
@@ -82,6 +86,13 @@ __all__ = [
 ]
 
 BACKEND = "tokcap_shm"
+LOAD_ENV = "TOKCAP_SHM_LOAD"
+"""``auto`` (the default: a direct load where recognised) or ``layerwise`` (always vLLM's
+layerwise reload), read by each worker at start."""
+
+# A vllm.* logger: the worker's line lands in the engine's log, at VLLM_LOGGING_LEVEL, as
+# vLLM's own do (a tokcap_vllm.* logger has no handler in the engine core's process).
+_log = logging.getLogger("vllm.tokcap_shm")
 
 
 @dataclass
@@ -114,12 +125,20 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
         super().__init__(config, vllm_config, device, model)
         self._staged: dict[str, torch.Tensor] = {}
         self._spec: dict[str, TensorSpec] | None = None
+        self._tied: tuple[tuple[str, str], ...] = ()
+        self._mapping: PushMapping | None = None
+        choice = os.environ.get(LOAD_ENV, "auto")
+        if choice not in ("auto", "layerwise"):
+            raise ValueError(f"{LOAD_ENV} is 'auto' or 'layerwise': {choice!r}")
+        self._direct: DirectLoader | NotDirect | None = None
+        if choice == "layerwise":
+            self._direct = NotDirect(f"{LOAD_ENV}=layerwise")
 
     @property
     def spec(self) -> dict[str, TensorSpec]:
         """What a push carries, read once from the checkpoint the engine loaded."""
         if self._spec is None:
-            self._spec, _ = engine_spec(self.model_config)
+            self._spec, self._tied = engine_spec(self.model_config)
         return self._spec
 
     def init_transfer_engine(self, init_info: TokcapShmInitInfo) -> None:
@@ -135,7 +154,14 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
 
     def receive_weights(self, update_info: TokcapShmUpdateInfo) -> None:
         """Check the chunk's entries and keep views of its file (ValueError: nothing kept)."""
-        tensors = map_push_file(update_info.path, update_info.entries, self.spec)
+        tensors, mapping = map_push_file(
+            update_info.path, update_info.entries, self.spec, previous=self._mapping
+        )
+        # Kept for the next push only when a trainer rewrites this file in place (its
+        # `PushFile`): an upload is removed after the push, and a kept mapping would hold
+        # its memory.
+        kept = mapping is not None and os.path.basename(mapping.path).startswith(KEPT_PREFIX)
+        self._mapping = mapping if kept else None
         again = sorted(self._staged.keys() & {name for name, _ in tensors})
         if again:
             raise ValueError(f"tensors pushed twice: {again[:5]}")
@@ -154,15 +180,46 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
         if staged.keys() != self.spec.keys():
             missing = sorted(self.spec.keys() - staged.keys())
             raise ValueError(f"a push carries every tensor; {len(missing)} missing: {missing[:5]}")
-        initialize_layerwise_reload(self.model)
+        started = time.perf_counter()
+        how = self._load_directly(staged)
+        if how is None:
+            initialize_layerwise_reload(self.model)
+            try:
+                self.model.load_weights(iter(staged.items()))  # type: ignore[operator]
+            finally:  # even after a failure: leave no layer waiting in the reload's state
+                finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+            how = f"layerwise reload ({self._direct})"
+        elapsed = (time.perf_counter() - started) * 1e3
+        _log.info("tokcap_shm loaded %d tensors: %s, %.1f ms", len(staged), how, elapsed)
+
+    def _load_directly(self, staged: dict[str, torch.Tensor]) -> str | None:
+        """Load ``staged`` directly (`tokcap_vllm._direct_load`); None where the direct load
+        does not apply (``self._direct`` then says why) or failed part-way (the layerwise
+        reload then loads every tensor again)."""
+        if self._direct is None or (
+            isinstance(self._direct, DirectLoader) and self._direct.model is not self.model
+        ):
+            refusal = direct_refusal(self.model, self.vllm_config)
+            self._direct = NotDirect(refusal) if refusal else DirectLoader(self.model)
+        if isinstance(self._direct, NotDirect):
+            return None
         try:
-            self.model.load_weights(iter(staged.items()))  # type: ignore[operator]
-        finally:  # even after a failure: leave no layer waiting in the reload's state
-            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+            plan = self._direct.plan(staged, self.spec, self._tied)
+        except NotDirect as e:
+            _log.warning("tokcap_shm: no direct load, vLLM's layerwise reload instead: %s", e)
+            self._direct = e
+            return None
+        try:
+            return str(self._direct.load(plan, staged))
+        except Exception as e:
+            _log.exception("tokcap_shm: the direct load failed; vLLM's layerwise reload instead")
+            self._direct = NotDirect(f"the direct load failed: {e!r}")
+            return None
 
     def shutdown(self) -> None:
-        """Drop anything staged."""
+        """Drop anything staged, and the kept mapping."""
         self._staged = {}
+        self._mapping = None
 
 
 class StateDictSource(WeightSource):
