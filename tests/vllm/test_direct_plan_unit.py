@@ -18,7 +18,7 @@ from tokcap_vllm._direct_plan import (
     Packed,
     plan_direct,
 )
-from tokcap_vllm._shm import PushFile, joined, map_push_file, write_push_file
+from tokcap_vllm._shm import KeptMappings, PushFile, joined, map_push_file, write_push_file
 
 QKV = "model.layers.0.self_attn.qkv_proj"
 OPROJ = "model.layers.0.self_attn.o_proj"
@@ -194,3 +194,28 @@ def test_a_trainers_push_file_is_mapped_once_and_shows_each_rewrite(tmp_path: Pa
     assert fresh is not resized
     assert torch.equal(dict(views)["a"], torch.full((3, 5), 2.0))
     push.remove()
+
+
+def test_trainers_files_stay_mapped_between_pushes_and_removed_ones_are_let_go(
+    tmp_path: Path,
+) -> None:
+    spec = {"a": ("float32", (3, 5))}
+    kept = KeptMappings(limit=2)
+    one, fleet = PushFile(str(tmp_path)), PushFile(str(tmp_path))
+    one_path, entries = one.write([("a", torch.zeros(3, 5))])
+    fleet_path, _ = fleet.write([("a", torch.ones(3, 5))])
+    first = kept.map(one_path, entries, spec)[0][1]
+    kept.map(fleet_path, entries, spec)
+    one.write([("a", torch.full((3, 5), 3.0))])
+    again = kept.map(one_path, entries, spec)[0][1]  # the two files alternate: both kept
+    assert again.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert torch.equal(again, torch.full((3, 5), 3.0))
+    assert len(kept) == 2
+    upload, upload_entries = write_push_file([("a", torch.ones(3, 5))], str(tmp_path))
+    kept.map(upload, upload_entries, spec)  # a gate's upload: removed after its push
+    assert len(kept) == 2
+    fleet.remove()
+    kept.map(one_path, entries, spec)  # the removed file's mapping is let go
+    assert len(kept) == 1
+    kept.clear()
+    one.remove()

@@ -20,7 +20,9 @@ its shape from vLLM's reload metadata). The real parameters are back before it r
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -44,11 +46,15 @@ class LoadReport:
     joined: int
     """Packed layers whose shards were joined into a kept buffer (one copy)."""
     copied: int
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Copying, packing, processing the copied layers again."""
 
     def __str__(self) -> str:
+        copy, pack, again = (f"{s * 1e3:.1f}" for s in self.seconds)
         return (
             f"direct load: {self.packed} packed layers ({self.viewed} from views of the file, "
-            f"{self.joined} joined), {self.copied} tensors copied in place"
+            f"{self.joined} joined), {self.copied} tensors copied in place "
+            f"(ms: copy {copy}, pack {pack}, reprocess {again})"
         )
 
 
@@ -103,14 +109,16 @@ class DirectLoader:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         modules = dict(self.model.named_modules())
+        marks = [time.perf_counter()]
         for call in plan.copied:
             param = getattr(modules[call.layer], call.param)
             loader = getattr(param, "weight_loader", default_weight_loader)
             assert call.source is not None  # the plan has no other
             loader(param, staged[call.source], *call.args, **dict(call.kwargs))
+        marks.append(time.perf_counter())
+        weights = []
         viewed = joins = 0
         for packed in plan.packed:
-            layer = modules[packed.layer]
             parts = [staged[source] for source in packed.sources]
             weight = parts[0] if len(parts) == 1 else joined(parts)
             if weight is None:
@@ -118,15 +126,16 @@ class DirectLoader:
                 joins += 1
             else:
                 viewed += 1
-            layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-            layer.quant_method.process_weights_after_loading(layer)
-            if layer.weight.numel():  # the dispatch kept it: it must not view the file
-                layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
-            if hasattr(layer, "update_param_tp_status"):
-                layer.update_param_tp_status()
+            weights.append((modules[packed.layer], weight))
+        workers = max(1, min(torch.get_num_threads(), len(weights)))
+        with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            list(pool.map(_pack, weights))  # re-raises the first failure
+        marks.append(time.perf_counter())
         for name in plan.reprocess:
             modules[name].quant_method.process_weights_after_loading(modules[name])
-        return LoadReport(len(plan.packed), viewed, joins, len(plan.copied))
+        marks.append(time.perf_counter())
+        seconds = (marks[1] - marks[0], marks[2] - marks[1], marks[3] - marks[2])
+        return LoadReport(len(plan.packed), viewed, joins, len(plan.copied), seconds)
 
     def _join(self, layer: str, parts: list[torch.Tensor], rows: int) -> torch.Tensor:
         import torch
@@ -136,6 +145,24 @@ class DirectLoader:
         if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != parts[0].dtype:
             buffer = self._buffers[layer] = torch.empty(shape, dtype=parts[0].dtype)
         return torch.cat(parts, out=buffer)
+
+
+def _pack(item: tuple[Any, torch.Tensor]) -> None:
+    """Give a packed layer its new weight and let its quant method pack it.
+
+    Run in a pool, one layer per thread and one OpenMP thread each: oneDNN's reorder of one
+    layer over several threads cost 3-4x more than on one (measured, 2-core host, 64
+    layers of a ~100M model: 0.50 s vs 0.14 s), and layers are independent.
+    """
+    import torch
+
+    layer, weight = item
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.quant_method.process_weights_after_loading(layer)
+    if layer.weight.numel():  # the dispatch kept it: it must not view the file
+        layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    if hasattr(layer, "update_param_tp_status"):
+        layer.update_param_tp_status()
 
 
 def record_calls(model: Any, staged: Mapping[str, torch.Tensor]) -> list[LoaderCall]:

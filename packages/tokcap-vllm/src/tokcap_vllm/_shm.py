@@ -33,6 +33,7 @@ __all__ = [
     "PUSH_PREFIX",
     "SHM_DIR",
     "Entry",
+    "KeptMappings",
     "PushFile",
     "PushMapping",
     "check_entries",
@@ -222,6 +223,47 @@ class PushMapping:
             flat = self.base[offset : offset + nbytes].view(kind)
             tensors.append((name, flat.view(tuple(shape))))
         return tensors
+
+
+class KeptMappings:
+    """The mappings of trainers' push files (`PushFile`, named ``KEPT_PREFIX...``), kept
+    between pushes so that a file rewritten in place is not mapped again: at most ``limit``
+    (a trainer with a one-gate client and a fleet has two files), each dropped as soon as a
+    push finds its file removed, replaced or resized, so a mapping holds a removed file's
+    memory at most until the next push. Uploads are never kept (the gate removes them)."""
+
+    def __init__(self, limit: int = 4) -> None:
+        self.limit = limit
+        self._kept: dict[str, PushMapping] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def map(
+        self, path: str, entries: Sequence[Sequence[Any]], spec: Mapping[str, TensorSpec]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """`map_push_file`, reusing and keeping mappings as the class says."""
+        for other, mapping in list(self._kept.items()):
+            if other != path and not mapping.same_file(other, _identity(other)):
+                del self._kept[other]
+        tensors, fresh = map_push_file(path, entries, spec, previous=self._kept.pop(path, None))
+        if fresh is not None and Path(path).name.startswith(KEPT_PREFIX):
+            self._kept[path] = fresh  # the most recent last
+            while len(self._kept) > self.limit:
+                del self._kept[next(iter(self._kept))]
+        return tensors
+
+    def clear(self) -> None:
+        """Drop every mapping."""
+        self._kept.clear()
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (stat.st_dev, stat.st_ino, stat.st_size)
 
 
 def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -67,7 +67,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ._direct_load import DirectLoader, direct_refusal
 from ._direct_plan import NotDirect
-from ._shm import KEPT_PREFIX, SHM_DIR, Entry, PushMapping, map_push_file, write_push_file
+from ._shm import SHM_DIR, Entry, KeptMappings, write_push_file
 from ._spec import TensorSpec, engine_spec
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
         self._staged: dict[str, torch.Tensor] = {}
         self._spec: dict[str, TensorSpec] | None = None
         self._tied: tuple[tuple[str, str], ...] = ()
-        self._mapping: PushMapping | None = None
+        self._mappings = KeptMappings()
         choice = os.environ.get(LOAD_ENV, "auto")
         if choice not in ("auto", "layerwise"):
             raise ValueError(f"{LOAD_ENV} is 'auto' or 'layerwise': {choice!r}")
@@ -154,14 +154,7 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
 
     def receive_weights(self, update_info: TokcapShmUpdateInfo) -> None:
         """Check the chunk's entries and keep views of its file (ValueError: nothing kept)."""
-        tensors, mapping = map_push_file(
-            update_info.path, update_info.entries, self.spec, previous=self._mapping
-        )
-        # Kept for the next push only when a trainer rewrites this file in place (its
-        # `PushFile`): an upload is removed after the push, and a kept mapping would hold
-        # its memory.
-        kept = mapping is not None and os.path.basename(mapping.path).startswith(KEPT_PREFIX)
-        self._mapping = mapping if kept else None
+        tensors = self._mappings.map(update_info.path, update_info.entries, self.spec)
         again = sorted(self._staged.keys() & {name for name, _ in tensors})
         if again:
             raise ValueError(f"tensors pushed twice: {again[:5]}")
@@ -219,7 +212,7 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
     def shutdown(self) -> None:
         """Drop anything staged, and the kept mapping."""
         self._staged = {}
-        self._mapping = None
+        self._mappings.clear()
 
 
 class StateDictSource(WeightSource):
