@@ -31,7 +31,9 @@ same state dict, same run. The first round is the trainer's first push (its push
 the engine's reload buffers are new): printed on its own line, ``cold``, and left out of
 the medians, which are the steady state a trainer pushing step after step sees. The swap
 of the 1-gate push is split further by route (the time of each HTTP call, seen from the
-trainer).
+trainer). Each gate's engine then says how it loaded its last push (its worker's
+``tokcap_shm`` log line: the direct load with its copy/pack times, or vLLM's layerwise
+reload and why).
 
 Run: ``.venv/bin/python bench/bench_push.py [--pushes 5] [--skip-large] [--served]``.
 """
@@ -300,30 +302,30 @@ SERVE_ARGS = [
 ]
 
 
-def start_gates(model_dir: Path, count: int, token: str) -> tuple[list[Any], list[str]]:
-    """``count`` ``tokcap-vllm serve`` processes on loopback, ready; (processes, base URLs)."""
+def start_gates(model_dir: Path, count: int, token: str, logs: Path) -> tuple[list[Any], list[str]]:
+    """``count`` ``tokcap-vllm serve`` processes on loopback, ready; (processes, base URLs).
+    Each logs at INFO (its engine's load lines) to ``logs/gate<i>.log``."""
     import socket
     import subprocess
     import sys
 
     import httpx
 
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TOKCAP_CONTROL_TOKEN=token)
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        TOKCAP_CONTROL_TOKEN=token,
+        VLLM_LOGGING_LEVEL="INFO",
+    )
     cli = str(Path(sys.executable).with_name("tokcap-vllm"))
     procs, urls = [], []
-    for _ in range(count):
+    for i in range(count):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         command = [cli, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-        procs.append(
-            subprocess.Popen(
-                [*command, *SERVE_ARGS],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
+        with (logs / f"gate{i}.log").open("wb") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([*command, *SERVE_ARGS], env=env, stdout=log, stderr=log))
         urls.append(f"http://127.0.0.1:{port}")
     for proc, url in zip(procs, urls, strict=True):
         while True:
@@ -447,7 +449,8 @@ def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
     token = secrets.token_hex(16)
     print(f"\n== served {name}: {megabytes:.0f} MB; starting 2 gates ...", flush=True)
     pushes = max(2, pushes)  # the first is reported apart
-    procs, urls = start_gates(model_dir, 2, token)
+    logs = Path(tempfile.mkdtemp(prefix="tokcap-bench-push-"))
+    procs, urls = start_gates(model_dir, 2, token, logs)
     med = statistics.median
     routes = TimedTransport()
     try:
@@ -456,6 +459,11 @@ def bench_served(name: str, model_dir: Path, pushes: int) -> dict[str, Any]:
         load = tuple(max(a, b) for a, b in zip(load, os.getloadavg(), strict=True))
     finally:
         stop_all(procs)
+    for i in range(len(procs)):  # how each engine loaded: direct, or why not
+        lines = (logs / f"gate{i}.log").read_text(errors="replace").splitlines()
+        loads = [line.split("tokcap_shm", 1)[1] for line in lines if "tokcap_shm" in line]
+        print(f"gate {i} engine, last push: tokcap_shm{loads[-1] if loads else ': (no line)'}")
+    shutil.rmtree(logs, ignore_errors=True)
     copy = med(copy_s)
     print(f"load average (1, 5, 15 min; the higher of start and end): {load}")
     print(f"{'':30}{'median ms':>10}{'x copy':>9}")

@@ -127,9 +127,13 @@ class DirectLoader:
             else:
                 viewed += 1
             weights.append((modules[packed.layer], weight))
-        workers = max(1, min(torch.get_num_threads(), len(weights)))
-        with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            list(pool.map(_pack, weights))  # re-raises the first failure
+        threads = torch.get_num_threads()
+        try:
+            workers = max(1, min(threads, len(weights)))
+            with ThreadPoolExecutor(workers, initializer=_one_thread) as pool:
+                list(pool.map(_pack, weights))  # re-raises the first failure
+        finally:  # torch keeps the last count for threads started later: the engine's again
+            torch.set_num_threads(threads)
         marks.append(time.perf_counter())
         for name in plan.reprocess:
             modules[name].quant_method.process_weights_after_loading(modules[name])
@@ -147,6 +151,12 @@ class DirectLoader:
         return torch.cat(parts, out=buffer)
 
 
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _pack(item: tuple[Any, torch.Tensor]) -> None:
     """Give a packed layer its new weight and let its quant method pack it.
 
@@ -157,8 +167,13 @@ def _pack(item: tuple[Any, torch.Tensor]) -> None:
     import torch
 
     layer, weight = item
+    emptied = layer.weight
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    layer.quant_method.process_weights_after_loading(layer)
+    try:
+        layer.quant_method.process_weights_after_loading(layer)
+    except BaseException:  # back to the emptied weight the layerwise reload expects
+        layer.weight = emptied
+        raise
     if layer.weight.numel():  # the dispatch kept it: it must not view the file
         layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
     if hasattr(layer, "update_param_tp_status"):

@@ -14,12 +14,28 @@ Worker side (`TokcapShmWeightTransferEngine`), driven by vLLM's worker:
 - ``start_weight_update``: drops anything an earlier, unfinished push staged. The model is
   not touched (no layerwise-reload set-up yet), so a push refused later changes nothing.
 - ``update_weights``: checks the entries against the engine's spec (names, dtypes, shapes,
-  sizes; `tokcap_vllm._spec`), maps the file and keeps the views aside. Overridden because
-  the base calls ``torch.accelerator.synchronize()``, which raises on a CPU-only torch.
+  sizes; `tokcap_vllm._spec`), maps the file and keeps the views aside. A trainer's push
+  file (rewritten in place push after push) stays mapped for its next push, unless it was
+  removed, replaced or resized (`tokcap_vllm._shm.KeptMappings`). Overridden because the
+  base calls ``torch.accelerator.synchronize()``, which raises on a CPU-only torch.
 - ``finish_weight_update``: refuses (ValueError, nothing loaded) unless the staged set is
   exactly the spec: a partial push leaves a fused layer half-initialised (NaN, measured).
-  Then vLLM's layerwise reload (initialise, ``model.load_weights``, finalise), the path
-  ``reload_weights(is_checkpoint_format=True)`` takes: CPU repacking included.
+  Then, on a CPU engine (one rank, unquantized), a **direct load**
+  (`tokcap_vllm._direct_load`): each linear layer whose weight vLLM's CPU dispatch packed
+  away takes its new weight straight from the push file (a view; a fused ``qkv_proj`` or
+  ``gate_up_proj`` is one view when its shards lie back to back in the file, as a trainer's
+  state dict writes them, else joined into a buffer kept across pushes) and is packed by
+  its own quant method, as a load would; norms, the embedding and biases are copied in
+  place by their own loaders, and the embedding (and a tied head) packs its copy again.
+  What goes where comes from the model's own ``load_weights`` run once with recording
+  loaders. Anything it does not recognise (a GPU, tensor or pipeline parallelism, a
+  quantized or unknown quant method, shards or shapes that do not add up, a tensor the
+  model transforms before loading; `tokcap_vllm._direct_plan`), or
+  ``TOKCAP_SHM_LOAD=layerwise`` in the engine's environment, and the push goes through
+  vLLM's layerwise reload (initialise, ``model.load_weights``, finalise), the path
+  ``reload_weights(is_checkpoint_format=True)`` takes, unchanged; a direct load that fails
+  part-way is followed by that reload, of every tensor. The worker logs one line per
+  finish (``vllm.tokcap_shm``: which load, and why not the direct one).
   A finish with nothing staged loads nothing and succeeds: vLLM's worker leaves its
   update flag set when a finish raises (the next start then fails), and such an empty
   finish is how a client clears it.
