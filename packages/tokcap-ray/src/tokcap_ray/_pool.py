@@ -240,48 +240,51 @@ class ReassemblerPool:
         tg: anyio.abc.TaskGroup,
     ) -> None:
         async def run(
-            part: list[ReassemblyRequest], out: MemoryObjectSendStream[FinalizedGroup]
+            part: list[ReassemblyRequest], fresh: bool, out: MemoryObjectSendStream[FinalizedGroup]
         ) -> None:
             async with out:
                 try:
-                    done = (
-                        await self._run_bundle(part)
-                        if len(part) > 1
-                        else [await self._run(part[0])]
-                    )
+                    done = await self._run_fresh(part) if fresh else [await self._run(part[0])]
                 finally:
                     self._in_flight.release()
                 for finalized in done:
                     await out.send(finalized)
 
         async with send:
-            for part in self._bundles(requests):
+            for part, fresh in self._bundles(requests):
                 await self._in_flight.acquire()
-                tg.start_soon(run, part, send.clone())
+                tg.start_soon(run, part, fresh, send.clone())
 
-    def _bundles(self, requests: list[ReassemblyRequest]) -> list[list[ReassemblyRequest]]:
-        """``requests`` as actor calls: the groups never sent before, bundled by actor slot
-        (up to `BUNDLE_GROUPS` a call, marked sent here), then every other one alone."""
-        alone: list[list[ReassemblyRequest]] = []
+    def _bundles(
+        self, requests: list[ReassemblyRequest]
+    ) -> list[tuple[list[ReassemblyRequest], bool]]:
+        """``requests`` as actor calls, each with whether it holds groups never sent before:
+        those bundled by actor slot (up to `BUNDLE_GROUPS` a call; marked sent here, so a
+        duplicate in the same call is not taken for a first attempt), then every other one
+        alone."""
+        alone: list[tuple[list[ReassemblyRequest], bool]] = []
         by_slot: dict[int, list[ReassemblyRequest]] = {}
         for request in requests:
             if request.group_id in self._sent:
-                alone.append([request])  # a retry or a duplicate: its record decides
+                alone.append(([request], False))  # a retry or a duplicate: its record decides
                 continue
             self._sent.add(request.group_id)
             by_slot.setdefault(self.slot_of(request.group_id), []).append(request)
         bundles = [
-            fresh[i : i + BUNDLE_GROUPS]
+            (fresh[i : i + BUNDLE_GROUPS], True)
             for fresh in by_slot.values()
             for i in range(0, len(fresh), BUNDLE_GROUPS)
         ]
         return [*bundles, *alone]
 
-    async def _run_bundle(self, requests: list[ReassemblyRequest]) -> list[FinalizedGroup]:
-        """A bundle of first attempts in one actor call; if its actor dies, each group is
-        retried alone on the replacement, where its progress record decides."""
+    async def _run_fresh(self, requests: list[ReassemblyRequest]) -> list[FinalizedGroup]:
+        """Groups never sent before: one alone is a first attempt (no record lookup);
+        several go in one bundle, one actor call; if its actor dies, each group is retried
+        alone on the replacement, where its progress record decides."""
         self._check_open()
         self.stats["submitted"] += len(requests)
+        if len(requests) == 1:
+            return [await self._attempts(requests[0], first=0, first_attempt=True)]
         self.stats["bundled"] += len(requests)
         index = self.slot_of(requests[0].group_id)
         slot = self._slots[index]
