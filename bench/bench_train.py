@@ -4,11 +4,11 @@
    two 16-token calls a step) through the whole product for ``--steps`` steps. Per stage
    the mean seconds over steps 1.. (step 0 warms up) and its share of the step. Stages are
    wall-clock segments: generate (until the last answer), capture + verify and reassemble
-   (what was left of collecting once the last answer came: each group is collected as soon
-   as it has played), train, push. ``tokcap share of a step`` is that blocking part over
-   the step's wall time (`tokcap.loop.tokcap_share`); the collecting work that overlapped
-   generation is printed apart, as is ``finish`` (free rows, release rollouts), which
-   overlaps the next step.
+   (the step's one collection of every group, after the last answer), train, push.
+   ``tokcap share of a step`` is that blocking part over the step's wall time
+   (`tokcap.loop.tokcap_share`). The collection's parts are printed apart (close, receipts
+   it left out, the reassemblers' bundles, reading rows), as is ``finish`` (free rows,
+   release rollouts), which overlaps the next step.
 2. **Parity vs re-tokenised text.** On the last step's rows, before its optimizer step (the
    trainer holds the weights that sampled them): the trainer's logprobs on the ids the gate
    captured (what `tokcap train` uses) against the engine's, and, as the baseline a
@@ -42,11 +42,12 @@ tokcap.prepare_environment()  # the CPU engine's environment defaults, before vL
 tokcap.quiet_third_parties()
 
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
-WORK = ("close", "fetch_receipts", "pool", "read_rows", "overlapped")
+WORK = ("close", "fetch_receipts", "pool", "read_rows")
 ACTOR = ("time/fetch_ms", "time/reassemble_ms", "time/publish_ms", "time/clear_ms")
 ACTOR_MS: list[dict[str, float]] = []
 """Each group's timings in the Ray pool's actor (steps 1..): read staged calls, verify and
-reassemble, publish rows, clear the staged calls."""
+reassemble, publish rows, clear the staged calls (a bundle's groups share its fetch and
+publish)."""
 
 
 @dataclass(slots=True)
@@ -188,16 +189,12 @@ def print_steps(run: Any) -> None:
         print(f"{name:28}{mean[name]:10.3f}{mean[name] / total:9.1%}")
     print(f"{'step (sum of stages)':28}{total:10.3f}{1:9.0%}")
     print(f"{'finish (overlaps next step)':28}{finish:10.3f}")
-    # each group is collected as soon as it has played: that work overlaps generation
     work = {k: statistics.mean(s.seconds.get(k, 0.0) for s in measured) for k in WORK}
-    print(
-        "tokcap work per step, summed over groups: "
-        + ", ".join(f"{k} {v:.3f} s" for k, v in work.items())
-        + " (overlapped: the part done while other groups still generated)"
-    )
+    print("the collection's parts (mean s): " + ", ".join(f"{k} {v:.3f}" for k, v in work.items()))
     if ACTOR_MS:
         print(
-            "reassembly per group, in the pool's actor (mean ms): "
+            "reassembly in the pool's actors (mean ms over groups; a bundle's groups share "
+            "its fetch and publish): "
             + ", ".join(
                 f"{k.removeprefix('time/').removesuffix('_ms')} "
                 f"{statistics.mean(g[k] for g in ACTOR_MS):.1f}"

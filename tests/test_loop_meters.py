@@ -7,7 +7,7 @@ import sys
 
 import anyio
 
-from tokcap.compose import Batch
+from tokcap.compose import CollectTimings
 from tokcap.loop import BusyMeter, CpuMeter, DigitsEpisode, StepTail
 
 
@@ -57,23 +57,18 @@ def _episodes(groups: int, rollouts: int) -> list[DigitsEpisode]:
     ]
 
 
-def test_the_tail_names_a_group_once_its_last_rollout_played_and_keeps_the_last_answer() -> None:
+def test_the_tail_keeps_the_last_answer_and_splits_the_rest_at_the_verified_receipts() -> None:
     episodes = _episodes(2, 2)
     tail = StepTail(10.0, episodes)
-    assert tail.played(episodes[0], 11.0) is None
-    assert tail.played(episodes[2], 13.0) is None
-    assert tail.played(episodes[1], 12.0) == "t-g0"
-    assert tail.played(episodes[3], 12.5) == "t-g1"
+    for episode, answered in zip(episodes, [11.0, 13.0, 12.0, 12.5], strict=True):
+        tail.played(episode, answered)
     assert tail.last_answer == 13.0
-    seconds = tail.seconds(14.0)  # no group collected: all of it after the answer is left
-    assert seconds["generate"] == 3.0
-    assert seconds["capture_verify"] == 0.0
+    seconds = tail.seconds(14.0)  # nothing collected: all of it after the answer is left
+    assert (seconds["generate"], seconds["capture_verify"], seconds["reassemble"]) == (3, 0, 1)
+    tail.collect_started = 13.25
+    tail.timings = CollectTimings(close_s=0.5, receipts_s=0.25, reassemble_s=0.5, rows_s=0.25)
+    seconds = tail.seconds(15.0)
+    assert seconds["capture_verify"] == 1.0  # until the receipts were verified: 14.0
     assert seconds["reassemble"] == 1.0
-    assert seconds["overlapped"] == 0.0
-
-
-def test_the_tail_merges_group_batches_in_group_order() -> None:
-    tail = StepTail(0.0, _episodes(2, 2))
-    tail._batches["t-g1"] = Batch(advantages=[1.0, -1.0])
-    tail._batches["t-g0"] = Batch(advantages=[0.5, -0.5])
-    assert tail.batch().advantages == [0.5, -0.5, 1.0, -1.0]
+    assert (seconds["close"], seconds["fetch_receipts"]) == (0.5, 0.25)
+    assert (seconds["pool"], seconds["read_rows"]) == (0.5, 0.25)

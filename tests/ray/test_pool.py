@@ -180,6 +180,63 @@ async def test_an_actor_killed_mid_write_reports_an_unknown_outcome_with_the_key
     assert staging == sorted(staged)  # not cleared: the controller decides what to do
 
 
+def _same_slot(pool: ReassemblerPool, prefix: str, n: int) -> list[str]:
+    """``n`` group ids starting with ``prefix`` that route to one actor slot."""
+    ids = (f"{prefix}{i}" for i in range(1000))
+    slot = pool.slot_of(f"{prefix}0")
+    return [g for g in ids if pool.slot_of(g) == slot][:n]
+
+
+async def test_groups_never_sent_go_to_their_actor_in_one_bundle_and_publish_once(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    groups = [
+        await _staged_group(sink, g, ["ok", "forest", "missing"])
+        for g in _same_slot(pool, "bundle", 3)
+    ]
+    bundled = pool.stats["bundled"]
+    finished = await pool.map([request for request, _ in groups])
+    assert pool.stats["bundled"] == bundled + 3  # one call for the three
+    assert len({f.metrics["time/fetch_ms"] for f in finished}) == 1  # one shared fetch
+    for (request, staged), finalized in zip(groups, finished, strict=True):
+        expected = _in_process(request, staged)
+        assert finalized.group_id == request.group_id
+        assert _core_metrics(finalized) == _core_metrics(expected.finalized)
+        assert finalized.metrics["staging/missing_keys"] == 1.0  # its own, not the bundle's
+        assert await _held(sink, request.group_id) == (sorted(expected.rows), [])
+        assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+    assert await pool.map([groups[0][0]]) == finished[:1]  # a retry: its record, alone
+    assert pool.stats["bundled"] == bundled + 3
+
+
+async def test_a_bundle_whose_actor_dies_before_its_publish_is_redone_group_by_group(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    groups = [
+        await _staged_group(sink, g, ["ok", "ok"]) for g in _same_slot(pool, "stall-before-b", 2)
+    ]
+    requests = [request for request, _ in groups]
+    deaths, retries = pool.stats["actor_deaths"], pool.stats["retries"]
+    result: list[FinalizedGroup] = []
+
+    async def run() -> None:
+        result.extend(await pool.map(requests))
+
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            while any([await pool.record(r.group_id) is None for r in requests]):
+                await anyio.sleep(0.05)
+            ray.kill(pool.actor_for(requests[0].group_id), no_restart=True)
+    assert pool.stats["actor_deaths"] == deaths + 1
+    assert pool.stats["retries"] == retries + 2  # each group alone on the replacement
+    for (request, staged), finalized in zip(groups, result, strict=True):
+        expected = _in_process(request, staged)
+        assert finalized.outcome == "published"
+        assert await _held(sink, request.group_id) == (sorted(expected.rows), [])
+        assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+
+
 async def test_256_groups_through_2_workers_match_in_process_reassembly(
     sink: ActorSink, pool: ReassemblerPool
 ) -> None:

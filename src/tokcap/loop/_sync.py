@@ -1,9 +1,20 @@
 """The lock-step ``tokcap train`` step: generate, collect, train, push (see `tokcap.loop`).
 
-`run_step` plays the step's chats and collects each group (`tokcap.compose.collect`: one
-batch close, receipts verified, reassembly, rows read) as soon as its rollouts have played,
-while the other groups still generate; then trains, pushes, and leaves `_finish` (free the
-rows, release the rollouts) to run while the next step generates.
+`run_step` plays the step's chats, then collects every group in one collection
+(`tokcap.compose.collect`: one batch close whose answer carries the manifests, receipts
+verified, one reassembly bundle per reassembler actor, one read of the rows), trains,
+pushes, and leaves `_finish` (free the rows, release the rollouts) to run while the next
+step generates.
+
+Why one collection after the last answer rather than each group as soon as it has
+played: a sync step trains on every group at once, so collecting early can only hide
+work behind the generation still running. On ``tokcap train``'s task the groups finish
+within tens of milliseconds of each other and that overlap measured 0.3 % of a step,
+while a group collected alone paid its own close (waiting for calls still being staged),
+reassembly and read: `bench/bench_train.py` measured the work left after the last answer
+at 0.18 s collecting group by group (in a group commit, one collection at a time, as in
+the one before) against about 0.12 s in one collection. An asynchronous run
+(`tokcap.loop._async`) collects each group as soon as it has played.
 """
 
 from __future__ import annotations
@@ -12,26 +23,20 @@ import time
 
 import anyio
 
-from ..compose import Batch, Finished, Stack
+from ..compose import Batch, CollectTimings, Finished, Stack
 from ._step import StepContext, StepRecord, _Clock, play_group, step_record
 from ._task import WITNESSES, DigitsEpisode, group_prompt
 
 __all__ = ["run_step"]
 
-_WORK = ("close", "fetch_receipts", "pool", "read_rows")
-"""The collecting work a sync step sums over its groups (seconds): closing (receipts
-verified from the reply), fetching receipts the closes did not answer, the Ray pool's
-reassembly, and reading the accepted rows (`tokcap.compose.CollectTimings`)."""
-
 
 async def run_step(loop: StepContext, step: int) -> StepRecord:
     """Play, collect, train and push one step; its record (``finish`` left running).
 
-    Each group is collected (closed in one batch whose answer carries the manifests,
-    receipts verified, reassembled, its rows read) as soon as its last rollout has played,
-    while the other groups still generate: what blocks the step is only the work left once
-    the last answer came back (`StepTail`). Nothing is pushed before the step trains, so
-    every row is still sampled by the version being trained.
+    Once every rollout has played, all groups are collected in one collection
+    (`StepTail.collect`): what blocks the step is the work left once the last answer came
+    back. Nothing is pushed before the step trains, so every row is still sampled by the
+    version being trained.
     """
     config = loop.run.config
     clock = _Clock()
@@ -47,15 +52,8 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
         for i in range(config.rollouts)
     ]
     tail = StepTail(started, episodes)
-    async with anyio.create_task_group() as collectors:
-
-        def played(episode: DigitsEpisode, answered: float) -> None:
-            group = tail.played(episode, answered)
-            if group is not None:
-                collectors.start_soon(tail.collect, loop.stack, group)
-
-        await play_group(loop, episodes, step, played=played)
-    batch = tail.batch()
+    await play_group(loop, episodes, step, played=tail.played)
+    batch = await tail.collect(loop.stack)
     clock.seconds.update(tail.seconds(time.perf_counter()))
     if loop.observe is not None:
         observed = time.perf_counter()
@@ -83,72 +81,53 @@ async def run_step(loop: StepContext, step: int) -> StepRecord:
 
 
 class StepTail:
-    """A sync step's groups, each collected once its rollouts have played, and the timing
+    """A sync step's rollouts as they finish playing, their one collection, and the timing
     of what was left to do after the last answer.
 
     Stages are wall-clock segments of the step: ``generate`` ends when the harness got its
-    last answer; ``capture_verify`` runs from there until every group's receipts are
-    verified (declares, closes, receipts still pending); ``reassemble`` until every group's
-    rows are read. The per-group work done while other groups were still generating is
-    summed apart (``overlapped``; ``close`` and ``fetch_receipts`` are summed per group:
-    ``close`` verifies the receipts its answer carried, ``fetch_receipts`` any it left out).
+    last answer (a ``declared`` rollout's declaration comes after it: tokcap's work);
+    ``capture_verify`` runs from there until every receipt is verified (the batch close);
+    ``reassemble`` until every row is read. The collection's parts are given too:
+    ``close`` (receipts verified from its answer), ``fetch_receipts`` (any it left out),
+    ``pool`` (the reassemblers' bundles) and ``read_rows``.
     """
 
     def __init__(self, started: float, episodes: list[DigitsEpisode]) -> None:
         self.started = started
         self.last_answer = started
-        self.groups: dict[str, list[DigitsEpisode]] = {}
-        for episode in episodes:
-            self.groups.setdefault(episode.group_id, []).append(episode)
-        self._left = {g: len(members) for g, members in self.groups.items()}
-        self._batches: dict[str, Batch] = {}
-        self._verified: list[float] = []
-        self._spans: list[tuple[float, float]] = []
-        self._work: dict[str, float] = dict.fromkeys(_WORK, 0.0)
+        self.episodes = episodes
+        self.timings: CollectTimings | None = None
+        """The collection's timings, once it ran."""
+        self.collect_started = started
+        """When the collection started (``perf_counter``)."""
 
-    def played(self, episode: DigitsEpisode, answered: float) -> str | None:
-        """Note a rollout done (its last answer at ``answered``); its group id once the
-        group's last rollout is done."""
+    def played(self, episode: DigitsEpisode, answered: float) -> None:
+        """Note a rollout done, its last answer at ``answered``."""
         self.last_answer = max(self.last_answer, answered)
-        self._left[episode.group_id] -= 1
-        return episode.group_id if self._left[episode.group_id] == 0 else None
 
-    async def collect(self, stack: Stack, group_id: str) -> None:
-        """Close, verify and reassemble one group (`tokcap.compose.collect`)."""
-        start = time.perf_counter()
-        batch = await stack.collect([_finished(e) for e in self.groups[group_id]])
-        done = time.perf_counter()
+    async def collect(self, stack: Stack) -> Batch:
+        """Every group in one collection (`tokcap.compose.collect`), its rows in group order
+        (each group's advantages against its own baseline, as GRPO's are)."""
+        self.collect_started = time.perf_counter()
+        batch = await stack.collect([_finished(e) for e in self.episodes])
         assert batch.timings is not None
-        t = batch.timings
-        self._batches[group_id] = batch
-        self._verified.append(start + t.close_s + t.receipts_s)
-        self._work["close"] += t.close_s
-        self._work["fetch_receipts"] += t.receipts_s
-        self._work["pool"] += t.reassemble_s
-        self._work["read_rows"] += t.rows_s
-        self._spans.append((start, done))
-
-    def batch(self) -> Batch:
-        """Every group's batch in one, in group order (GRPO's advantages are per group)."""
-        out = Batch()
-        for group_id in sorted(self._batches):
-            part = self._batches[group_id]
-            out.receipts.update(part.receipts)
-            out.groups.extend(part.groups)
-            out.decisions.update(part.decisions)
-            out.rows.extend(part.rows)
-            out.advantages.extend(part.advantages)
-        return out
+        self.timings = batch.timings
+        return batch
 
     def seconds(self, collected: float) -> dict[str, float]:
-        """The step's stages up to ``collected`` (all groups read), and the summed work."""
-        verified = max([self.last_answer, *self._verified])
+        """The step's stages up to ``collected`` (every row read), and the collection's parts."""
+        t = self.timings or CollectTimings(
+            close_s=0.0, receipts_s=0.0, reassemble_s=0.0, rows_s=0.0
+        )
+        verified = max(self.last_answer, self.collect_started + t.close_s + t.receipts_s)
         return {
             "generate": self.last_answer - self.started,
             "capture_verify": verified - self.last_answer,
             "reassemble": collected - verified,
-            "overlapped": sum(max(0.0, min(b, self.last_answer) - a) for a, b in self._spans),
-            **self._work,
+            "close": t.close_s,
+            "fetch_receipts": t.receipts_s,
+            "pool": t.reassemble_s,
+            "read_rows": t.rows_s,
         }
 
 

@@ -5,6 +5,9 @@ recorded `FinalizedGroup` and writes nothing); fetch every on-chain staged row i
 batched ``get`` (on `MissingRows`, fetch the present ones once more: the missing
 rollouts become ``missing_rows`` placeholders); verify and reassemble with the core;
 record ``publishing``; publish; clear the group's staging keys; record ``published``.
+A bundle of groups the pool has never sent (`RolloutReassemblerActor.reassemble_many`)
+takes the same steps together: one fetch, one record call, one publish, one clear, each
+group still recorded on its own.
 
 A record left at ``publishing`` means an earlier attempt died between the record and
 the end of its publish. The training keys then decide, never a guess: all present ->
@@ -88,28 +91,64 @@ class RolloutReassemblerActor:
         ``first_attempt=True`` (the pool has never sent this group before) skips the
         progress lookup: no record can exist yet.
         """
-        assert_metadata_only(request)
-        pending = self._pending.get(request.group_id)
-        if pending is None:
-            pending = self._pending[request.group_id] = _Pending()
+
+        async def work(requests: list[ReassemblyRequest]) -> list[FinalizedGroup]:
+            return [await self._run(requests[0], first_attempt)]
+
+        return (await self._coalesced([request], work))[0]
+
+    async def reassemble_many(self, requests: list[ReassemblyRequest]) -> list[FinalizedGroup]:
+        """Reassemble and publish a bundle of groups the pool has never sent (first attempts,
+        so no progress lookup), results in request order: one fetch of all their staged
+        rows, one publish of all their rows. A group already being worked on here is waited
+        for, as `reassemble` waits for a duplicate; a group listed twice is done once.
+        """
+
+        async def work(fresh: list[ReassemblyRequest]) -> list[FinalizedGroup]:
+            await self._get_sink()
+            return await self._fresh_many(fresh)
+
+        return await self._coalesced(requests, work)
+
+    async def _coalesced(
+        self,
+        requests: list[ReassemblyRequest],
+        work: Callable[[list[ReassemblyRequest]], Awaitable[list[FinalizedGroup]]],
+    ) -> list[FinalizedGroup]:
+        """``work`` on the groups nobody is working on here yet; the others are waited for."""
+        for request in requests:
+            assert_metadata_only(request)
+        waits = {
+            r.group_id: self._pending[r.group_id] for r in requests if r.group_id in self._pending
+        }
+        mine = list({r.group_id: r for r in requests if r.group_id not in waits}.values())
+        owned = {r.group_id: _Pending() for r in mine}
+        if mine:
+            self._pending.update(owned)
             # Shielded: once started, a group runs to the end even if its caller is
             # cancelled, so no cancellation can leave a half-written group behind.
             with anyio.CancelScope(shield=True):
                 try:
-                    pending.result = await self._run(request, first_attempt)
+                    for request, result in zip(mine, await work(mine), strict=True):
+                        owned[request.group_id].result = result
                 except BaseException as e:
-                    pending.error = e
+                    for pending in owned.values():
+                        pending.error = e
                     raise
                 finally:
-                    del self._pending[request.group_id]
-                    pending.done.set()
-        else:
+                    for group_id, pending in owned.items():
+                        del self._pending[group_id]
+                        pending.done.set()
+        out = []
+        for request in requests:
+            pending = owned.get(request.group_id) or waits[request.group_id]
             await pending.done.wait()
             if pending.error is not None:
                 raise pending.error
-        assert pending.result is not None
-        assert_metadata_only(pending.result)
-        return pending.result
+            assert pending.result is not None
+            assert_metadata_only(pending.result)
+            out.append(pending.result)
+        return out
 
     async def _run(self, request: ReassemblyRequest, first_attempt: bool) -> FinalizedGroup:
         await self._get_sink()
@@ -123,32 +162,45 @@ class RolloutReassemblerActor:
         return record.finalized
 
     async def _fresh(self, request: ReassemblyRequest) -> FinalizedGroup:
+        return (await self._fresh_many([request]))[0]
+
+    async def _fresh_many(self, requests: list[ReassemblyRequest]) -> list[FinalizedGroup]:
+        """Groups nobody has started: one fetch of all their staged rows, one ``publishing``
+        record call, one publish, one clear, then the ``published`` records."""
         t0 = time.perf_counter()
-        staged, missing = await self._fetch(on_chain_keys(request))
+        staged, _ = await self._fetch([k for r in requests for k in on_chain_keys(r)])
         t1 = time.perf_counter()
-        timings = dict.fromkeys(TIMING_KEYS, 0.0) | {"time/fetch_ms": (t1 - t0) * 1e3}
-        result = reassemble_group(
-            request,
-            staged,
-            staging_cleared=request.clear_staging,
-            extra_metrics=timings | {"staging/missing_keys": float(missing)},
-        )
-        t2 = time.perf_counter()
-        finalized = _with_metrics(result.finalized, {"time/reassemble_ms": (t2 - t1) * 1e3})
-        await self._record(request.group_id, "publishing", finalized)
+        fetch = {"time/fetch_ms": (t1 - t0) * 1e3}
+        results = []
+        for request in requests:
+            start = time.perf_counter()
+            missing = sum(k not in staged for k in on_chain_keys(request))
+            result = reassemble_group(
+                request,
+                staged,
+                staging_cleared=request.clear_staging,
+                extra_metrics=dict.fromkeys(TIMING_KEYS, 0.0)
+                | fetch
+                | {"staging/missing_keys": float(missing)},
+            )
+            spent = {"time/reassemble_ms": (time.perf_counter() - start) * 1e3}
+            results.append((result, _with_metrics(result.finalized, spent)))
+        await self._record_many("publishing", [f for _, f in results])
         t2 = time.perf_counter()  # the record's round trip is in neither step
-        await self._sink.publish(result.rows)
-        t3 = time.perf_counter()
-        if request.clear_staging:
-            await self._sink.clear(request.staging_keys)
-        t4 = time.perf_counter()
-        finalized = _with_metrics(
-            finalized, {"time/publish_ms": (t3 - t2) * 1e3, "time/clear_ms": (t4 - t3) * 1e3}
+        await self._sink.publish(
+            {k: row for result, _ in results for k, row in result.rows.items()}
         )
+        t3 = time.perf_counter()
+        clears = [k for r in requests if r.clear_staging for k in r.staging_keys]
+        if clears:
+            await self._sink.clear(clears)
+        t4 = time.perf_counter()
+        spent = {"time/publish_ms": (t3 - t2) * 1e3, "time/clear_ms": (t4 - t3) * 1e3}
+        finalized = [_with_metrics(f, spent) for _, f in results]
         # Not awaited: Ray runs this caller's calls to the progress actor in order, and
-        # if this record is lost the "publishing" one still resolves to published.
-        self._progress.put.remote(
-            request.group_id, GroupRecord(state="published", finalized=finalized)
+        # if these records are lost the "publishing" ones still resolve to published.
+        self._progress.put_many.remote(
+            {f.group_id: GroupRecord(state="published", finalized=f) for f in finalized}
         )
         return finalized
 
@@ -185,6 +237,10 @@ class RolloutReassemblerActor:
     async def _record(self, group_id: str, state: RecordState, finalized: FinalizedGroup) -> None:
         record = GroupRecord(state=state, finalized=finalized)
         await await_ref(self._progress.put.remote(group_id, record))
+
+    async def _record_many(self, state: RecordState, groups: list[FinalizedGroup]) -> None:
+        records = {f.group_id: GroupRecord(state=state, finalized=f) for f in groups}
+        await await_ref(self._progress.put_many.remote(records))
 
 
 def _with_metrics(finalized: FinalizedGroup, extra: dict[str, float]) -> FinalizedGroup:

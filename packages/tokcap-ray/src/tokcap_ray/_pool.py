@@ -52,6 +52,10 @@ from ._progress import GroupRecord, ProgressActor
 
 __all__ = ["ReassemblerPool"]
 
+BUNDLE_GROUPS = 16
+"""At most this many groups in one actor call of `ReassemblerPool.as_completed` (a bundle
+shares one fetch of staged rows and one publish of training rows)."""
+
 
 @dataclass(slots=True)
 class _Slot:
@@ -103,9 +107,10 @@ class ReassemblerPool:
         self._closed = False
         self._sent: set[str] = set()  # group ids this pool has sent (no record can predate)
         self.stats: dict[str, float] = dict.fromkeys(
-            ("submitted", "finished", "unknown", "actor_deaths", "retries"), 0.0
+            ("submitted", "finished", "unknown", "actor_deaths", "retries", "bundled"), 0.0
         )
-        """Pool counters since creation (plain floats, for any logger)."""
+        """Pool counters since creation (plain floats, for any logger); ``bundled``: groups
+        sent in bundles (`as_completed`)."""
 
     @classmethod
     def from_config(cls, config: PoolConfig, sink_factory: SinkFactory) -> ReassemblerPool:
@@ -214,6 +219,12 @@ class ReassemblerPool:
         ``async with pool.as_completed(reqs) as results: async for f in results: ...``;
         leaving the block early cancels the waits (started groups still finish in their
         actors, and a resubmit returns their result). A failed request raises here.
+
+        Groups this pool has never sent go to their actors in bundles, one call per actor
+        slot (up to `BUNDLE_GROUPS` groups): each bundle is one fetch of staged rows and
+        one publish of training rows in its actor, and its groups complete together. A
+        bundle whose actor dies is retried group by group; retries and duplicates always
+        go alone.
         """
         send, receive = anyio.create_memory_object_stream[FinalizedGroup]()
         async with anyio.create_task_group() as tg:
@@ -228,30 +239,91 @@ class ReassemblerPool:
         send: MemoryObjectSendStream[FinalizedGroup],
         tg: anyio.abc.TaskGroup,
     ) -> None:
-        async def one(
-            request: ReassemblyRequest, out: MemoryObjectSendStream[FinalizedGroup]
+        async def run(
+            part: list[ReassemblyRequest], fresh: bool, out: MemoryObjectSendStream[FinalizedGroup]
         ) -> None:
             async with out:
                 try:
-                    finalized = await self._run(request)
+                    done = await self._run_fresh(part) if fresh else [await self._run(part[0])]
                 finally:
                     self._in_flight.release()
-                await out.send(finalized)
+                for finalized in done:
+                    await out.send(finalized)
 
         async with send:
-            for request in requests:
+            for part, fresh in self._bundles(requests):
                 await self._in_flight.acquire()
-                tg.start_soon(one, request, send.clone())
+                tg.start_soon(run, part, fresh, send.clone())
+
+    def _bundles(
+        self, requests: list[ReassemblyRequest]
+    ) -> list[tuple[list[ReassemblyRequest], bool]]:
+        """``requests`` as actor calls, each with whether it holds groups never sent before:
+        those bundled by actor slot (up to `BUNDLE_GROUPS` a call; marked sent here, so a
+        duplicate in the same call is not taken for a first attempt), then every other one
+        alone."""
+        alone: list[tuple[list[ReassemblyRequest], bool]] = []
+        by_slot: dict[int, list[ReassemblyRequest]] = {}
+        for request in requests:
+            if request.group_id in self._sent:
+                alone.append(([request], False))  # a retry or a duplicate: its record decides
+                continue
+            self._sent.add(request.group_id)
+            by_slot.setdefault(self.slot_of(request.group_id), []).append(request)
+        bundles = [
+            (fresh[i : i + BUNDLE_GROUPS], True)
+            for fresh in by_slot.values()
+            for i in range(0, len(fresh), BUNDLE_GROUPS)
+        ]
+        return [*bundles, *alone]
+
+    async def _run_fresh(self, requests: list[ReassemblyRequest]) -> list[FinalizedGroup]:
+        """Groups never sent before: one alone is a first attempt (no record lookup);
+        several go in one bundle, one actor call; if its actor dies, each group is retried
+        alone on the replacement, where its progress record decides."""
+        self._check_open()
+        self.stats["submitted"] += len(requests)
+        if len(requests) == 1:
+            return [await self._attempts(requests[0], first=0, first_attempt=True)]
+        self.stats["bundled"] += len(requests)
+        index = self.slot_of(requests[0].group_id)
+        slot = self._slots[index]
+        try:
+            done: list[FinalizedGroup] = await await_ref(
+                slot.handle.reassemble_many.remote(requests)
+            )
+        except RayTaskError:
+            raise  # the actor raised (bad data, sink error): not a death, no retry
+        except RayActorError:
+            self._replace(index, slot)
+        else:
+            return [self._finish(finalized) for finalized in done]
+        out: list[FinalizedGroup | None] = [None] * len(requests)
+
+        async def retry(i: int) -> None:
+            out[i] = await self._attempts(requests[i], first=1, first_attempt=False)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(requests)):
+                tg.start_soon(retry, i)
+        return [f for f in out if f is not None]
 
     async def _run(self, request: ReassemblyRequest) -> FinalizedGroup:
         self._check_open()
         # The request checked itself when built, and the actor checks it on the way in:
         # a third walk here would cost as much as the reassembly (~2.6 ms for 8 rollouts).
         self.stats["submitted"] += 1
-        index = self.slot_of(request.group_id)
         first_attempt = request.group_id not in self._sent
         self._sent.add(request.group_id)
-        for attempt in range(self.config.max_retries + 1):
+        return await self._attempts(request, first=0, first_attempt=first_attempt)
+
+    async def _attempts(
+        self, request: ReassemblyRequest, *, first: int, first_attempt: bool
+    ) -> FinalizedGroup:
+        """Send ``request`` to its slot's actor, replacing dead actors, from attempt
+        ``first`` (an attempt made in a bundle counts) up to ``max_retries``."""
+        index = self.slot_of(request.group_id)
+        for attempt in range(first, self.config.max_retries + 1):
             slot = self._slots[index]
             if attempt:
                 self.stats["retries"] += 1

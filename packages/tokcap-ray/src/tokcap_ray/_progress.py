@@ -10,7 +10,7 @@ check was inconclusive once and stays so. Records are metadata only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -46,6 +46,10 @@ class ProgressActor:
     def put(self, group_id: str, record: GroupRecord) -> None:
         """Record progress of ``group_id`` (replaces the previous record)."""
         self._records[group_id] = record
+
+    def put_many(self, records: Mapping[str, GroupRecord]) -> None:
+        """Record progress of several groups at once (one call for a bundle)."""
+        self._records.update(records)
 
     def forget(self, group_ids: Sequence[str]) -> int:
         """Drop records; how many were held."""
