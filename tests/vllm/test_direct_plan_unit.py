@@ -219,3 +219,59 @@ def test_trainers_files_stay_mapped_between_pushes_and_removed_ones_are_let_go(
     assert len(kept) == 1
     kept.clear()
     one.remove()
+
+
+class _Packing:
+    """A stand-in quant method (no CPU GEMM here to pack with): keeps a copy and empties the
+    weight as vLLM's dispatch does, keeps the weight as its torch fallback does, or fails."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.how == "fail":
+            raise RuntimeError("no handle")
+        layer.packed = layer.weight.detach().clone()
+        if self.how == "empty":
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def _toy(*hows: str) -> torch.nn.Module:
+    model = torch.nn.Module()
+    for i, how in enumerate(hows):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        layer.quant_method = _Packing(how)
+        model.add_module(f"l{i}", layer)
+    return model
+
+
+def test_a_direct_load_packs_views_and_keeps_no_view_of_the_push_file(tmp_path: Path) -> None:
+    from tokcap_vllm._direct_load import DirectLoader
+
+    q, k, w = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
+    tensors = [("q", q), ("k", k), ("w", w)]
+    spec = {name: ("float32", tuple(t.shape)) for name, t in tensors}
+    views, _ = map_push_file(*write_push_file(tensors, str(tmp_path)), spec)
+    model = _toy("empty", "keep")
+    plan = DirectPlan((Packed("l0", ("q", "k")), Packed("l1", ("w",))), joined_rows={"l0": 12})
+    report = DirectLoader(model).load(plan, dict(views))
+    assert (report.packed, report.viewed, report.joined) == (2, 2, 0)
+    assert torch.equal(model.l0.packed, torch.cat([q, k]))
+    assert model.l0.weight.numel() == 0
+    assert torch.equal(model.l1.weight, w)  # a kept weight is the layer's own copy
+    assert model.l1.weight.untyped_storage().data_ptr() != dict(views)["w"].data_ptr()
+
+
+def test_a_layer_whose_packing_fails_gets_its_emptied_weight_back(tmp_path: Path) -> None:
+    from tokcap_vllm._direct_load import DirectLoader
+
+    tensors = [("a", torch.randn(4, 4)), ("b", torch.randn(4, 4))]
+    spec = {name: ("float32", tuple(t.shape)) for name, t in tensors}
+    views, _ = map_push_file(*write_push_file(tensors, str(tmp_path)), spec)
+    model = _toy("empty", "fail")
+    emptied = model.l1.weight
+    plan = DirectPlan((Packed("l0", ("a",)), Packed("l1", ("b",))))
+    with pytest.raises(RuntimeError, match="no handle"):
+        DirectLoader(model).load(plan, dict(views))
+    assert model.l1.weight is emptied  # what vLLM's layerwise reload, run next, expects
