@@ -12,7 +12,8 @@ its shape from vLLM's reload metadata). The real parameters are back before it r
    shards' views as one when they lie back to back in the push file, else one
    ``torch.cat`` into a buffer kept for the next push; then the layer's own
    ``quant_method.process_weights_after_loading`` packs it as a load would (the oneDNN
-   handle copies it; the weight is removed again, so nothing keeps viewing the file);
+   handle copies it; the weight is removed again, so nothing keeps viewing the file; a
+   weight the dispatch keeps is replaced by a copy), layers in a thread pool (`_pack`);
 3. runs the quant method again on the layers whose parameters were copied (the embedding
    and a tied head sharing its weight: their packed copy of it).
 """
