@@ -10,7 +10,7 @@ are not served.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 from anyio.abc import TaskGroup
@@ -102,16 +102,7 @@ def test_calls_that_finish_while_every_writer_is_busy_go_together(
     """Each of the first `WRITERS` calls gets a put of its own at once (the last call of a
     burst does not wait for the put before it); the calls after them wait, in one put."""
     sink = HeldSink()
-
-    async def main() -> list[GateCall]:
-        calls = _gate_calls(staged)
-        sink.release = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            await _busy_writers(StageWriter(sink, 30.0, _ignore), calls, tg)
-            sink.release.set()
-        return calls
-
-    calls = anyio.run(main)
+    calls = _while_writers_busy(sink, staged, lambda tg: sink.release.set())
     assert sink.puts == [1] * WRITERS + [2]
     assert [call.stage_error for call in calls] == [None] * len(staged)
     assert anyio.run(sink.get, [s.key for s in staged]) == staged
@@ -155,28 +146,31 @@ def test_calls_left_when_the_gate_stops_are_not_served(staged: list[StagedCall])
     queued: all are done with ``gate_not_serving``, so nothing waits on them and nothing
     commits them."""
     sink = HeldSink()
-
-    async def main() -> list[GateCall]:
-        calls = _gate_calls(staged)
-        sink.release = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            await _busy_writers(StageWriter(sink, 30.0, _ignore), calls, tg)
-            tg.cancel_scope.cancel()
-        return calls
-
-    calls = anyio.run(main)
+    calls = _while_writers_busy(sink, staged, lambda tg: tg.cancel_scope.cancel())
     assert [call.stage_error for call in calls] == ["gate_not_serving"] * len(staged)
     assert all(call.sink_done.is_set() for call in calls)
 
 
-async def _busy_writers(writer: StageWriter, calls: list[GateCall], tg: TaskGroup) -> None:
-    """Write the first `WRITERS` calls one by one, each until its put is held, then queue
-    the rest while every writer is busy."""
-    for call in calls[:WRITERS]:
-        writer.write(call, tg)
-        await anyio.wait_all_tasks_blocked()
-    for call in calls[WRITERS:]:
-        writer.write(call, tg)
+def _while_writers_busy(
+    sink: HeldSink, staged: list[StagedCall], then: Callable[[TaskGroup], object]
+) -> list[GateCall]:
+    """Write the first `WRITERS` calls one by one, each until its put is held in ``sink``,
+    queue the rest while every writer is busy, then ``then(task_group)``; the calls."""
+
+    async def main() -> list[GateCall]:
+        calls = _gate_calls(staged)
+        sink.release = anyio.Event()
+        writer = StageWriter(sink, 30.0, _ignore)
+        async with anyio.create_task_group() as tg:
+            for call in calls[:WRITERS]:
+                writer.write(call, tg)
+                await anyio.wait_all_tasks_blocked()
+            for call in calls[WRITERS:]:
+                writer.write(call, tg)
+            then(tg)
+        return calls
+
+    return anyio.run(main)
 
 
 async def _ignore(batch: list[GateCall], seconds: float) -> None:
