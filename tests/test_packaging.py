@@ -51,7 +51,14 @@ def wheels(uv: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_member_builds_a_wheel(wheels: Path) -> None:
     names = sorted(p.name.split("-")[0] for p in wheels.glob("*.whl"))
-    assert names == ["tokcap", "tokcap_core", "tokcap_ray", "tokcap_tq", "tokcap_vllm"]
+    assert names == [
+        "tokcap",
+        "tokcap_core",
+        "tokcap_ray",
+        "tokcap_tq",
+        "tokcap_trl",
+        "tokcap_vllm",
+    ]
 
 
 def test_core_wheel_works_alone_in_a_clean_environment(

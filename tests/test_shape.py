@@ -16,6 +16,7 @@ PACKAGES = {
     "tokcap_tq": ROOT / "packages/tokcap-tq/src/tokcap_tq",
     "tokcap_vllm": ROOT / "packages/tokcap-vllm/src/tokcap_vllm",
     "tokcap_ray": ROOT / "packages/tokcap-ray/src/tokcap_ray",
+    "tokcap_trl": ROOT / "packages/tokcap-trl/src/tokcap_trl",
     "tokcap": ROOT / "src/tokcap",
 }
 

@@ -17,6 +17,8 @@ FORBIDDEN = (
     "tokcap_tq",
     "tokcap_vllm",
     "tokcap_ray",
+    "tokcap_trl",
+    "trl",
 )
 
 
