@@ -23,8 +23,9 @@ __all__ = [
     "Diff",
     "EngineCall",
     "TrlReplay",
+    "Turn",
     "diff",
-    "engine_ids",
+    "engine_turns",
     "trl_replay",
     "trl_tokenizer",
 ]
@@ -56,37 +57,53 @@ class Conversation:
     finished: Finished | None = None
 
 
+Turn = tuple[list[int], list[int]]
+"""One engine turn as a row should hold it: the prompt the engine ran on, what it generated."""
+
+
 @dataclass(slots=True)
 class Diff:
-    """Where a row leaves the engine's ids: the first position, and how many tokens differ."""
+    """Where a row leaves the engine's ids: the first differing position, and how many of
+    the tokens the engine generated are not in the row as generated."""
 
     first: int
     affected: int
 
 
-def diff(row: Sequence[int], engine: Sequence[int]) -> Diff | None:
-    """None when ``row`` is ``engine``; else the first differing position and the number of
-    positions that differ (aligned), plus the length difference."""
-    if list(row) == list(engine):
-        return None
-    common = min(len(row), len(engine))
-    first = next((i for i in range(common) if row[i] != engine[i]), common)
-    affected = sum(row[i] != engine[i] for i in range(common)) + abs(len(row) - len(engine))
-    return Diff(first, affected)
+def diff(row: Sequence[int], turns: Sequence[Turn]) -> Diff | None:
+    """None when every turn's prompt and output are, token for token, a prefix of ``row``
+    (the row holds each generated token where and after what the engine produced it);
+    else the first position where one is not, and the count of generated tokens missing
+    from their place (a position that differs, or that the row does not reach)."""
+    first: int | None = None
+    affected = 0
+    for prompt, output in turns:
+        expected = [*prompt, *output]
+        common = min(len(row), len(expected))
+        where = next((i for i in range(common) if row[i] != expected[i]), None)
+        if where is None and len(row) < len(expected):
+            where = len(row)
+        if where is not None:
+            first = where if first is None else min(first, where)
+        start = len(prompt)
+        affected += sum(
+            start + i >= len(row) or row[start + i] != token for i, token in enumerate(output)
+        )
+    return None if first is None else Diff(first, affected)
 
 
-def engine_ids(call: EngineCall) -> list[int]:
-    """What the engine's row for a turn is: its prompt, then what it generated."""
-    return [*call.prompt_ids, *call.output_ids]
+def engine_turns(conversation: Conversation) -> list[Turn]:
+    """The conversation's turns as the engine reported them."""
+    return [(c.prompt_ids, c.output_ids) for c in conversation.calls]
 
 
 @dataclass(slots=True)
 class TrlReplay:
-    """TRL's rows for one conversation, what each is compared with, and its drift tally."""
+    """TRL's rows for one conversation, the turns each row covers, and TRL's drift tally."""
 
     rows: list[list[int]]
-    engine: list[list[int]]
-    """For each row, the engine's ids of the turn the row ends with."""
+    turns_of_row: list[list[Turn]]
+    """For each row, its turns as TRL sent them to the engine (TRL's prompt, the output)."""
     tally: dict[str, float]
     turns: int
 
@@ -149,7 +166,13 @@ def trl_replay(tokenizer: Any, conversation: Conversation) -> TrlReplay:
             answer = tool_result({"function": {"arguments": json.dumps(args)}})
             messages.append({"role": "tool", "name": c["function"]["name"], "content": answer})
     sequences, tally = _chain_to_sequences(turns, conversation.rollout_id, FORK_THRESHOLD)
-    ends = {tuple([*t.prompt_ids, *t.output_ids]): k for k, t in enumerate(turns)}
     rows = [list(s.input_ids) for s in sequences]
-    engine = [engine_ids(conversation.calls[ends.get(tuple(r), len(turns) - 1)]) for r in rows]
-    return TrlReplay(rows, engine, tally, len(turns))
+    # a row ends with its last turn's prompt and output (CLEAN appends, REALIGN overwrites the
+    # drifted tail with the new prompt), and a FORK starts the next row: rows cover runs of turns
+    ends = {tuple([*t.prompt_ids, *t.output_ids]): k for k, t in enumerate(turns)}
+    covered, start = [], 0
+    for row in rows:
+        end = ends.get(tuple(row), len(turns) - 1)
+        covered.append([(t.prompt_ids, t.output_ids) for t in turns[start : end + 1]])
+        start = end + 1
+    return TrlReplay(rows, covered, tally, len(turns))

@@ -25,13 +25,16 @@ the reference both paths are compared with. Then, on the same conversations:
   receipts against the ledger heads, reassemble the rows on the Ray pool, decide the
   groups) and ``Stack.finish`` (free the rows, release the rollouts).
 
-A row *differs from the engine's ids* when it is not, token for token, the prompt the
-engine ran its row's last turn on followed by what it generated: in TRL's rows, the history
-is the template's re-rendering of earlier turns (tool-call JSON re-serialised, text
-re-encoded) where the engine saw and generated other tokens. Printed per path: rows, rows
-that differ, the first differing position and the tokens affected (positions that differ,
-plus any length difference), TRL's drift tally (its own), and the seconds each path
-spends per step, with the ratio of tokcap's to TRL's in the same run.
+A row *differs from the engine's ids* when, for some turn it covers, the prompt the engine
+ran that turn on followed by what it generated is not, token for token, a prefix of the row
+(the context is TRL's own prompt for TRL's rows, the prompt the engine reported for
+tokcap's). In TRL's rows a REALIGN overwrites an earlier turn's generated tokens with the
+template's re-rendering of them (tool-call JSON re-serialised, text re-encoded), so those
+tokens are no longer in the row as the engine generated them. Printed per path: rows, rows
+that differ, the first differing position and the generated tokens that are not in the row
+as generated; TRL's drift tally (its own); the seconds each path spends per step (the
+first step is a warm-up: imports, first compiles, the pool's first round), with the ratio
+of tokcap's to TRL's in the same run.
 
 Run: ``uv run tokcap bench bench_trl [--steps 3 --groups 2 --rollouts 4 --turns 4]``.
 """
@@ -60,7 +63,7 @@ from _trl_rows import (  # noqa: E402  (bench/ is on sys.path)
     Diff,
     EngineCall,
     diff,
-    engine_ids,
+    engine_turns,
     trl_replay,
     trl_tokenizer,
 )
@@ -161,9 +164,9 @@ class Tally:
 def tokcap_diffs(
     rows: Sequence[TrainingRow], conversations: Sequence[Conversation]
 ) -> list[Diff | None]:
-    """Each valid row against the engine's ids of its rollout's last call."""
-    last = {c.rollout_id: engine_ids(c.calls[-1]) for c in conversations if c.calls}
-    return [diff(list(r.input_ids), last[r.rollout_id]) for r in rows if r.sample_mask]
+    """Each valid row against every call of its rollout as the engine reported it."""
+    turns = {c.rollout_id: engine_turns(c) for c in conversations}
+    return [diff(list(r.input_ids), turns[r.rollout_id]) for r in rows if r.sample_mask]
 
 
 async def step(
@@ -186,7 +189,7 @@ async def step(
     for replay in replays:
         tally.trl_rows += len(replay.rows)
         tally.trl_diffs += [
-            d for r, e in zip(replay.rows, replay.engine, strict=True) if (d := diff(r, e))
+            d for r, t in zip(replay.rows, replay.turns_of_row, strict=True) if (d := diff(r, t))
         ]
         for key, value in replay.tally.items():
             if key == "drift_max":
@@ -223,8 +226,8 @@ def describe(name: str, rows: int, diffs: Sequence[Diff]) -> str:
     return (
         f"  {name:<22} rows {rows:>4}, differing from the engine's ids {len(diffs):>4} "
         f"({len(diffs) / max(rows, 1):.0%}); first differing position min {firsts[0]} / "
-        f"median {statistics.median(firsts):.0f}; tokens affected {affected} "
-        f"({affected / len(diffs):.1f} per differing row)"
+        f"median {statistics.median(firsts):.0f}; generated tokens not in the row as "
+        f"generated {affected} ({affected / len(diffs):.1f} per differing row)"
     )
 
 
@@ -248,13 +251,14 @@ def report(tally: Tally, args: argparse.Namespace, load: tuple[float, ...]) -> N
         f"realign {int(d.get('realign', 0))}, fork {int(d.get('fork', 0))}; "
         f"drift {int(d.get('drift_tokens', 0))} tokens (max {int(d.get('drift_max', 0))})"
     )
-    trl = statistics.mean(tally.trl_s)
-    ours = statistics.mean(tally.tokcap_s)
-    print("per step (mean over steps):")
+    timed = slice(1, None) if len(tally.trl_s) > 1 else slice(None)  # the first: a warm-up
+    trl = statistics.mean(tally.trl_s[timed])
+    ours = statistics.mean(tally.tokcap_s[timed])
+    print(f"per step (mean over {len(tally.trl_s[timed])} steps after the warm-up):")
     print(f"  TRL re-tokenise + parse + reconcile   {trl * 1e3:9.1f} ms   1.00x (baseline)")
     print(f"  tokcap close + verify + reassemble    {ours * 1e3:9.1f} ms   {ours / trl:.2f}x")
     for name, values in tally.tokcap_stages.items():
-        print(f"    {name:<34}{statistics.mean(values) * 1e3:9.1f} ms")
+        print(f"    {name:<34}{statistics.mean(values[timed]) * 1e3:9.1f} ms")
 
 
 async def run(

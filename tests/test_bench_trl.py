@@ -73,14 +73,14 @@ def _conversation(bench: ModuleType, tokenizer: Any, arguments: str) -> Any:
 
 
 def test_the_templates_own_spacing_is_clean_and_equal(bench: ModuleType, tokenizer: Any) -> None:
-    replay = bench.trl_replay(
-        tokenizer, _conversation(bench, tokenizer, '{"a": 3, "op": "+", "b": 4}')
-    )
+    conversation = _conversation(bench, tokenizer, '{"a": 3, "op": "+", "b": 4}')
+    replay = bench.trl_replay(tokenizer, conversation)
     assert replay.turns == 2
     assert replay.tally["clean"] == 1
     assert replay.tally["realign"] == 0
-    assert len(replay.rows) == 1
-    assert bench.diff(replay.rows[0], replay.engine[0]) is None
+    [row] = replay.rows
+    assert replay.turns_of_row == [[(c.prompt_ids, c.output_ids) for c in conversation.calls]]
+    assert bench.diff(row, replay.turns_of_row[0]) is None
 
 
 def test_other_spacing_is_realigned_and_differs_where_the_call_was(
@@ -91,17 +91,21 @@ def test_other_spacing_is_realigned_and_differs_where_the_call_was(
     assert replay.tally["realign"] == 1
     assert replay.tally["fork"] == 0
     [row] = replay.rows
-    engine = bench.engine_ids(conversation.calls[-1])
-    assert replay.engine == [engine]
-    found = bench.diff(row, engine)
+    first, last = conversation.calls
+    trl_prompt, output = replay.turns_of_row[0][-1]
+    assert row == [*trl_prompt, *last.output_ids]  # realigned onto TRL's own last prompt
+    assert trl_prompt != last.prompt_ids  # which re-rendered the tool call
+    found = bench.diff(row, replay.turns_of_row[0])
     assert found is not None
-    first_call = conversation.calls[0]
-    start, end = len(first_call.prompt_ids), len(first_call.prompt_ids) + len(first_call.output_ids)
+    start, end = len(first.prompt_ids), len(first.prompt_ids) + len(first.output_ids)
     assert start <= found.first < end  # inside the tool call the engine generated
-    assert found.affected > 0
+    assert 0 < found.affected <= len(first.output_ids)  # only that turn's tokens moved
+    assert bench.diff(row, [(trl_prompt, output)]) is None  # the last turn is intact
 
 
-def test_diff_counts_positions_and_length(bench: ModuleType) -> None:
-    assert bench.diff([1, 2, 3], [1, 2, 3]) is None
-    assert bench.diff([1, 9, 3, 4], [1, 2, 3]) == bench.Diff(first=1, affected=2)
-    assert bench.diff([1, 2], [1, 2, 3]) == bench.Diff(first=2, affected=1)
+def test_diff_counts_generated_tokens_not_at_their_place(bench: ModuleType) -> None:
+    turns = [([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6])]
+    assert bench.diff([1, 2, 3, 4, 5, 6], turns) is None
+    assert bench.diff([1, 2, 9, 4, 5, 6], turns) == bench.Diff(first=2, affected=1)
+    assert bench.diff([1, 7, 3, 4, 5, 6], turns) == bench.Diff(first=1, affected=0)
+    assert bench.diff([1, 2, 3, 4, 5], turns) == bench.Diff(first=5, affected=1)
