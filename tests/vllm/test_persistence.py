@@ -29,7 +29,6 @@ from tokcap_vllm import (
 )
 from tokcap_vllm.persist import LedgerFile, read_ledger_records
 
-
 _RUNNING: dict[Path, Gate] = {}
 
 
