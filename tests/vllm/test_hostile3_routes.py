@@ -105,3 +105,28 @@ def test_b3_no_spelling_reaches_an_adapter_route_and_unlisted_paths_need_the_tok
         assert http.get("/v1/models").status_code == 200
         assert http.get("/openapi.json").status_code == 401
         assert http.get("/openapi.json", headers=AUTH).status_code == 200
+
+
+def test_b3_the_table_names_every_route_vllms_app_builder_mounts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine-free, the same check on the app vLLM's own builder makes (every optional
+    router on), so a route a new vLLM release adds fails here first."""
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from tokcap_vllm._route_table import route_listing
+
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", "m", "--enable-scale-out", "--enable-fault-tolerance"]
+    )
+    app = build_app(args, ("generate",), None)
+    listing = route_listing(app.routes)
+    assert {path for path, _, _ in listing} >= MUST_NOT_BE_OPEN
+    assert [path for path, _, rule in listing if not rule.listed] == []
+    assert {
+        path for path, _, rule in listing if rule.access == "public"
+    } & MUST_NOT_BE_OPEN == set()
