@@ -146,7 +146,7 @@ def test_q1_an_owner_silent_past_the_lease_is_taken_from_a_talking_one_never() -
     owners.check(rid, "a", 17.0)
     owners.check(rid, "b", 18.5)  # a silent for 10.5 s: b takes it over
     assert (owners.of(rid), owners.takeovers) == ("b", 1)
-    owners.check("other", None, 0.0)  # an unowned rollout is anyone's
+    owners.check(rid + "-other", None, 0.0)  # an unowned rollout is anyone's
 
 
 # ---- B5 ----------------------------------------------------------------------------------
