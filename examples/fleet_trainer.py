@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import socket
 import time
 from typing import Any
@@ -62,9 +63,12 @@ async def harness(base_url: str, prompt: str) -> list[int]:
         await client.close()
 
 
-async def train_step(fleet: GateFleet, sink: TQSink, rollouts: int) -> dict[str, Any]:
-    """One step over the fleet: play, close, receipts, rows; everything freed at the end."""
-    rids = [f"step0-r{i}" for i in range(rollouts)]
+async def train_step(fleet: GateFleet, sink: TQSink, rollouts: int, run_id: str) -> dict[str, Any]:
+    """One step over the fleet: play, close, receipts, rows; everything freed at the end.
+
+    Rollout ids start with ``run_id``: ids are the trainer's, and two trainers on the same
+    gates keep theirs apart (an id another active trainer holds is refused)."""
+    rids = [f"{run_id}-step0-r{i}" for i in range(rollouts)]
     engine_ids = {}
     for i, rid in enumerate(rids):
         engine_ids[rid] = await harness(await fleet.open(rid), f"count to {i}")
@@ -97,7 +101,7 @@ async def main_async(args: argparse.Namespace, token: str) -> dict[str, Any]:
     await wait_for_gates(args.gate, token, args.wait_s)
     sink = TQSink(TQSinkConfig())
     async with GateFleet(args.gate, token) as fleet:
-        return await train_step(fleet, sink, args.rollouts)
+        return await train_step(fleet, sink, args.rollouts, args.run_id)
 
 
 def main() -> None:
@@ -105,6 +109,9 @@ def main() -> None:
     parser.add_argument("--ray-address", required=True)
     parser.add_argument("--gate", action="append", required=True, help="a gate's URL (repeat)")
     parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument(
+        "--run-id", default=f"run-{secrets.token_hex(4)}", help="the rollout ids' prefix"
+    )
     parser.add_argument("--wait-s", type=float, default=600.0)
     args = parser.parse_args()
     token = os.environ["TOKCAP_CONTROL_TOKEN"]

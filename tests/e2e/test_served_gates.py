@@ -158,11 +158,12 @@ def test_a_restarted_trainer_reclaims_what_the_dead_one_left_on_every_gate(
     gates: list[ServedGate], sink: TQSink, token: str
 ) -> None:
     """A trainer dies mid-step (its fleet client dropped with rollouts open, one closed and
-    never released); the next trainer's `reclaim_rollouts` leaves nothing held."""
+    never released); the next trainer's `reclaim_rollouts`, under the same owner, leaves
+    nothing held. Another trainer, active meanwhile, reclaims none of them (Q1)."""
     urls = [g.url for g in gates]
 
     async def dead_trainer() -> None:
-        async with GateFleet(urls, token) as fleet:  # its connections end; its work stays
+        async with GateFleet(urls, token, owner="trainer-a") as fleet:  # its work stays
             await _play(fleet, [f"dead-{i}" for i in range(4)])
             await fleet.close("dead-0", reward=1.0)
 
@@ -177,12 +178,16 @@ def test_a_restarted_trainer_reclaims_what_the_dead_one_left_on_every_gate(
             [("dead-1", "open"), ("dead-3", "open")],
         ]
         assert [k for k in await sink.staged_keys() if k.startswith("dead-")]
-        assert await reclaim_rollouts(urls, token, sink) == {urls[0]: 2, urls[1]: 2}
+        other = {urls[0]: 0, urls[1]: 0}
+        assert await reclaim_rollouts(urls, token, sink, owner="trainer-b") == other
+        assert [k for k in await sink.staged_keys() if k.startswith("dead-")]
+        taken = {urls[0]: 2, urls[1]: 2}
+        assert await reclaim_rollouts(urls, token, sink, owner="trainer-a") == taken
         for url in urls:
             async with ControlPlaneClient(url, token) as cp:
                 assert await cp.rollouts() == []
         assert not [k for k in await sink.staged_keys() if k.startswith("dead-")]
-        assert await reclaim_rollouts(urls, token, sink) == {urls[0]: 0, urls[1]: 0}
+        assert await reclaim_rollouts(urls, token, sink, owner="trainer-a") == other
 
     anyio.run(run)
 

@@ -29,9 +29,17 @@ from tokcap_vllm import (
 )
 from tokcap_vllm.persist import LedgerFile, read_ledger_records
 
+_RUNNING: dict[Path, Gate] = {}
+
 
 def _gate(path: Path, **config: object) -> Gate:
-    return Gate(GateConfig(ledger_path=str(path), **config))  # type: ignore[arg-type]
+    """A gate on ``path``, started as a restarted process would: the previous gate on that
+    file is gone first (its file closed, its lock let go)."""
+    before = _RUNNING.pop(path, None)
+    if before is not None and before.ledger_file is not None:
+        before.ledger_file.close()
+    gate = _RUNNING[path] = Gate(GateConfig(ledger_path=str(path), **config))  # type: ignore[arg-type]
+    return gate
 
 
 def _feed(gate: Gate, rollout_id: str, *, seed: int, close: bool) -> bytes | None:
@@ -172,7 +180,7 @@ def test_the_start_rewrites_the_file_atomically(tmp_path: Path) -> None:
     gate.release("a")
     _gate(path)
     assert path.read_bytes() == b""
-    assert sorted(os.listdir(tmp_path)) == ["ledger.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["ledger.jsonl", "ledger.jsonl.lock"]
     assert oct(path.stat().st_mode & 0o777) == "0o600"
 
 

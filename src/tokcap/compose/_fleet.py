@@ -254,7 +254,7 @@ def run_on_fleet(
             FleetWeightSync([(url, token) for url in urls], mode=push_mode) as weights,
         ):
             if placement.gate_urls:  # gates that outlive runs: take back what a dead one held
-                reclaimed = await reclaim_rollouts(urls, token, sink)
+                reclaimed = await reclaim_rollouts(urls, token, sink, owner=fleet.owner)
                 log(f"reclaimed rollouts a previous run left: {reclaimed}")
             model = await served_model(urls[0]) if placement.gate_urls else str(placement.model)
             async with open_stack(

@@ -24,7 +24,12 @@ from pathlib import Path
 import httpx
 
 from tokcap_tq import TQSink, TQSinkConfig
-from tokcap_vllm import ControlPlaneClient, ControlPlaneError, GateFleet
+from tokcap_vllm import (
+    ControlConflict,
+    ControlNotFound,
+    ControlPlaneClient,
+    GateFleet,
+)
 
 __all__ = [
     "SERVED_ENV",
@@ -200,27 +205,50 @@ class FleetEndpoint:
         return self.fleet.base_url(rollout_id)
 
 
-async def reclaim_rollouts(urls: Sequence[str], token: str, sink: TQSink) -> dict[str, int]:
+async def _close_if_open(gate: ControlPlaneClient, rollout_id: str) -> None:
+    """Close ``rollout_id``; one closed or forgotten meanwhile is settled (its release
+    follows); ``rollout_owned`` is raised."""
+    try:
+        await gate.close(rollout_id)
+    except ControlConflict as e:
+        if e.code == "rollout_owned":
+            raise
+    except ControlNotFound:
+        pass
+
+
+async def reclaim_rollouts(
+    urls: Sequence[str], token: str, sink: TQSink, *, owner: str | None = None
+) -> dict[str, int]:
     """What a restarted trainer does first: every rollout the gates at ``urls`` still hold
     (left by a trainer that died: open, or closed and never released) is closed if open
     and released, and the rows it staged in ``sink`` are cleared; nothing is held forever.
 
-    Returns ``{url: rollouts reclaimed}``. The dead trainer's rewards are gone, so none of
-    these rollouts trains.
+    Asked as ``owner`` (the new trainer's fleet owner): rollouts of another owner that is
+    still active are left alone (the gate answers ``rollout_owned``), so a second trainer
+    never takes a live one's rollouts or rows; an owner silent past the gates' lease
+    (``--tokcap-owner-lease-s``) is taken from. Returns ``{url: rollouts reclaimed}``. The
+    dead trainer's rewards are gone, so none of these rollouts trains.
     """
     reclaimed: dict[str, int] = {}
     ids: set[str] = set()
     for url in urls:
-        async with ControlPlaneClient(url, token) as gate:
-            items = await gate.rollouts()
-            for item in items:
-                if item.state == "open":
-                    # closed meanwhile, or already forgotten: the release settles it
-                    with contextlib.suppress(ControlPlaneError):
-                        await gate.close(item.rollout_id)
-                await gate.release(item.rollout_id)
+        taken = 0
+        async with ControlPlaneClient(url, token, owner=owner) as gate:
+            for item in await gate.rollouts():
+                try:
+                    if item.state == "open":
+                        await _close_if_open(gate, item.rollout_id)
+                    await gate.release(item.rollout_id)
+                except ControlConflict as e:
+                    if e.code == "rollout_owned":
+                        continue  # a live trainer's: not ours to take
+                    raise
+                except ControlNotFound:
+                    pass  # released meanwhile: settled
                 ids.add(item.rollout_id)
-            reclaimed[url.rstrip("/")] = len(items)
+                taken += 1
+        reclaimed[url.rstrip("/")] = taken
     stale = [k for k in await sink.staged_keys() if k.split("/", 1)[0] in ids]
     if stale:
         await sink.clear(stale)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, TypeAlias
 
-from .errors import BadRequest
+from .errors import BadRequest, TooLarge
 
 __all__ = ["App", "Message", "Receive", "Scope", "Send", "header_values", "read_body", "send_body"]
 
@@ -26,7 +26,8 @@ def header_values(scope: Scope, name: bytes) -> list[str]:
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body; `BadRequest` if it exceeds ``limit`` or the client leaves."""
+    """The whole request body; `TooLarge` (413 ``body_too_large``) if it exceeds ``limit``,
+    `BadRequest` if the client leaves."""
     parts, size = [], 0
     while True:
         message = await receive()
@@ -35,7 +36,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise BadRequest("body_too_large", f"request body over {limit} bytes")
+            raise TooLarge("body_too_large", f"request body over {limit} bytes")
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)

@@ -41,6 +41,7 @@ from .api import (
     ErrorBody,
     HeadResponse,
     Health,
+    OpenResponse,
     RolloutItem,
     RolloutPage,
     TerminalBody,
@@ -72,7 +73,10 @@ class ControlPlaneClient(AsyncClosing):
     """Typed async client of ``/tokcap/v1``; use as ``async with ControlPlaneClient(...) as c``.
 
     ``token`` goes into the ``authorization`` header only (never into ``repr`` or errors).
-    ``max_manifest_bytes`` is enforced on the wire, before any parsing.
+    ``max_manifest_bytes`` is enforced on the wire, before any parsing. ``owner`` (sent as
+    ``X-Tokcap-Owner`` on every request) makes the rollouts this client opens its own: the
+    gate refuses other owners' opens, closes and releases of them (``rollout_owned``,
+    `tokcap_vllm._owners`).
     """
 
     def __init__(
@@ -86,13 +90,19 @@ class ControlPlaneClient(AsyncClosing):
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
         max_concurrency: int = 16,
         transport: httpx.AsyncBaseTransport | None = None,
+        owner: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.owner = owner
+        self.instance = ""
+        """The gate instance that answered last (``X-Tokcap-Gate-Instance``)."""
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_manifest_bytes = max_manifest_bytes
         self.max_concurrency = max_concurrency
         self._http = bearer_http(self.base_url + CONTROL_PREFIX, token, timeout_s, transport)
+        if owner is not None:
+            self._http.headers["x-tokcap-owner"] = owner
 
     def __repr__(self) -> str:
         return f"ControlPlaneClient({self.base_url!r})"
@@ -138,11 +148,13 @@ class ControlPlaneClient(AsyncClosing):
         data = await self.manifest_bytes(rollout_id)
         return decode_manifest(data, max_bytes=self.max_manifest_bytes)
 
-    async def open(self, rollout_id: str) -> None:
+    async def open(self, rollout_id: str) -> OpenResponse:
         """Open ``rollout_id`` on this gate before its first call (a gate run with
         ``--tokcap-require-open`` refuses calls of rollouts nobody opened); opening an open
-        rollout again is a no-op, so it is retried like a GET."""
-        await self._send("POST", _path(rollout_id, "open"), body=b"{}", idempotent=True)
+        rollout again is a no-op, so it is retried like a GET. The answer names the gate's
+        instance (a restarted gate has a new one)."""
+        data = await self._send("POST", _path(rollout_id, "open"), body=b"{}", idempotent=True)
+        return msgspec.json.decode(data, type=OpenResponse)
 
     async def declare_terminal(
         self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
@@ -375,6 +387,7 @@ class ControlPlaneClient(AsyncClosing):
         async with self._http.stream(
             method, path, params=params, content=body, headers=headers
         ) as response:
+            self.instance = response.headers.get("x-tokcap-gate-instance", self.instance)
             declared = response.headers.get("content-length")
             if response.status_code < 400 and declared is not None and int(declared) > limit:
                 raise ManifestError("too_large", f"answer is {declared} bytes, bound is {limit}")

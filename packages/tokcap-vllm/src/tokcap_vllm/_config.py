@@ -101,6 +101,10 @@ class GateConfig:
     """Refuse calls (404 ``unknown_rollout``) for rollouts nobody opened on this gate with
     ``POST /tokcap/v1/rollouts/{id}/open``: a fleet's gates never split one rollout's
     custody, and unauthenticated clients cannot create rollouts."""
+    owner_lease_s: float = attrs.field(default=600.0, validator=positive_number)
+    """How long a rollout's owner (``X-Tokcap-Owner``, a fleet's token) may stay silent
+    before another owner may take its rollouts over (a restarted trainer's reclaim); a
+    trainer that keeps talking to the gate is never taken from."""
     control_token_file: str | None = attrs.field(default=None, validator=_optional_text)
     """A file holding the control token, read when neither ``capture.control_token`` nor
     its environment variable is set (a token is never an option: it would show in ``ps``)."""

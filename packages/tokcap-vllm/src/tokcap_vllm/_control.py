@@ -3,6 +3,7 @@
 Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``):
 
 - ``GET  health`` (503 while the gate is not serving) · ``GET metrics`` (Prometheus text)
+- ``GET  routes`` — every route the server mounts and how the gate answers it
 - ``GET  rollouts?state=open|closed&limit=N&after=ID`` (ascending ids, paged)
 - ``GET  rollouts/{id}/manifest`` — exactly ``encode_manifest`` bytes
 - ``POST rollouts/{id}/open`` — hold a rollout before its first call (a gate run with
@@ -46,6 +47,7 @@ from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
 from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
 from ._gate import Gate
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ._route_table import route_listing
 from ._routing import parse_rollout_id
 from ._served import describe_sink
 from ._wire import decode_json
@@ -64,6 +66,8 @@ from .api import (
     ReleaseResponse,
     RolloutItem,
     RolloutPage,
+    RouteItem,
+    RouteTable,
     TerminalBody,
     WitnessBody,
     error_json,
@@ -87,6 +91,8 @@ __all__ = ["ControlPlane"]
 _Body = TypeVar("_Body", TerminalBody, CloseBody, CloseManyBody)
 
 _MAX_BODY = 1 << 20
+INSTANCE_HEADER = b"x-tokcap-gate-instance"
+"""On every answer: the gate's instance id (a restarted gate has a new one)."""
 _SECRET_PARAMS = frozenset({"token", "access_token", "authorization", "auth", "bearer", "key"})
 
 
@@ -124,6 +130,7 @@ class ControlPlane:
         except RecursionError:  # a witness nested past Python's recursion limit
             reply = _Reply(error_json("bad_json", "the body is nested too deeply", 400), status=400)
         headers = [(b"www-authenticate", b"Bearer")] if reply.status == 401 else []
+        headers.append((INSTANCE_HEADER, self.gate.instance.encode("ascii")))
         await send_body(
             send, reply.status, reply.body, content_type=reply.content_type, headers=headers
         )
@@ -155,18 +162,26 @@ class ControlPlane:
             raise Unauthorized("unauthorized", "a valid bearer token is required")
 
     async def _route(self, scope: Scope, receive: Receive) -> _Reply:
+        owners = header_values(scope, b"x-tokcap-owner")
+        if len(owners) > 1 or (owners and not 0 < len(owners[0]) <= 128):
+            raise BadRequest("bad_owner", "X-Tokcap-Owner is one value of 1..128 characters")
+        owner = owners[0] if owners else None
+        self.gate.touch_owner(owner)
         raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").split("?", 1)[0]
         parts = raw[len(CONTROL_PREFIX) :].split("/")
         method = scope.get("method", "GET")
         if parts == ["health"]:
             _allow(method, "GET")
             return self._health()
+        if parts == ["routes"]:
+            _allow(method, "GET")
+            return _json(_routes(scope))
         if parts == ["metrics"]:
             _allow(method, "GET")
             return _Reply(self.gate.telemetry.render(), content_type=METRICS_CONTENT_TYPE.encode())
         if parts == ["close"]:
             _allow(method, "POST")
-            return await self._close_many(await _body(receive, CloseManyBody))
+            return await self._close_many(await _body(receive, CloseManyBody), owner)
         if parts == ["rollouts"]:
             _allow(method, "GET")
             return self._list(scope.get("query_string", b""))
@@ -175,22 +190,23 @@ class ControlPlane:
             action = parts[2] if len(parts) == 3 else None
             if action is None:
                 _allow(method, "DELETE")
-                return await self._release(rollout_id)
+                return await self._release(rollout_id, owner)
             if action == "manifest":
                 _allow(method, "GET")
                 return _Reply(self._manifest(rollout_id))
             if action == "terminal":
                 _allow(method, "POST")
-                return self._terminal(rollout_id, await _body(receive, TerminalBody))
+                return self._terminal(rollout_id, await _body(receive, TerminalBody), owner)
             if action == "open":
                 _allow(method, "POST")
                 await read_body(receive, _MAX_BODY)
                 with _ledger_errors():
-                    self.gate.open(rollout_id)
-                return _json(OpenResponse(rollout_id=rollout_id, opened=True))
+                    await self.gate.open_fresh(rollout_id, owner=owner)
+                held = self.gate.registry.owners.of(rollout_id)
+                return _json(OpenResponse(rollout_id, True, held, self.gate.instance))
             if action == "close":
                 _allow(method, "POST")
-                return await self._close(rollout_id, await _body(receive, CloseBody))
+                return await self._close(rollout_id, await _body(receive, CloseBody), owner)
         raise RolloutNotFound("unknown_route", f"no control route {raw}")
 
     # ---- handlers ---------------------------------------------------------------------
@@ -207,6 +223,7 @@ class ControlPlane:
             rollouts_closed=health.rollouts_closed,
             ledger_file=self.gate.ledger_file is not None,
             ledger_error=health.ledger_problem,
+            instance=self.gate.instance,
         )
         return _json(body, status=503 if health.status == "down" else 200)
 
@@ -231,7 +248,8 @@ class ControlPlane:
         )
         page = ids[:limit]
         next_cursor = page[-1][0] if len(ids) > limit else None
-        items = [RolloutItem(rollout_id=rid, state=s) for rid, s in page]  # type: ignore[arg-type]
+        owners = self.gate.registry.holders()
+        items = [RolloutItem(rid, s, owners.get(rid)) for rid, s in page]  # type: ignore[arg-type]
         return _json(RolloutPage(rollouts=items, next_cursor=next_cursor))
 
     def _manifest(self, rollout_id: str) -> bytes:
@@ -253,22 +271,22 @@ class ControlPlane:
                 outcome.manifest = msgspec.Raw(self._manifest(rollout_id))
         return outcome
 
-    def _terminal(self, rollout_id: RolloutId, body: TerminalBody) -> _Reply:
+    def _terminal(self, rollout_id: RolloutId, body: TerminalBody, owner: str | None) -> _Reply:
         if (body.call_id is None) == (body.response_id is None):
             raise InvalidBody("bad_body", "give exactly one of call_id, response_id")
         with _ledger_errors():
             entry = self.gate.declare_terminal(
-                rollout_id, call_id=body.call_id, response_id=body.response_id
+                rollout_id, call_id=body.call_id, response_id=body.response_id, owner=owner
             )
         return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=entry.seq, hash=entry.hash)))
 
-    async def _close(self, rollout_id: RolloutId, body: CloseBody) -> _Reply:
+    async def _close(self, rollout_id: RolloutId, body: CloseBody, owner: str | None) -> _Reply:
         witnesses = _witnesses(body.reward, body.witnesses)
         with _ledger_errors():
-            seq, head = await self.gate.close(rollout_id, body.reward, witnesses)
+            seq, head = await self.gate.close(rollout_id, body.reward, witnesses, owner=owner)
         return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=seq, hash=head)))
 
-    async def _close_many(self, body: CloseManyBody) -> _Reply:
+    async def _close_many(self, body: CloseManyBody, owner: str | None) -> _Reply:
         items = body.rollouts
         if len(items) > MAX_CLOSE_BATCH:
             raise InvalidBody("bad_body", f"at most {MAX_CLOSE_BATCH} rollouts per close")
@@ -286,7 +304,7 @@ class ControlPlane:
                 continue
             closes.append((rollout_id, item.reward, witnesses))
             asked.append(index)
-        answers = await self.gate.close_many(closes)
+        answers = await self.gate.close_many(closes, owner=owner)
         for index, answer in zip(asked, answers, strict=True):
             asked_id = items[index].rollout_id
             if isinstance(answer, tuple):
@@ -296,12 +314,23 @@ class ControlPlane:
             results[index] = _outcome(asked_id, _as_gate_error(answer))
         return _json(CloseManyResponse(results=[r for r in results if r is not None]))
 
-    async def _release(self, rollout_id: RolloutId) -> _Reply:
-        self.gate.release(rollout_id)
+    async def _release(self, rollout_id: RolloutId, owner: str | None) -> _Reply:
+        self.gate.release(rollout_id, owner=owner)
         file = self.gate.ledger_file
         if file is not None and file.should_compact:
             await file.compact(self.gate.held_ledgers)
         return _json(ReleaseResponse(rollout_id=rollout_id, released=True))
+
+
+def _routes(scope: Scope) -> RouteTable:
+    """Every route of the server's app (empty outside one), as the gate answers it."""
+    routes = getattr(scope.get("app"), "routes", [])
+    return RouteTable(
+        routes=[
+            RouteItem(path, methods, rule.access, rule.reason, rule.listed)
+            for path, methods, rule in route_listing(routes)
+        ]
+    )
 
 
 def _witnesses(reward: float | None, w: WitnessBody | None) -> Witnesses:

@@ -13,10 +13,25 @@ lost: each rollout open on it (or closed there, receipt not yet fetched) is pois
 poisoned without asking the gate. Every other gate's rollouts go on as before.
 `GateFleet.report` counts both per gate; `GateFleet.orphaned_keys` names the staged rows
 the lost rollouts left in the sink.
+
+A gate restarted on its port (a new process: a new instance id, `Health.instance`) has
+lost the rollouts opened on its earlier instance: before a batch close or a receipt fetch
+the fleet compares each gate's instance with the one each rollout was opened under, and
+those rollouts are lost ``gate_restarted`` (genesis head, poisoned receipt, their rows in
+`orphaned_keys`), never ``unknown_rollout`` or a failed manifest. Opening such an id again
+is refused by the gate (``stale_rows``) until its rows are cleared.
+
+The fleet is one owner (``owner``, a random token unless given; `tokcap_vllm._owners`):
+every request carries it, so another trainer on the same gates can neither close, release
+nor reclaim this fleet's rollouts while it is active, nor open one of its ids. Opens of one
+id that race share the first one's placement.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -26,51 +41,31 @@ import attrs
 from tokcap_core import Manifest, Receipt
 from tokcap_core.ids import StagingKey, validate_rollout_id
 from tokcap_core.ledger import genesis_hash
-from tokcap_core.reasons import GATE_UNREACHABLE, make_reason
+from tokcap_core.reasons import GATE_RESTARTED, GATE_UNREACHABLE, make_reason
 
 from ._client import ControlPlaneClient
 from ._closes import CloseResult, RolloutClose, release_all
+from ._fleet_gates import FleetGateReport, _Gate
 from ._http import AsyncClosing
 from ._receipts import poisoned_receipt
-from .errors import ControlNotFound, ControlPlaneError, ControlUnreachable
+from .errors import ControlConflict, ControlNotFound, ControlPlaneError, ControlUnreachable
 
-__all__ = ["FleetGateReport", "GateFleet"]
+__all__ = ["OWNER_ENV", "FleetGateReport", "GateFleet"]
+
+OWNER_ENV = "TOKCAP_OWNER"
+"""The variable a fleet reads its owner from when none is given (else a random one)."""
 
 _UNREACHABLE = "unreachable"  # the code ControlPlaneClient gives transport failures
-
-
-@attrs.frozen(kw_only=True)
-class FleetGateReport:
-    """One gate of a fleet: where it is, whether it answers, what it holds and lost."""
-
-    url: str
-    alive: bool
-    open: int
-    """Rollouts opened there and not yet closed (or lost)."""
-    opened: int
-    closed: int
-    released: int
-    unreachable: int
-    """Rollouts poisoned ``gate_unreachable`` because this gate stopped answering."""
-
-
-@attrs.define
-class _Gate:
-    url: str
-    client: ControlPlaneClient
-    alive: bool = True
-    open: set[str] = attrs.field(factory=set)
-    opened: int = 0
-    closed: int = 0
-    released: int = 0
-    unreachable: int = 0
 
 
 class GateFleet(AsyncClosing):
     """Typed async client over gates at ``urls``; use as ``async with GateFleet(...)``.
 
     ``token`` is the fleet's control token (every gate's); ``path_prefix`` is the gates'
-    ``--tokcap-path-prefix``. Other keyword arguments go to each `ControlPlaneClient`.
+    ``--tokcap-path-prefix``; ``owner`` the fleet's owner token (module doc; default
+    ``$TOKCAP_OWNER``, else a random one; a restarted trainer that passes its predecessor's
+    owner takes its rollouts back at once, any other after the gates' lease). Other
+    keyword arguments go to each `ControlPlaneClient`.
     """
 
     def __init__(
@@ -79,16 +74,28 @@ class GateFleet(AsyncClosing):
         token: str,
         *,
         path_prefix: str = "/tokcap/rollouts/",
+        owner: str | None = None,
         **client_options: Any,
     ) -> None:
         if not urls:
             raise ValueError("a fleet needs at least one gate url")
         self.path_prefix = path_prefix
+        owner = owner or os.environ.get(OWNER_ENV) or f"fleet-{secrets.token_hex(8)}"
+        self.owner = owner
         self._gates = [
-            _Gate(url.rstrip("/"), ControlPlaneClient(url, token, **client_options)) for url in urls
+            _Gate(
+                url.rstrip("/"), ControlPlaneClient(url, token, owner=self.owner, **client_options)
+            )
+            for url in urls
         ]
+        self._instance: dict[str, str] = {}
+        """The gate instance each rollout was opened under."""
+        self._restarted: set[str] = set()
+        """Lost rollouts whose gate restarted (it answers: their release is still asked)."""
         self._owner: dict[str, _Gate] = {}
         self._lost: dict[str, str] = {}
+        self._opening: dict[str, anyio.Event] = {}
+        """Opens under way: a second open of the same id waits for the first one's answer."""
 
     def __repr__(self) -> str:
         return f"GateFleet({[g.url for g in self._gates]!r})"
@@ -103,13 +110,25 @@ class GateFleet(AsyncClosing):
     async def open(self, rollout_id: str) -> str:
         """Assign ``rollout_id`` to a gate, open it there; returns its OpenAI base URL.
 
-        Opening an assigned rollout again returns the same URL. A gate that does not
-        answer is marked lost and the next one tried; `ControlUnreachable` when none does.
+        Opening an assigned rollout again returns the same URL, and so do opens of one id
+        that race (the later ones wait for the first one's placement; they never open the
+        rollout on a second gate). A gate that does not answer is marked lost and the next
+        one tried; `ControlUnreachable` when none does.
         """
         validate_rollout_id(rollout_id)
+        while (pending := self._opening.get(rollout_id)) is not None:
+            await pending.wait()
         owner = self._owner.get(rollout_id)
         if owner is not None and rollout_id not in self._lost:
             return self._base_url(owner, rollout_id)
+        done = self._opening[rollout_id] = anyio.Event()
+        try:
+            return await self._place(rollout_id)
+        finally:
+            del self._opening[rollout_id]
+            done.set()
+
+    async def _place(self, rollout_id: str) -> str:
         while True:
             live = [g for g in self._gates if g.alive]
             if not live:
@@ -117,7 +136,7 @@ class GateFleet(AsyncClosing):
             gate = min(live, key=lambda g: len(g.open))
             gate.open.add(rollout_id)  # counted before the await: concurrent opens spread
             try:
-                await gate.client.open(rollout_id)
+                opened = await gate.client.open(rollout_id)
             except ControlUnreachable as e:
                 gate.open.discard(rollout_id)
                 if e.code != _UNREACHABLE:
@@ -129,7 +148,9 @@ class GateFleet(AsyncClosing):
                 raise
             gate.opened += 1
             self._owner[rollout_id] = gate
+            self._instance[rollout_id] = opened.instance
             self._lost.pop(rollout_id, None)
+            self._restarted.discard(rollout_id)
             return self._base_url(gate, rollout_id)
 
     def base_url(self, rollout_id: str) -> str:
@@ -183,6 +204,8 @@ class GateFleet(AsyncClosing):
             )
         except ControlUnreachable as e:
             return self._lost_head(gate, rollout_id, e)
+        except (ControlNotFound, ControlConflict) as refused:
+            return await self._restarted_head(gate, rollout_id, refused)
 
     async def manifest(self, rollout_id: str) -> Manifest:
         """`ControlPlaneClient.manifest` on the owning gate."""
@@ -201,6 +224,8 @@ class GateFleet(AsyncClosing):
             head = await gate.client.close(rollout_id, **witnesses)
         except ControlUnreachable as e:
             return self._lost_head(gate, rollout_id, e)
+        except (ControlNotFound, ControlConflict) as refused:
+            return await self._restarted_head(gate, rollout_id, refused)
         gate.open.discard(rollout_id)
         gate.closed += 1
         return head
@@ -234,10 +259,13 @@ class GateFleet(AsyncClosing):
                     raise
                 self._gate_lost(gate, gone, also=[closes[i].rollout_id for i in asked])
                 results = []
+            self._check_restart(gate)
             for index, result in zip(asked, results, strict=True):
                 rid = result.rollout_id
                 e = result.error
-                if isinstance(e, ControlUnreachable) and e.code == _UNREACHABLE:
+                if rid in self._restarted:
+                    result = CloseResult(rollout_id=rid, head=(0, genesis_hash(rid)))
+                elif isinstance(e, ControlUnreachable) and e.code == _UNREACHABLE:
                     result = CloseResult(rollout_id=rid, head=self._lost_head(gate, rid, e))
                 elif result.ok:
                     gate.open.discard(rid)
@@ -299,7 +327,8 @@ class GateFleet(AsyncClosing):
             except ControlPlaneError as e:
                 errors.append(e)
                 return
-            found.update((r.rollout_id, r) for r in receipts)
+            self._check_restart(gate)
+            found.update((r.rollout_id, r) for r in receipts if r.rollout_id not in self._restarted)
 
         async with anyio.create_task_group() as tg:
             for rids in by_gate.values():
@@ -309,9 +338,13 @@ class GateFleet(AsyncClosing):
         return [found.get(rid) or poisoned_receipt(rid, self._lost[rid]) for rid in ids]
 
     async def release(self, rollout_id: str) -> None:
-        """Release on the owning gate and forget the assignment (a lost rollout: forgotten)."""
+        """Release on the owning gate and forget the assignment (a lost rollout: forgotten;
+        on a restarted gate, released there too if that gate still holds it)."""
         gate = self._gate_of(rollout_id)
-        if rollout_id not in self._lost:
+        if rollout_id in self._restarted:
+            with contextlib.suppress(ControlPlaneError):  # the new instance may not know it
+                await gate.client.release(rollout_id)
+        elif rollout_id not in self._lost:
             try:
                 await gate.client.release(rollout_id)
             except ControlUnreachable as e:
@@ -322,6 +355,8 @@ class GateFleet(AsyncClosing):
                 gate.released += 1
         gate.open.discard(rollout_id)
         del self._owner[rollout_id]
+        self._instance.pop(rollout_id, None)
+        self._restarted.discard(rollout_id)
         self._lost.pop(rollout_id, None)
 
     # ---- reports -------------------------------------------------------------------------
@@ -368,6 +403,16 @@ class GateFleet(AsyncClosing):
     def _base_url(self, gate: _Gate, rollout_id: str) -> str:
         return f"{gate.url}{self.path_prefix}{rollout_id}/v1"
 
+    async def _restarted_head(
+        self, gate: _Gate, rollout_id: str, refused: ControlPlaneError
+    ) -> tuple[int, str]:
+        """The genesis head if ``gate`` restarted since ``rollout_id`` opened there; else the
+        gate's refusal stands."""
+        self._check_restart(gate)
+        if rollout_id in self._restarted:
+            return (0, genesis_hash(rollout_id))
+        raise refused
+
     def _lost_head(
         self, gate: _Gate, rollout_id: str, error: ControlUnreachable
     ) -> tuple[int, str]:
@@ -375,6 +420,18 @@ class GateFleet(AsyncClosing):
             raise error
         self._gate_lost(gate, error)
         return (0, genesis_hash(rollout_id))
+
+    def _check_restart(self, gate: _Gate) -> None:
+        """Rollouts opened on an earlier instance of ``gate`` than the one that answered last
+        are lost ``gate_restarted``."""
+        now = gate.client.instance
+        reason = make_reason(GATE_RESTARTED)
+        for rid, gate_of in self._owner.items():
+            was = self._instance.get(rid, "")
+            if gate_of is gate and was and now and was != now and rid not in self._lost:
+                self._lost[rid] = reason
+                self._restarted.add(rid)
+                gate.open.discard(rid)
 
     def _gate_lost(
         self, gate: _Gate, error: ControlUnreachable, *, also: Iterable[str] = ()

@@ -16,13 +16,15 @@ replays its ledger file when built; rollouts that were open at a crash are poiso
 from __future__ import annotations
 
 import logging
+import secrets
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
 
 from tokcap_core import Entry, Ledger, MemorySink
-from tokcap_core.ids import RolloutId
+from tokcap_core.ids import RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN, Closed, Event, Poisoned, TerminalDeclared, Witnesses
 from tokcap_core.reasons import GATE_RESTARTED, make_reason
 from tokcap_core.sink import TokenSink
@@ -34,7 +36,7 @@ from ._lifecycle import COMMITTED, FAILED, FINISHED, RESPONDED
 from ._metrics import GateMetrics
 from ._rollouts import RolloutBook, RolloutRecord
 from ._weight_state import WeightState
-from .errors import InvalidBody
+from .errors import ControlUnavailable, InvalidBody, RolloutConflict
 from .persist import LedgerFile
 
 if TYPE_CHECKING:
@@ -74,8 +76,14 @@ class Gate:
         self.config = config or GateConfig()
         self.sink: TokenSink = sink if sink is not None else MemorySink()
         self.registry = RolloutBook(
-            max_open=self.config.max_open_rollouts, flag=anyio.Event, lock=anyio.Lock
+            max_open=self.config.max_open_rollouts,
+            flag=anyio.Event,
+            lock=anyio.Lock,
+            owner_lease_s=self.config.owner_lease_s,
         )
+        self.instance = secrets.token_hex(8)
+        """This gate's instance id: a restarted gate (a new process) has a new one, which is
+        how a fleet tells a restart from a rollout it never opened."""
         self.telemetry = GateMetrics(self.registry.counts)
         self._observers: list[GateHooks] = [self.telemetry]
         self.capture = CapturePath(
@@ -181,13 +189,50 @@ class Gate:
 
     # ---- control operations ------------------------------------------------------------
 
-    def open(self, rollout_id: str) -> None:
-        """Open a rollout before its first call (what ``GateConfig.require_open`` asks for);
-        opening an open rollout again changes nothing."""
-        self.registry.open(rollout_id)
+    def open(self, rollout_id: str, *, owner: str | None = None) -> None:
+        """Open a rollout before its first call (what ``GateConfig.require_open`` asks for),
+        held by ``owner`` if given; opening an open rollout again changes nothing."""
+        self.registry.open(rollout_id, owner=owner, now=time.monotonic())
+
+    async def open_fresh(self, rollout_id: str, *, owner: str | None = None) -> None:
+        """`open`, refusing an id the sink still holds staged rows of when this gate does not
+        hold it (`RolloutConflict` ``stale_rows``): rows an earlier rollout of that id left
+        (on a gate since restarted, or on another gate) would collide with this one's
+        (``conflicting_put``) or be read as its own: clear them first
+        (`GateFleet.orphaned_keys`). `ControlUnavailable` ``sink_unavailable`` if the sink
+        cannot list its rows."""
+        if rollout_id not in self.registry.states():
+            prefix = validate_rollout_id(rollout_id) + "/"
+            try:
+                keys = await self.sink.staged_keys()
+            except Exception as e:  # a sink that cannot answer now: the open is refused
+                raise ControlUnavailable(
+                    "sink_unavailable", f"the sink cannot list its rows ({type(e).__name__})"
+                ) from e
+            left = [k for k in keys if k.startswith(prefix)]
+            if left:
+                raise RolloutConflict(
+                    "stale_rows",
+                    f"the sink still holds {len(left)} staged row(s) of an earlier {rollout_id} "
+                    "(its gate restarted or another gate held it): clear them, or use a new id",
+                )
+        self.open(rollout_id, owner=owner)
+
+    def touch_owner(self, owner: str | None) -> None:
+        """``owner`` spoke to this gate now (its lease runs from here: `tokcap_vllm._owners`)."""
+        self.registry.owners.touch(owner, time.monotonic())
+
+    def check_owner(self, rollout_id: str, owner: str | None) -> None:
+        """`RolloutConflict` ``rollout_owned`` unless ``owner`` may act on ``rollout_id``."""
+        self.registry.check_owner(rollout_id, owner, time.monotonic())
 
     def declare_terminal(
-        self, rollout_id: str, *, call_id: str | None = None, response_id: str | None = None
+        self,
+        rollout_id: str,
+        *,
+        call_id: str | None = None,
+        response_id: str | None = None,
+        owner: str | None = None,
     ) -> Entry:
         """Name the rollout's terminal call (by call id or by response id).
 
@@ -198,6 +243,7 @@ class Gate:
         if (call_id is None) == (response_id is None):
             raise ValueError("give exactly one of call_id, response_id")
         record = self.registry.open_record(rollout_id)
+        self.check_owner(rollout_id, owner)
         if call_id is not None:
             event = TerminalDeclared(by="call_id", value=call_id)
         else:
@@ -213,7 +259,12 @@ class Gate:
         return self._append(record, event)
 
     async def close(
-        self, rollout_id: str, reward: float | None, witnesses: Witnesses | None = None
+        self,
+        rollout_id: str,
+        reward: float | None,
+        witnesses: Witnesses | None = None,
+        *,
+        owner: str | None = None,
     ) -> tuple[int, str]:
         """Close a rollout and return its ledger head, once durable.
 
@@ -221,14 +272,18 @@ class Gate:
         (``uncommitted_call:closed_in_flight``, off-chain); responded calls are awaited
         until committed or failed. A rollout the gate poisoned gets ``Poisoned`` instead
         of ``Closed``. Raises `LedgerProtocolError` for a bad reward, `LedgerFileError` if
-        the head could not be made durable (the rollout is closed all the same).
+        the head could not be made durable (the rollout is closed all the same);
+        `RolloutConflict` ``rollout_owned`` if another live owner holds it.
         """
-        head = await self._close_in_memory(rollout_id, reward, witnesses)
+        head = await self._close_in_memory(rollout_id, reward, witnesses, owner)
         await self._make_durable([rollout_id])
         return head
 
     async def close_many(
-        self, closes: Sequence[tuple[str, float | None, Witnesses | None]]
+        self,
+        closes: Sequence[tuple[str, float | None, Witnesses | None]],
+        *,
+        owner: str | None = None,
     ) -> list[tuple[int, str] | Exception]:
         """Close several rollouts with one durable write shared by all (group commit).
 
@@ -245,7 +300,7 @@ class Gate:
 
         async def one(index: int) -> None:
             try:
-                out[index] = await self._close_in_memory(*closes[index])
+                out[index] = await self._close_in_memory(*closes[index], owner)
             except Exception as e:  # reported for this rollout alone, never lost
                 out[index] = e
 
@@ -261,9 +316,14 @@ class Gate:
         return out
 
     async def _close_in_memory(
-        self, rollout_id: str, reward: float | None, witnesses: Witnesses | None
+        self,
+        rollout_id: str,
+        reward: float | None,
+        witnesses: Witnesses | None,
+        owner: str | None = None,
     ) -> tuple[int, str]:
         record = self.registry.open_record(rollout_id)
+        self.check_owner(rollout_id, owner)
         self.registry.advance(record, "close")
         try:
             for call in list(record.live):
@@ -300,9 +360,10 @@ class Gate:
         if errors:
             raise errors[0]
 
-    def release(self, rollout_id: str) -> None:
-        """Forget a closed rollout (its manifest is no longer served)."""
-        self.registry.release(rollout_id)
+    def release(self, rollout_id: str, *, owner: str | None = None) -> None:
+        """Forget a closed rollout (its manifest is no longer served); `RolloutConflict`
+        ``rollout_owned`` if another live owner holds it."""
+        self.registry.release(rollout_id, owner=owner, now=time.monotonic())
         for hook in self._observers:
             try:
                 hook.on_release(rollout_id)

@@ -6,9 +6,11 @@ routes (``/collective_rpc``, ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``,
 ``/server_info``, ...); ``/scale_elastic_ep`` is mounted even without it, and the LoRA,
 profiler and fault-tolerance routes with their own switches. vLLM puts no authentication
 on any of them: anyone who reaches the port could swap the weights or run a method on
-every worker. `GUARDED_PATHS` lists them all (a test checks the list against vLLM's own
-routers); a request to one answers 401 unless it carries the control token
-(``Authorization: Bearer``, compared in constant time by `ControlPlane.authorize`).
+every worker. `tokcap_vllm._route_table` classifies every route the server mounts; a
+request to one that is not public answers 401 unless it carries the control token
+(``Authorization: Bearer``, compared in constant time by `ControlPlane.authorize`), and
+one the table refuses (runtime LoRA adapter changes) answers 403 ``route_refused`` even
+with it.
 
 A guarded vLLM route that raises (vLLM's weight routes do, on a failed RPC) is answered
 here with a JSON 500 ``engine_route_failed``, so the connection survives and the client
@@ -41,11 +43,20 @@ import msgspec
 from ._asgi import App, Message, Receive, Scope, Send, read_body, send_body
 from ._control import ControlPlane
 from ._gate import Gate
+from ._route_table import GUARDED_PATHS, normalized_path, rule_of
 from ._served_weights import ServedWeights
 from ._shm import PUSH_PREFIX, SHM_DIR
 from ._spec import engine_spec
 from .api import CONTROL_PREFIX, error_json
-from .errors import BadRequest, GateError, InvalidBody, MethodNotAllowed, RolloutNotFound, TooLarge
+from .errors import (
+    BadRequest,
+    Forbidden,
+    GateError,
+    InvalidBody,
+    MethodNotAllowed,
+    RolloutNotFound,
+    TooLarge,
+)
 
 __all__ = [
     "GUARDED_PATHS",
@@ -57,51 +68,6 @@ __all__ = [
     "WeightSpec",
 ]
 
-RL_PATHS: Final = frozenset(
-    {
-        "/pause",
-        "/resume",
-        "/abort_requests",
-        "/is_paused",
-        "/init_weight_transfer_engine",
-        "/shutdown_weight_transfer_engine",
-        "/start_weight_update",
-        "/start_draft_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/update_weight_version",
-        "/weight_info",
-        "/weight_checker",
-        "/get_world_size",
-    }
-)
-DEV_PATHS: Final = frozenset(
-    {
-        "/collective_rpc",
-        "/sleep",
-        "/wake_up",
-        "/is_sleeping",
-        "/release_kv_cache_memory",
-        "/reset_prefix_cache",
-        "/reset_mm_cache",
-        "/reset_encoder_cache",
-        "/server_info",
-    }
-)
-ADMIN_PATHS: Final = frozenset(
-    {
-        "/scale_elastic_ep",
-        "/is_scaling_elastic_ep",
-        "/v1/load_lora_adapter",
-        "/v1/unload_lora_adapter",
-        "/start_profile",
-        "/stop_profile",
-        "/fault_tolerance/apply",
-        "/fault_tolerance/status",
-    }
-)
-GUARDED_PATHS: Final = RL_PATHS | DEV_PATHS | ADMIN_PATHS
-"""Every vLLM route that changes or reveals the engine beyond serving: token required."""
 WEIGHTS_PATH: Final = CONTROL_PREFIX + "weights"
 _log = logging.getLogger("tokcap_vllm.gate")
 
@@ -142,21 +108,19 @@ class UploadResponse(msgspec.Struct):
 
 
 def guarded_path(scope: Scope) -> str | None:
-    """The route a request names, if it is one the gate guards (None otherwise)."""
-    path: str = scope["path"]
-    root = scope.get("root_path") or ""
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    while "//" in path:
-        path = path.replace("//", "/")
-    path = path.rstrip("/") or "/"
-    if path in GUARDED_PATHS or path == WEIGHTS_PATH or path.startswith(WEIGHTS_PATH + "/"):
+    """The route a request names, if the route table guards or refuses it by name, or it is
+    a tokcap weight route (None otherwise: the request is routed first, then an unlisted
+    plain path is guarded too, see `GuardedRoutes`)."""
+    path = normalized_path(scope["path"], scope.get("root_path") or "")
+    if path == WEIGHTS_PATH or path.startswith(WEIGHTS_PATH + "/"):
         return path
-    return None
+    rule = rule_of(path)
+    return path if rule.listed and rule.access != "public" else None
 
 
 class GuardedRoutes:
-    """ASGI handler for `GUARDED_PATHS` and ``/tokcap/v1/weights``; watches the weight routes."""
+    """ASGI handler for every route that is not public and ``/tokcap/v1/weights``; watches
+    the weight routes."""
 
     def __init__(self, gate: Gate, control: ControlPlane, *, upload_dir: str = SHM_DIR) -> None:
         self.gate = gate
@@ -168,10 +132,11 @@ class GuardedRoutes:
         self._watching = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, app: App) -> None:
-        path = guarded_path(scope)
-        assert path is not None
+        path = normalized_path(scope["path"], scope.get("root_path") or "")
         try:
             self.control.authorize(scope)
+            if rule_of(path).access == "refused":
+                raise Forbidden("route_refused", f"{path} is refused: {rule_of(path).reason}")
             self._watch()
             if path == WEIGHTS_PATH or path.startswith(WEIGHTS_PATH + "/"):
                 status, body = await self._tokcap(path, scope, receive)

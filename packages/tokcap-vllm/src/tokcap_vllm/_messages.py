@@ -15,19 +15,27 @@ A tokcap/vLLM extension: a captured Messages request may carry vLLM's ``structur
 validates it as vLLM's chat request does (one kind of constraint, no constraint beside a
 named tool choice, a well-formed structural tag; else 400 ``bad_body``) and constrains the
 engine call by it, so a structural tag of ``<tool_call>`` blocks makes the model's own
-output parse, by the server's tool parser, into ``tool_use`` blocks of the answer.
+output parse, by the server's tool parser, into ``tool_use`` blocks of the answer. The
+extension is bounded (`MAX_STRUCTURED_OUTPUTS_BYTES` of JSON, else 413
+``structured_outputs_too_large``) before vLLM sees it: compiling a grammar grows with the
+schema, and one 20,000-property schema held the engine for minutes, stalling every call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 from ._vllm import require_vllm
 from ._wire import ChatBody, chat_body, decode_object
-from .errors import BadRequest, Unsupported
+from .errors import BadRequest, TooLarge, Unsupported
 
-__all__ = ["MessagesRequest", "messages_request"]
+__all__ = ["MAX_STRUCTURED_OUTPUTS_BYTES", "MessagesRequest", "messages_request"]
+
+MAX_STRUCTURED_OUTPUTS_BYTES: Final = 64 << 10
+"""The largest ``structured_outputs`` extension (its JSON) a captured Messages call may carry."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +89,12 @@ def _constraint(chat: Any, tools: list[dict[str, Any]] | None, extension: object
     invalid = require_vllm("vllm.exceptions").VLLMValidationError
     if not isinstance(extension, dict):  # vLLM's own check would fail on it untyped
         raise BadRequest("bad_body", "structured_outputs must be an object")
+    size = len(msgspec.json.encode(extension))
+    if size > MAX_STRUCTURED_OUTPUTS_BYTES:
+        raise TooLarge(
+            "structured_outputs_too_large",
+            f"structured_outputs is {size} bytes of JSON; at most {MAX_STRUCTURED_OUTPUTS_BYTES}",
+        )
     fields: dict[str, Any] = {"model": chat.model, "messages": [], "tools": tools}
     choice = chat.tool_choice
     if choice is not None:  # the validators read dicts

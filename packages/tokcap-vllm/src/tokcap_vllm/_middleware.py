@@ -36,6 +36,7 @@ from ._host import CURRENT_TICKET, CaptureHost, Ticket
 from ._lifecycle import ABANDONED
 from ._planning import Observed, RequestRenderer, request_renderer
 from ._records import Flag, GateCall
+from ._route_table import normalized_path, rule_of
 from ._routing import route_request
 from ._served import served_gate
 from ._wire import ResponseObserver
@@ -106,13 +107,17 @@ class GateMiddleware:
         except GateError as e:
             await self._refuse(send, e)
             return
-        if route.rollout_id is None:
-            await self.app(scope, receive, send)
-            return
         inner = dict(scope, path=route.path, raw_path=route.path.encode())
         if route.endpoint is None or scope.get("method") != "POST":
-            await self.app(inner, receive, send)
+            served = normalized_path(route.path, scope.get("root_path") or "")
+            if rule_of(served).access != "public":  # guarded or refused, listed or not
+                await self._guarded(inner, receive, send, self.app)
+            elif route.rollout_id is None:
+                await self.app(scope, receive, send)
+            else:
+                await self.app(inner, receive, send)
             return
+        assert route.rollout_id is not None
         await self._captured(inner, receive, send, route.rollout_id, route.endpoint)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:

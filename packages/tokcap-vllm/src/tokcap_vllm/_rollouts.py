@@ -44,6 +44,7 @@ from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Failed
 
 from ._lifecycle import EFFECTS, REFUSALS, TRANSITIONS, CallPhase, next_phase
+from ._owners import Owners
 from ._records import (
     CLOSED,
     CLOSING,
@@ -112,8 +113,11 @@ class RolloutBook:
         max_open: int,
         flag: Callable[[], Flag],
         lock: Callable[[], AbstractAsyncContextManager[Any]],
+        owner_lease_s: float = 600.0,
     ) -> None:
         self.max_open = max_open
+        self.owners = Owners(owner_lease_s)
+        """Who holds each owned rollout (`tokcap_vllm._owners`)."""
         self._flag = flag
         self._lock = lock
         self._open: dict[RolloutId, RolloutRecord] = {}
@@ -148,11 +152,21 @@ class RolloutBook:
             raise RolloutConflict("rollout_closed", f"{rid} is closing")
         return record
 
-    def open(self, rollout_id: str) -> RolloutRecord:
-        """Open a rollout explicitly (made if new; opening it again changes nothing)."""
-        record = self.join(rollout_id)
+    def open(self, rollout_id: str, *, owner: str | None = None, now: float = 0.0) -> RolloutRecord:
+        """Open a rollout explicitly (made if new; opening it again changes nothing), held
+        by ``owner`` if given; `RolloutConflict` ``rollout_owned`` if another live owner
+        holds the id (`Owners.check`)."""
+        rid = validate_rollout_id(rollout_id)
+        self.owners.check(rid, owner, now)
+        record = self.join(rid)
         self.advance(record, "open")
+        if self.owners.of(rid) is None:
+            self.owners.hold(rid, owner)
         return record
+
+    def check_owner(self, rollout_id: str, owner: str | None, now: float) -> None:
+        """`RolloutConflict` ``rollout_owned`` unless ``owner`` may act on ``rollout_id``."""
+        self.owners.check(validate_rollout_id(rollout_id), owner, now)
 
     def open_record(self, rollout_id: str) -> RolloutRecord:
         """The open record of ``rollout_id``: `RolloutNotFound` / `RolloutConflict` if not open."""
@@ -175,6 +189,10 @@ class RolloutBook:
         if rid in self._closed:
             return self._closed[rid]
         raise RolloutNotFound("unknown_rollout", f"no rollout {rid}")
+
+    def holders(self) -> dict[RolloutId, str]:
+        """``{rollout_id: owner}`` of every owned rollout held."""
+        return {rid: o for rid in self.states() if (o := self.owners.of(rid)) is not None}
 
     def states(self) -> dict[RolloutId, str]:
         """Every rollout held, ``{rollout_id: "open" | "closed"}``."""
@@ -205,14 +223,17 @@ class RolloutBook:
                 del self._open[record.rollout_id]
             self._closed[record.rollout_id] = record.ledger
 
-    def release(self, rollout_id: str) -> None:
-        """Forget a closed rollout; `RolloutConflict` if open, `RolloutNotFound` if unknown."""
+    def release(self, rollout_id: str, *, owner: str | None = None, now: float = 0.0) -> None:
+        """Forget a closed rollout; `RolloutConflict` if open (or ``rollout_owned``: another
+        live owner holds it), `RolloutNotFound` if unknown."""
         rid = validate_rollout_id(rollout_id)
+        self.owners.check(rid, owner, now)
         record = self._open.get(rid)
         if record is not None and record.held:
             raise RolloutConflict("rollout_open", f"{rid} is open; close it first")
         if self._closed.pop(rid, None) is None:
             raise RolloutNotFound("unknown_rollout", f"no closed rollout {rid}")
+        self.owners.forget(rid)
 
     def adopt(self, ledgers: Iterable[Ledger]) -> list[RolloutRecord]:
         """Take back stored ledgers after a restart: closed ones are served as they were.
@@ -341,6 +362,7 @@ class RolloutBook:
         ):
             return False
         del self._open[record.rollout_id]
+        self.owners.forget(record.rollout_id)
         return True
 
     def contain(self, call: GateCall, reason: str) -> None:

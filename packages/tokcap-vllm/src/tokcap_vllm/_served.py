@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from importlib.metadata import entry_points
@@ -26,6 +27,7 @@ from tokcap_core.sink import SINK_PLUGIN_GROUP, SinkPlugin, TokenSink
 
 from ._config import GateConfig, gate_options
 from ._gate import Gate
+from ._ledger_lock import LedgerFileError, lock_ledger_file
 from ._options import Option, build, from_environ, options_of
 
 __all__ = [
@@ -127,12 +129,24 @@ def served_gate(
             "names, or a file: --tokcap-control-token-file)",
         )
     if not build_gate:
+        _check_ledger_path(config)
         return None
     if plugin is None:
         return ServedGate(Gate(config, sink=MemorySink()), MEMORY_SINK, _memory_attach)
     return ServedGate(
         Gate(config, sink=plugin.sink(configs)), choice.sink, lambda: plugin.attach(configs)
     )
+
+
+def _check_ledger_path(config: GateConfig) -> None:
+    """`ConfigError` if the ledger path is a directory or another gate holds its file (the
+    lock is taken and let go: the server takes it for good when it builds the gate)."""
+    if config.ledger_path is None:
+        return
+    try:
+        os.close(lock_ledger_file(config.ledger_path))
+    except LedgerFileError as e:
+        raise ConfigError(e.code, f"--tokcap-ledger-path (TOKCAP_LEDGER_PATH): {e.message}") from e
 
 
 @contextlib.asynccontextmanager

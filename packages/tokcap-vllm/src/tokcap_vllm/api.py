@@ -30,6 +30,8 @@ __all__ = [
     "ReleaseResponse",
     "RolloutItem",
     "RolloutPage",
+    "RouteItem",
+    "RouteTable",
     "TerminalBody",
     "WitnessBody",
     "error_json",
@@ -137,6 +139,10 @@ class OpenResponse(msgspec.Struct):
 
     rollout_id: str
     opened: bool
+    owner: str | None = None
+    """Who holds the rollout (the ``X-Tokcap-Owner`` it was opened with; None: anyone)."""
+    instance: str = ""
+    """This gate process's instance id (a restarted gate has a new one)."""
 
 
 class ReleaseResponse(msgspec.Struct):
@@ -151,6 +157,8 @@ class RolloutItem(msgspec.Struct):
 
     rollout_id: str
     state: RolloutStateName
+    owner: str | None = None
+    """Who holds it (None: opened without an owner, anyone may close it)."""
 
 
 class RolloutPage(msgspec.Struct):
@@ -173,6 +181,25 @@ class Health(msgspec.Struct):
     """``memory`` (no trainer can read it), or the sink's class name."""
     warnings: list[str] = []
     """Problems that do not stop serving (``memory_sink: ...``)."""
+    instance: str = ""
+    """This gate process's instance id: a new one after a restart (what a fleet compares)."""
+
+
+class RouteItem(msgspec.Struct):
+    """One route the server mounts and how the gate answers it (`tokcap_vllm._route_table`)."""
+
+    path: str
+    methods: list[str]
+    access: Literal["public", "guarded", "refused"]
+    reason: str
+    listed: bool
+    """False: the table does not name it (guarded by default)."""
+
+
+class RouteTable(msgspec.Struct):
+    """``GET /tokcap/v1/routes``: every route of the server's app, classified."""
+
+    routes: list[RouteItem]
 
 
 class _ErrorDetail(msgspec.Struct):
@@ -191,6 +218,7 @@ class ErrorBody(msgspec.Struct):
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     409: "ConflictError",

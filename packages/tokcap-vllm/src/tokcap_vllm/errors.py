@@ -23,6 +23,7 @@ __all__ = [
     "ControlRequestError",
     "ControlUnavailable",
     "ControlUnreachable",
+    "Forbidden",
     "GateError",
     "InvalidBody",
     "LedgerFileError",
@@ -84,6 +85,13 @@ class Unauthorized(GateError, PermissionError):
     status = 401
 
 
+class Forbidden(GateError, PermissionError):
+    """A route the gate refuses even with the token (``route_refused``: what it would do no
+    rule of the gate could record)."""
+
+    status = 403
+
+
 class InvalidBody(GateError, ValueError):
     """A control-plane body that decodes but says something invalid (both terminal ids, ...)."""
 
@@ -91,7 +99,8 @@ class InvalidBody(GateError, ValueError):
 
 
 class TooLarge(GateError, ValueError):
-    """A manifest over the configured bound: refused, never truncated."""
+    """A body or a manifest over its bound (``body_too_large``, ``manifest_too_large``, ...):
+    refused, never truncated."""
 
     status = 413
 

@@ -15,6 +15,13 @@ history nobody can vouch for. Compaction rewrites the file without released roll
 (temp file, fsync, rename, fsync of the folder): always at start, and at run time once
 enough rollouts were released.
 
+One gate per file: `LedgerFile.open` takes an exclusive lock (``flock``) on
+``<name>.lock`` beside the file and holds it while the file is open (the process's end
+lets it go); a second gate given the same path refuses to start (``ledger_file_locked``,
+naming the holder's pid) instead of interleaving two gates' records and each replacing the
+other's file at compaction. The lock file is beside, not the ledger file itself, because
+compaction replaces the ledger file's inode.
+
 Write failures are contained to their rollout: a record that cannot be written (disk
 full, I/O error) is cut back off the file (``ftruncate`` to the size before it) and no
 later record of that rollout is written, so the file always holds a valid prefix of every
@@ -49,23 +56,13 @@ from tokcap_core.ids import validate_rollout_id
 from tokcap_core.ledger import encode_manifest
 
 from ._hooks import GateHooks
+from ._ledger_lock import LedgerFileError, lock_ledger_file
 
 _log = logging.getLogger("tokcap_vllm.ledger_file")
 
-__all__ = ["LedgerFile", "LedgerFileError", "read_ledger_records"]
+__all__ = ["LedgerFile", "LedgerFileError", "lock_ledger_file", "read_ledger_records"]
 
 _RELEASE = b'{"release":'
-
-
-class LedgerFileError(TokcapError, RuntimeError):
-    """The ledger file cannot be trusted (a corrupt record before the tail, a broken chain)
-    or cannot be written (``ledger_write_failed``, ``ledger_sync_failed``); ``detail`` names
-    the OS error (``ENOSPC``, ``EFBIG``, ...) when there is one."""
-
-    def __init__(self, code: str, message: str = "", detail: str | None = None) -> None:
-        super().__init__(code, message)
-        self.args = (code, message, detail)
-        self.detail = detail
 
 
 def _encode_entry_record(rollout_id: str, entry: Entry) -> bytes:
@@ -189,8 +186,11 @@ class LedgerFile(GateHooks):
     Build it with `open`, which reads the file, compacts it, and returns the ledgers found.
     """
 
-    def __init__(self, path: Path, fd: int, size: int, *, compact_after_releases: int) -> None:
+    def __init__(
+        self, path: Path, fd: int, size: int, *, compact_after_releases: int, lock: int = -1
+    ) -> None:
         self.path = path
+        self._lock_fd = lock
         self.compact_after_releases = compact_after_releases
         self.releases_since_compaction = 0
         self.records_written = 0
@@ -248,10 +248,22 @@ class LedgerFile(GateHooks):
 
         Returns the file and the stored ledgers (closed and still-open ones; the gate
         poisons the open ones). A torn tail is cut off, the damaged original kept as
-        ``<name>.damaged-<ns>`` and a warning logged. Blocking: call it at start.
+        ``<name>.damaged-<ns>`` and a warning logged. `LedgerFileError`
+        ``ledger_file_locked`` if another gate holds the file (`lock_ledger_file`).
+        Blocking: call it at start.
         """
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = lock_ledger_file(target)
+        try:
+            return cls._read_and_open(target, lock, compact_after_releases)
+        except BaseException:
+            os.close(lock)
+            raise
+
+    @classmethod
+    def _read_and_open(
+        cls, target: Path, lock: int, compact_after_releases: int
+    ) -> tuple[LedgerFile, list[Ledger]]:
         data = target.read_bytes() if target.exists() else b""
         records, kept = _read_records(data)
         ledgers = _replay(records)
@@ -268,7 +280,13 @@ class LedgerFile(GateHooks):
         fd = _rewrite(target, lines)
         os.replace(target.with_name(target.name + ".compact"), target)
         _fsync_dir(target)
-        file = cls(target, fd, sum(map(len, lines)), compact_after_releases=compact_after_releases)
+        file = cls(
+            target,
+            fd,
+            sum(map(len, lines)),
+            compact_after_releases=compact_after_releases,
+            lock=lock,
+        )
         file.recovery = recovery
         return file, ledgers
 
@@ -410,5 +428,8 @@ class LedgerFile(GateHooks):
         _fsync_dir(self.path)
 
     def close(self) -> None:
-        """Close the file descriptor (records already written stay)."""
+        """Close the file descriptor (records already written stay) and let the lock go."""
         os.close(self._fd)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
