@@ -2,7 +2,9 @@
 
 Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``):
 
-- ``GET  health`` (503 while the gate is not serving) · ``GET metrics`` (Prometheus text)
+- ``GET  health`` (503 while the gate is not serving; ``degraded`` with what stops or stalls
+  captured calls: the ledger file, the sink, the weights, the engine's own state, asked of
+  the engine each time) · ``GET metrics`` (Prometheus text)
 - ``GET  rollouts?state=open|closed&limit=N&after=ID`` (ascending ids, paged)
 - ``GET  rollouts/{id}/manifest`` — exactly ``encode_manifest`` bytes
 - ``POST rollouts/{id}/open`` — hold a rollout before its first call (a gate run with
@@ -36,6 +38,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 from urllib.parse import parse_qs, parse_qsl, unquote, urlencode
 
+import anyio
 import msgspec
 
 from tokcap_core import LedgerProtocolError
@@ -87,6 +90,7 @@ __all__ = ["ControlPlane"]
 _Body = TypeVar("_Body", TerminalBody, CloseBody, CloseManyBody)
 
 _MAX_BODY = 1 << 20
+_ENGINE_PROBE_S = 5.0
 _SECRET_PARAMS = frozenset({"token", "access_token", "authorization", "auth", "bearer", "key"})
 
 
@@ -160,7 +164,7 @@ class ControlPlane:
         method = scope.get("method", "GET")
         if parts == ["health"]:
             _allow(method, "GET")
-            return self._health()
+            return self._health(await engine_state(scope))
         if parts == ["metrics"]:
             _allow(method, "GET")
             return _Reply(self.gate.telemetry.render(), content_type=METRICS_CONTENT_TYPE.encode())
@@ -195,8 +199,8 @@ class ControlPlane:
 
     # ---- handlers ---------------------------------------------------------------------
 
-    def _health(self) -> _Reply:
-        health = self.gate.health()
+    def _health(self, engine: str) -> _Reply:
+        health = self.gate.health(engine)
         sink, warnings = describe_sink(self.gate.sink)
         body = Health(
             sink=sink,
@@ -207,6 +211,9 @@ class ControlPlane:
             rollouts_closed=health.rollouts_closed,
             ledger_file=self.gate.ledger_file is not None,
             ledger_error=health.ledger_problem,
+            sink_error=health.sink_problem,
+            weights=health.weights,
+            engine=health.engine,
         )
         return _json(body, status=503 if health.status == "down" else 200)
 
@@ -302,6 +309,18 @@ class ControlPlane:
         if file is not None and file.should_compact:
             await file.compact(self.gate.held_ledgers)
         return _json(ReleaseResponse(rollout_id=rollout_id, released=True))
+
+
+async def engine_state(scope: Scope) -> str:
+    """The engine's own state (see `Health.engine`), asked within `_ENGINE_PROBE_S`."""
+    engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    if engine is None:
+        return "unknown"
+    with anyio.move_on_after(_ENGINE_PROBE_S):
+        if await engine.is_sleeping():
+            return "asleep"
+        return "paused" if await engine.is_paused() else "running"
+    return "unresponsive"
 
 
 def _witnesses(reward: float | None, w: WitnessBody | None) -> Witnesses:

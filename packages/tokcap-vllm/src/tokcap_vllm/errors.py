@@ -23,12 +23,14 @@ __all__ = [
     "ControlRequestError",
     "ControlUnavailable",
     "ControlUnreachable",
+    "Forbidden",
     "GateError",
     "InvalidBody",
     "LedgerFileError",
     "MethodNotAllowed",
     "RolloutConflict",
     "RolloutNotFound",
+    "SinkUnavailable",
     "TooLarge",
     "TooManyRollouts",
     "Unauthorized",
@@ -122,6 +124,21 @@ class CallNotServed(GateError, RuntimeError):
     ``ledger_write_failed`` (the ledger file cannot record it)."""
 
     status = 503
+
+
+class SinkUnavailable(GateError, RuntimeError):
+    """The sink cannot take staged calls now (its TransferQueue is gone, or being attached
+    again): captured calls are refused before admission (``sink_unavailable``) instead of
+    answered with a completion whose staging would fail."""
+
+    status = 503
+
+
+class Forbidden(GateError, PermissionError):
+    """A route the gate never lets through, even with the token (``route_refused``): it
+    would change the engine in ways the ledger cannot record."""
+
+    status = 403
 
 
 class MethodNotAllowed(GateError, ValueError):
