@@ -317,9 +317,9 @@ async def engine_state(scope: Scope) -> str:
     if engine is None:
         return "unknown"
     with anyio.move_on_after(_ENGINE_PROBE_S):
-        if await engine.is_sleeping():
-            return "asleep"
-        return "paused" if await engine.is_paused() else "running"
+        if await engine.is_paused():  # vLLM's pause is a sleep of level 0: asked first
+            return "paused"
+        return "asleep" if await engine.is_sleeping() else "running"
     return "unresponsive"
 
 
