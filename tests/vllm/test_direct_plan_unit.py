@@ -18,7 +18,7 @@ from tokcap_vllm._direct_plan import (
     Packed,
     plan_direct,
 )
-from tokcap_vllm._shm import KeptMappings, PushFile, joined, map_push_file, write_push_file
+from tokcap_vllm._shm import KeptBuffers, PushFile, joined, read_push_file, write_push_file
 
 QKV = "model.layers.0.self_attn.qkv_proj"
 OPROJ = "model.layers.0.self_attn.o_proj"
@@ -163,7 +163,7 @@ def test_shards_back_to_back_in_the_push_file_join_as_a_view(tmp_path: Path) -> 
     tensors = [("q", q), ("k", k), ("v", v), ("n", norm), ("o", torch.randn(4, 4))]
     spec = {name: ("float32", tuple(t.shape)) for name, t in tensors}
     path, entries = write_push_file(tensors, str(tmp_path))
-    views, mapping = map_push_file(path, entries, spec)
+    views, buffer = read_push_file(path, entries, spec)
     staged = dict(views)
     qkv = joined([staged["q"], staged["k"], staged["v"]])
     assert qkv is not None
@@ -173,49 +173,48 @@ def test_shards_back_to_back_in_the_push_file_join_as_a_view(tmp_path: Path) -> 
     assert joined([staged["k"], staged["q"]]) is None  # out of order
     assert joined([staged["n"], staged["o"]]) is None  # padding between them
     assert joined([staged["v"], torch.randn(4, 4)]) is None  # another storage
-    assert mapping is not None
+    assert buffer is not None
 
 
-def test_a_trainers_push_file_is_mapped_once_and_shows_each_rewrite(tmp_path: Path) -> None:
+def test_a_trainers_push_file_is_read_into_one_buffer_push_after_push(tmp_path: Path) -> None:
     spec = {"a": ("float32", (3, 5))}
     push = PushFile(str(tmp_path))
     path, entries = push.write([("a", torch.zeros(3, 5))])
-    _, first = map_push_file(path, entries, spec)
+    _, first = read_push_file(path, entries, spec)
+    assert first is not None
     push.write([("a", torch.ones(3, 5))])
-    views, again = map_push_file(path, entries, spec, previous=first)
-    assert again is first  # same file, same size: not mapped again
+    views, again = read_push_file(path, entries, spec, previous=first)
+    assert again is not None
+    assert again.base is first.base  # same size: the same pages
     assert torch.equal(dict(views)["a"], torch.ones(3, 5))  # the rewrite, not a stale copy
     push.write([("a", torch.ones(3, 5)), ("b", torch.ones(2))])  # resized
-    _, resized = map_push_file(path, entries, spec, previous=first)
-    assert resized is not first
-    push.remove()
-    path, entries = push.write([("a", torch.full((3, 5), 2.0))])  # a new file
-    views, fresh = map_push_file(path, entries, spec, previous=resized)
-    assert fresh is not resized
-    assert torch.equal(dict(views)["a"], torch.full((3, 5), 2.0))
+    both = [["a", "float32", [3, 5], 0, 60], ["b", "float32", [2], 64, 8]]
+    _, resized = read_push_file(path, both, {**spec, "b": ("float32", (2,))}, previous=first)
+    assert resized is not None
+    assert resized.base is not first.base
     push.remove()
 
 
-def test_trainers_files_stay_mapped_between_pushes_and_removed_ones_are_let_go(
+def test_trainers_files_keep_their_buffers_between_pushes_and_removed_ones_are_let_go(
     tmp_path: Path,
 ) -> None:
     spec = {"a": ("float32", (3, 5))}
-    kept = KeptMappings(limit=2)
+    kept = KeptBuffers(limit=2)
     one, fleet = PushFile(str(tmp_path)), PushFile(str(tmp_path))
     one_path, entries = one.write([("a", torch.zeros(3, 5))])
     fleet_path, _ = fleet.write([("a", torch.ones(3, 5))])
-    first = kept.map(one_path, entries, spec)[0][1]
-    kept.map(fleet_path, entries, spec)
+    first = kept.read(one_path, entries, spec)[0][0][1]
+    kept.read(fleet_path, entries, spec)
     one.write([("a", torch.full((3, 5), 3.0))])
-    again = kept.map(one_path, entries, spec)[0][1]  # the two files alternate: both kept
+    again = kept.read(one_path, entries, spec)[0][0][1]  # the two files alternate: both kept
     assert again.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
     assert torch.equal(again, torch.full((3, 5), 3.0))
     assert len(kept) == 2
     upload, upload_entries = write_push_file([("a", torch.ones(3, 5))], str(tmp_path))
-    kept.map(upload, upload_entries, spec)  # a gate's upload: removed after its push
+    kept.read(upload, upload_entries, spec)  # a gate's upload: removed after its push
     assert len(kept) == 2
     fleet.remove()
-    kept.map(one_path, entries, spec)  # the removed file's mapping is let go
+    kept.read(one_path, entries, spec)  # the removed file's buffer is let go
     assert len(kept) == 1
     kept.clear()
     one.remove()
@@ -252,7 +251,7 @@ def test_a_direct_load_packs_views_and_keeps_no_view_of_the_push_file(tmp_path: 
     q, k, w = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
     tensors = [("q", q), ("k", k), ("w", w)]
     spec = {name: ("float32", tuple(t.shape)) for name, t in tensors}
-    views, _ = map_push_file(*write_push_file(tensors, str(tmp_path)), spec)
+    views, _ = read_push_file(*write_push_file(tensors, str(tmp_path)), spec)
     model = _toy("empty", "keep")
     plan = DirectPlan((Packed("l0", ("q", "k")), Packed("l1", ("w",))), joined_rows={"l0": 12})
     report = DirectLoader(model).load(plan, dict(views))
@@ -268,7 +267,7 @@ def test_a_layer_whose_packing_fails_gets_its_emptied_weight_back(tmp_path: Path
 
     tensors = [("a", torch.randn(4, 4)), ("b", torch.randn(4, 4))]
     spec = {name: ("float32", tuple(t.shape)) for name, t in tensors}
-    views, _ = map_push_file(*write_push_file(tensors, str(tmp_path)), spec)
+    views, _ = read_push_file(*write_push_file(tensors, str(tmp_path)), spec)
     model = _toy("empty", "fail")
     emptied = model.l1.weight
     plan = DirectPlan((Packed("l0", ("a",)), Packed("l1", ("b",))))

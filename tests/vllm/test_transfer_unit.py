@@ -14,7 +14,7 @@ import torch
 from tokcap_vllm import Gate
 from tokcap_vllm._guarded_routes import GUARDED_PATHS, WEIGHTS_PATH, guarded_path
 from tokcap_vllm._served_weights import ServedWeights
-from tokcap_vllm._shm import PushFile, map_push_file, write_push_file
+from tokcap_vllm._shm import PushFile, read_push_file, write_push_file
 from tokcap_vllm.errors import GateError
 from tokcap_vllm.weights import WeightPhase
 
@@ -141,24 +141,25 @@ def test_a_hold_is_not_released_over_a_failed_engine() -> None:
     assert weights.held == "fleet"
 
 
-def test_a_push_file_maps_back_to_the_same_tensors(tmp_path: Path) -> None:
+def test_a_push_file_reads_back_as_the_same_tensors(tmp_path: Path) -> None:
     tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64))]
     spec = {"a": ("float32", (3, 5)), "b": ("int64", (7,))}
     path, entries = write_push_file(tensors, str(tmp_path))
-    mapped = dict(map_push_file(path, entries, spec)[0])
-    assert torch.equal(mapped["a"], tensors[0][1])
-    assert torch.equal(mapped["b"], tensors[1][1])
+    read = dict(read_push_file(path, entries, spec)[0])
+    assert torch.equal(read["a"], tensors[0][1])
+    assert torch.equal(read["b"], tensors[1][1])
 
 
-def test_a_push_file_is_rewritten_in_place_and_mapped_without_a_copy(tmp_path: Path) -> None:
+def test_a_push_file_is_rewritten_in_place_and_read_into_the_workers_own_buffer(
+    tmp_path: Path,
+) -> None:
     spec = {"a": ("float32", (3, 5))}
     push = PushFile(str(tmp_path))
     path, entries = push.write([("a", torch.zeros(3, 5))])
-    mapped = dict(map_push_file(path, entries, spec)[0])
+    read = dict(read_push_file(path, entries, spec)[0])
     assert push.write([("a", torch.ones(3, 5))])[0] == path  # same file, pages reused
-    assert torch.equal(mapped["a"], torch.ones(3, 5))  # the mapping views the file's pages
-    mapped["a"].add_(1)  # copy-on-write: the file keeps its bytes
-    assert torch.equal(dict(map_push_file(path, entries, spec)[0])["a"], torch.ones(3, 5))
+    assert torch.equal(read["a"], torch.zeros(3, 5))  # a copy: the rewrite is not seen
+    assert torch.equal(dict(read_push_file(path, entries, spec)[0])["a"], torch.ones(3, 5))
     path, entries = push.write([("a", torch.full((3, 5), 2.0)), ("b", torch.arange(3))])
     assert Path(path).stat().st_size == entries[-1][3] + entries[-1][4]  # resized
     push.remove()
@@ -186,14 +187,14 @@ def test_the_worker_refuses_entries_that_are_not_the_spec(
     path, entries = write_push_file(tensors, str(tmp_path))
     edit(entries)  # type: ignore[operator]
     with pytest.raises(ValueError, match=message):
-        map_push_file(path, entries, spec)
+        read_push_file(path, entries, spec)
 
 
 def test_the_worker_maps_only_push_files(tmp_path: Path) -> None:
     other = tmp_path / "secrets.bin"
     other.write_bytes(bytes(60))
     with pytest.raises(ValueError, match="not a tokcap push file"):
-        map_push_file(str(other), [["a", "float32", [3, 5], 0, 60]], {"a": ("float32", (3, 5))})
+        read_push_file(str(other), [["a", "float32", [3, 5], 0, 60]], {"a": ("float32", (3, 5))})
 
 
 def test_the_backend_registers_once_however_often_the_plugin_runs() -> None:

@@ -321,11 +321,16 @@ def test_the_worker_refuses_what_the_server_side_check_would_have(
         server, attempt, ("tokcap_stage", ("w", full[:-1])), ("tokcap_commit", ("w", len(full) - 1))
     )
     assert "staged nothing" in on_loop(server, attempt, ("tokcap_commit", ("other", len(full))))
-    short = tmp_path / "short"
+    short = tmp_path / "tokcap-push-short"
     short.write_bytes(bytes(data)[:-4])
     entry = (name, dtype, shape, 0, len(data))
-    assert "ends inside" in on_loop(
+    assert "entry_out_of_file" in on_loop(
         server, attempt, ("tokcap_stage_file", ("w", str(short), [entry]))
+    )
+    other = tmp_path / "weights.bin"  # only push files are ever read (tokcap_vllm._shm)
+    other.write_bytes(bytes(data))
+    assert "not a tokcap push file" in on_loop(
+        server, attempt, ("tokcap_stage_file", ("w", str(other), [entry]))
     )
     rows, _ = capture(server, count=1)
     assert parity(model, original, rows).k3 <= SAME

@@ -37,6 +37,7 @@ __all__ = [
     "MemorySink",
     "MissingRows",
     "SinkError",
+    "SinkHealth",
     "SinkPlugin",
     "TokenSink",
 ]
@@ -95,6 +96,19 @@ SINK_PLUGIN_GROUP: Final = "tokcap.sinks"
 """The entry-point group sink plugins are registered under (name = the sink's name)."""
 
 
+@runtime_checkable
+class SinkHealth(Protocol):
+    """A sink that can say it cannot take staged calls now (the service behind it is gone,
+    or being attached again): a served gate reads `problem` before admitting each captured
+    call (refusing it rather than answering a call whose staging would fail) and in its
+    health."""
+
+    @property
+    def problem(self) -> str | None:
+        """None while the sink can take staged calls; else why not, in a few words."""
+        ...
+
+
 class SinkPlugin(Protocol):
     """A sink a served gate can open by name.
 
@@ -117,7 +131,10 @@ class SinkPlugin(Protocol):
         """Connect to the running sink for the gate's lifetime (never start or own it).
 
         Entered once before the gate serves; waiting for the sink is bounded and logged;
-        failing to attach raises (the server does not start).
+        failing to attach raises (the server does not start). Gates outlive the services
+        they attach to: a plugin whose service can be replaced (a trainer's TransferQueue)
+        attaches to the new one while the gate serves, its sinks saying meanwhile what is
+        wrong (`SinkHealth`).
         """
         ...
 

@@ -77,6 +77,9 @@ class TQSink:
 
     def __init__(self, config: TQSinkConfig | None = None) -> None:
         self.config = config or TQSinkConfig()
+        self.problem: str | None = None
+        """`tokcap_core.sink.SinkHealth`: set by a served gate's attachment
+        (`tokcap_tq._served`) while its TransferQueue is gone or being attached again."""
         self._staging: Partition[StagingKey, StagedCall] = Partition(
             self.config.staging_partition,
             STAGING_FIELDS,

@@ -40,7 +40,7 @@ from tokcap_core.reasons import (
     UNCOMMITTED_CALL,
     make_reason,
 )
-from tokcap_core.sink import TokenSink
+from tokcap_core.sink import SinkHealth, TokenSink
 
 from ._config import GateConfig
 from ._hooks import GateHooks
@@ -54,7 +54,13 @@ from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisone
 from ._stage_writer import StageWriter
 from ._staging import staged_call, staged_entry
 from ._weight_state import WeightPhase, WeightState
-from .errors import CallNotServed, GateError, RolloutConflict, WeightsUnavailable
+from .errors import (
+    CallNotServed,
+    GateError,
+    RolloutConflict,
+    SinkUnavailable,
+    WeightsUnavailable,
+)
 from .persist import LedgerFileError
 
 __all__ = ["CapturePath", "check_accepting"]
@@ -154,7 +160,7 @@ class CapturePath:
                 check_accepting(record)
                 made = await anyio.to_thread.run_sync(record.parents.planner(request))
                 check_accepting(record)
-                self._check_weights()
+                self._check_serving()
                 parent = record.calls.get(CallId(made.parent_id)) if made.parent_id else None
                 if parent is None or parent.phase is COMMITTED:
                     self._admitted(call, made, parent)
@@ -172,8 +178,22 @@ class CapturePath:
                 f"the gate's ledger file could not record this call ({record.poison})",
             )
 
-    def _check_weights(self) -> None:
+    def _check_serving(self) -> None:
+        """Refuse a call the gate could not vouch for: a sink that cannot stage it
+        (`tokcap_core.sink.SinkHealth`), weights FAILED (or an engine asleep)."""
+        problem = self.sink.problem if isinstance(self.sink, SinkHealth) else None
+        if problem is not None:
+            raise SinkUnavailable(
+                "sink_unavailable",
+                f"the sink cannot take staged calls ({problem}): captured calls are refused "
+                "until it can",
+            )
         state = self.weights
+        if state is not None and state.phase is WeightPhase.FAILED and state.error == "asleep":
+            raise WeightsUnavailable(
+                "weights_unavailable",
+                "the engine is asleep (/sleep): captured calls are refused until /wake_up",
+            )
         if state is not None and state.phase is WeightPhase.FAILED:
             raise WeightsUnavailable(
                 "weights_unavailable",

@@ -2,7 +2,9 @@
 
 Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``):
 
-- ``GET  health`` (503 while the gate is not serving) · ``GET metrics`` (Prometheus text)
+- ``GET  health`` (503 while the gate is not serving; ``degraded`` with what stops or stalls
+  captured calls: the ledger file, the sink, the weights, the engine's own state, asked of
+  the engine each time) · ``GET metrics`` (Prometheus text)
 - ``GET  routes`` — every route the server mounts and how the gate answers it
 - ``GET  rollouts?state=open|closed&limit=N&after=ID`` (ascending ids, paged)
 - ``GET  rollouts/{id}/manifest`` — exactly ``encode_manifest`` bytes
@@ -37,6 +39,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 from urllib.parse import parse_qs, parse_qsl, unquote, urlencode
 
+import anyio
 import msgspec
 
 from tokcap_core import LedgerProtocolError
@@ -93,6 +96,7 @@ _Body = TypeVar("_Body", TerminalBody, CloseBody, CloseManyBody)
 _MAX_BODY = 1 << 20
 INSTANCE_HEADER = b"x-tokcap-gate-instance"
 """On every answer: the gate's instance id (a restarted gate has a new one)."""
+_ENGINE_PROBE_S = 5.0
 _SECRET_PARAMS = frozenset({"token", "access_token", "authorization", "auth", "bearer", "key"})
 
 
@@ -172,7 +176,7 @@ class ControlPlane:
         method = scope.get("method", "GET")
         if parts == ["health"]:
             _allow(method, "GET")
-            return self._health()
+            return self._health(await engine_state(scope))
         if parts == ["routes"]:
             _allow(method, "GET")
             return _json(_routes(scope))
@@ -211,8 +215,8 @@ class ControlPlane:
 
     # ---- handlers ---------------------------------------------------------------------
 
-    def _health(self) -> _Reply:
-        health = self.gate.health()
+    def _health(self, engine: str) -> _Reply:
+        health = self.gate.health(engine)
         sink, warnings = describe_sink(self.gate.sink)
         body = Health(
             sink=sink,
@@ -224,6 +228,9 @@ class ControlPlane:
             ledger_file=self.gate.ledger_file is not None,
             ledger_error=health.ledger_problem,
             instance=self.gate.instance,
+            sink_error=health.sink_problem,
+            weights=health.weights,
+            engine=health.engine,
         )
         return _json(body, status=503 if health.status == "down" else 200)
 
@@ -331,6 +338,18 @@ def _routes(scope: Scope) -> RouteTable:
             for path, methods, rule in route_listing(routes)
         ]
     )
+
+
+async def engine_state(scope: Scope) -> str:
+    """The engine's own state (see `Health.engine`), asked within `_ENGINE_PROBE_S`."""
+    engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    if engine is None:
+        return "unknown"
+    with anyio.move_on_after(_ENGINE_PROBE_S):
+        if await engine.is_paused():  # vLLM's pause is a sleep of level 0: asked first
+            return "paused"
+        return "asleep" if await engine.is_sleeping() else "running"
+    return "unresponsive"
 
 
 def _witnesses(reward: float | None, w: WitnessBody | None) -> Witnesses:

@@ -27,7 +27,7 @@ from tokcap_core import Entry, Ledger, MemorySink
 from tokcap_core.ids import RolloutId, validate_rollout_id
 from tokcap_core.ledger import OPEN, Closed, Event, Poisoned, TerminalDeclared, Witnesses
 from tokcap_core.reasons import GATE_RESTARTED, make_reason
-from tokcap_core.sink import TokenSink
+from tokcap_core.sink import SinkHealth, TokenSink
 
 from ._capture import CapturePath
 from ._config import GateConfig
@@ -50,23 +50,51 @@ _log = logging.getLogger("tokcap_vllm.gate")
 class GateHealth:
     """What ``GET /tokcap/v1/health`` reports: ``ok``, ``degraded`` or ``down``."""
 
-    __slots__ = ("ledger_problem", "rollouts_closed", "rollouts_open", "serving")
+    __slots__ = (
+        "engine",
+        "ledger_problem",
+        "rollouts_closed",
+        "rollouts_open",
+        "serving",
+        "sink_problem",
+        "weights",
+    )
 
     def __init__(
-        self, *, serving: bool, rollouts_open: int, rollouts_closed: int, ledger_problem: str | None
+        self,
+        *,
+        serving: bool,
+        rollouts_open: int,
+        rollouts_closed: int,
+        ledger_problem: str | None,
+        sink_problem: str | None = None,
+        weights: str = "READY",
+        engine: str = "unknown",
     ) -> None:
         self.serving = serving
         self.rollouts_open = rollouts_open
         self.rollouts_closed = rollouts_closed
         self.ledger_problem = ledger_problem
+        self.sink_problem = sink_problem
+        self.weights = weights
+        """READY, PUSHING, or FAILED with why (``FAILED: asleep``, ...)."""
+        self.engine = engine
+        """``running``, ``paused``, ``asleep``, ``unresponsive`` or ``unknown``."""
 
     @property
     def status(self) -> str:
-        """``down`` when the gate is not serving, ``degraded`` when its ledger file has a
-        problem, else ``ok``."""
+        """``down`` when the gate is not serving; ``degraded`` when something stops or
+        stalls captured calls (the ledger file, the sink, the weights, an engine that is
+        paused, asleep or not answering); else ``ok``."""
         if not self.serving:
             return "down"
-        return "degraded" if self.ledger_problem is not None else "ok"
+        problems = (
+            self.ledger_problem is not None,
+            self.sink_problem is not None,
+            self.weights.startswith("FAILED"),
+            self.engine not in ("running", "unknown"),
+        )
+        return "degraded" if any(problems) else "ok"
 
 
 class Gate:
@@ -170,14 +198,23 @@ class Gate:
         """Every counter of `GateMetrics`, ready for any logger."""
         return self.telemetry.as_dict()
 
-    def health(self) -> GateHealth:
-        """Whether the gate serves, what it holds, and any ledger-file problem."""
+    def health(self, engine: str = "unknown") -> GateHealth:
+        """Whether the gate serves, what it holds, and what would stop or stall a captured
+        call: the ledger file, the sink, the weights; ``engine`` is the engine's own state,
+        as the caller found it."""
         held_open, held_closed = self.registry.counts()
+        state = self.capture.weights
+        weights = "READY" if state is None else state.phase.name
+        if state is not None and state.error is not None:
+            weights = f"{weights}: {state.error}"
         return GateHealth(
             serving=self.running,
             rollouts_open=held_open,
             rollouts_closed=held_closed,
             ledger_problem=self.ledger_file.problem if self.ledger_file is not None else None,
+            sink_problem=self.sink.problem if isinstance(self.sink, SinkHealth) else None,
+            weights=weights,
+            engine=engine,
         )
 
     def held_ledgers(self) -> list[Ledger]:

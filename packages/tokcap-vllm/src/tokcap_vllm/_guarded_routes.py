@@ -25,12 +25,27 @@ call. tokcap's own weight routes, under ``/tokcap/v1/weights``:
 - ``POST weights/release`` — lift the hold (409 ``weights_not_ready`` unless READY)
 - ``PUT  weights/upload`` — a push file's bytes, streamed; written into shared memory on
   this host (`UploadResponse`: its path for ``/update_weights``). Files uploaded are removed
-  once the next ``/finish_weight_update`` that follows an update has answered.
+  once the next ``/finish_weight_update`` that follows an update has answered; at most
+  `MAX_PENDING_UPLOADS` wait for it (a newer upload removes the oldest, whose push then
+  fails typed: ``push_file_missing`` or ``push_file_changed``).
+
+Before vLLM sees them, the routes that would change what the ledger records are asked
+about (`_admit`; a refusal is a typed answer and vLLM never runs): a label
+(``/finish_weight_update``'s ``weight_version``, ``/update_weight_version``'s
+``new_version``) must be a version above the one served (`ServedWeights.check_label`: 422
+``bad_version`` or ``version_not_increasing``, nothing changes); a push file named by
+``/update_weights`` must be one a worker would read (`tokcap_vllm._shm.check_push_file`:
+422 with the file's code, and the push fails as any failed update does);
+``/collective_rpc`` is refused by the route table (403 ``route_refused``): it runs any
+method on every worker (``__init__``, ``sleep``, ``reload_weights``, ...), which nothing
+could record. ``/sleep``
+and ``/wake_up`` pass and are watched (`ServedWeights.slept`, `ServedWeights.woke`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -45,8 +60,9 @@ from ._control import ControlPlane
 from ._gate import Gate
 from ._route_table import GUARDED_PATHS, normalized_path, rule_of
 from ._served_weights import ServedWeights
-from ._shm import PUSH_PREFIX, SHM_DIR
+from ._shm import PUSH_PREFIX, SHM_DIR, check_push_file
 from ._spec import engine_spec
+from ._weight_state import WeightPushError
 from .api import CONTROL_PREFIX, error_json
 from .errors import (
     BadRequest,
@@ -60,6 +76,7 @@ from .errors import (
 
 __all__ = [
     "GUARDED_PATHS",
+    "MAX_PENDING_UPLOADS",
     "WEIGHTS_PATH",
     "GuardedRoutes",
     "HoldBody",
@@ -69,6 +86,14 @@ __all__ = [
 ]
 
 WEIGHTS_PATH: Final = CONTROL_PREFIX + "weights"
+MAX_PENDING_UPLOADS: Final = 2
+"""Uploads waiting for their push's finish (two pushes in flight); a newer one removes the
+oldest."""
+_LABELS: Final = {
+    "/finish_weight_update": "weight_version",
+    "/update_weight_version": "new_version",
+}
+_MAX_ROUTE_BODY: Final = 16 << 20
 _log = logging.getLogger("tokcap_vllm.gate")
 
 
@@ -142,6 +167,7 @@ class GuardedRoutes:
                 status, body = await self._tokcap(path, scope, receive)
                 await send_body(send, status, body)
                 return
+            receive = await self._admit(path, scope, receive)
         except GateError as e:
             status = type(e).status
             headers = [(b"www-authenticate", b"Bearer")] if status == 401 else []
@@ -156,7 +182,48 @@ class GuardedRoutes:
             self.gate.watch_weights(self.weights)  # type: ignore[arg-type]
             self._watching = True
 
-    # ---- vLLM's routes, watched ------------------------------------------------------
+    # ---- vLLM's routes, asked about, then watched --------------------------------------
+
+    async def _admit(self, path: str, scope: Scope, receive: Receive) -> Receive:
+        """Refuse what the rules refuse before vLLM sees it (see the module); the body, if
+        it was read, is handed to vLLM again."""
+        if path not in _LABELS and path != "/update_weights":
+            return receive
+        body = await read_body(receive, _MAX_ROUTE_BODY)
+        try:
+            fields = json.loads(body) if body.strip() else {}
+        except (ValueError, RecursionError):
+            fields = None  # vLLM answers for a body that is not JSON; nothing is labelled
+        if isinstance(fields, dict):
+            try:
+                if path in _LABELS and fields.get(_LABELS[path]) is not None:
+                    self.weights.check_label(fields[_LABELS[path]])
+                elif path == "/update_weights":
+                    await self._check_file(scope, fields.get("update_info"))
+            except WeightPushError as e:
+                if path == "/update_weights":
+                    self.weights.failed("update_failed")
+                raise InvalidBody(e.code, e.message) from e
+        sent = False
+
+        async def again() -> Message:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return again
+
+    async def _check_file(self, scope: Scope, info: object) -> None:
+        """The push file an ``/update_weights`` names, as the worker will check it."""
+        if not isinstance(info, dict) or "path" not in info:
+            return  # another backend's update (nccl, ipc): nothing on this host to check
+        path, entries = info.get("path"), info.get("entries", [])
+        if not isinstance(path, str) or not isinstance(entries, list):
+            raise WeightPushError("bad_entry", "update_info is {path: str, entries: [...]}")
+        spec = {name: (d, tuple(shape)) for name, (d, shape) in _spec_of(scope).tensors.items()}
+        await anyio.to_thread.run_sync(check_push_file, path, entries, spec)
 
     async def _vllm(self, path: str, scope: Scope, receive: Receive, send: Send, app: App) -> None:
         """Run vLLM's route; the tracker moves *before* the answer leaves, so a client's next
@@ -196,6 +263,9 @@ class GuardedRoutes:
         elif path == "/update_weights":
             self._updated = self._updated or ok
             weights.updated() if ok else weights.failed("update_failed")
+        elif path in ("/sleep", "/wake_up"):
+            if ok:
+                await self._observe_sleep(path, scope)
         elif path in ("/start_weight_update", "/finish_weight_update", "/update_weight_version"):
             if path == "/start_weight_update":
                 self._updated = False
@@ -212,6 +282,14 @@ class GuardedRoutes:
                 weights.finished(label)
             else:
                 weights.labelled(label)
+
+    async def _observe_sleep(self, path: str, scope: Scope) -> None:
+        if not await scope["app"].state.engine_client.is_sleeping():
+            self.weights.woke()
+        elif path == "/sleep":
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            level = (query.get("level") or ["1"])[0]
+            self.weights.slept(int(level) if level.isdigit() else 1)
 
     # ---- tokcap's weight routes ------------------------------------------------------
 
@@ -256,6 +334,9 @@ class GuardedRoutes:
 
     async def _upload(self, scope: Scope, receive: Receive) -> UploadResponse:
         limit = sum(_nbytes(dtype, shape) + 64 for dtype, shape in _spec_of(scope).tensors.values())
+        while len(self._uploads) >= MAX_PENDING_UPLOADS:  # bounded: the oldest goes
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._uploads.pop(0))
         fd, path = tempfile.mkstemp(dir=self.upload_dir, prefix=PUSH_PREFIX)
         self._uploads.append(path)
         size = 0

@@ -29,6 +29,7 @@ from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
 
 from ._logprob_text import SKIP_LOGPROB_TEXT, install_logprob_text_switch
 from ._vllm import require_vllm
+from ._weight_state import WeightPushError, version_of_label
 
 __all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket", "cache_salt"]
 
@@ -246,11 +247,11 @@ def _weight_spans(spans: Any, default: int, count: int) -> Spans:
 
 
 def _version(label: Any, default: int) -> int:
+    """The version a label spells (`version_of_label`); ``default`` for any other label."""
     try:
-        value = int(label)
-    except (TypeError, ValueError):
+        return version_of_label(label)
+    except WeightPushError:
         return default
-    return value if value >= 0 else default
 
 
 def _num_experts(engine: Any) -> int:

@@ -13,7 +13,8 @@ vLLM puts no authentication on any of them. The gate answers each request by thi
   Bearer``); anything that changes or reveals the engine beyond serving;
 - **refused** (`REFUSED`): answered 403 even with the token, because no rule of the gate
   can record what it does: a LoRA adapter loaded or unloaded at run time changes what
-  captured calls sample with, and no weight version would say so.
+  captured calls sample with, and no weight version would say so; ``/collective_rpc`` runs
+  any method on every worker.
 
 A path in none of them (a route a vLLM release or a plugin adds) is guarded: the list
 fails closed. ``GET /tokcap/v1/routes`` lists the server's real routes with their class
@@ -95,7 +96,12 @@ _ADAPTERS = (
     "and no weight version records it: load adapters at start (--lora-modules), or push "
     "merged weights through the weight routes"
 )
+_ANY_METHOD = (
+    "runs any method on every worker (__init__, sleep, reload_weights, ...), which no rule "
+    "of the gate could record"
+)
 REFUSED: Final[Mapping[str, str]] = {
+    "/collective_rpc": _ANY_METHOD,
     "/v1/load_lora_adapter": _ADAPTERS,
     "/v1/unload_lora_adapter": _ADAPTERS,
     "/adapters": _ADAPTERS,
@@ -169,13 +175,16 @@ def _matches(template: str, path: str) -> bool:
 
 
 def rule_of(path: str) -> RouteRule:
-    """The rule for a normalized path (`normalized_path`); unlisted paths are guarded."""
+    """The rule for a normalized path (`normalized_path`); unlisted paths are guarded.
+    `REFUSED` is asked first: a refused route may be among the guarded ones by name."""
+    for template, reason in REFUSED.items():
+        if _matches(template, path):
+            return RouteRule("refused", reason)
     if path in GUARDED_PATHS:
         return RouteRule("guarded", "changes or reveals the engine beyond serving")
-    for table, access in ((REFUSED, "refused"), (PUBLIC, "public")):
-        for template, reason in table.items():
-            if _matches(template, path):
-                return RouteRule(access, reason)  # type: ignore[arg-type]
+    for template, reason in PUBLIC.items():
+        if _matches(template, path):
+            return RouteRule("public", reason)
     for mount in _MOUNTS:
         if path.startswith(mount + "/"):
             return RouteRule("public", PUBLIC[mount])

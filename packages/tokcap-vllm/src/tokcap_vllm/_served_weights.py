@@ -22,14 +22,29 @@ Rules beside the table:
   ``kv_kept`` from the label until such a reset (`recomputed`).
 - A hold is the fleet's: its own gate's successful push does not lift it (the other gates
   may not have the version yet); only `release` does, and only once the gate is READY.
+- A label a route would set is asked first (`check_label`, before vLLM sees it): it must be
+  a version's canonical spelling above the one served (`tokcap_vllm._weight_state`'s rule),
+  else the route is refused and nothing changes, so the gate and the ledger never disagree.
+- An engine put to sleep (``/sleep``) serves nothing the gate can vouch for: FAILED("asleep")
+  until ``/wake_up`` says it is awake; a sleep of level 2 discards the weights, so only a
+  full push leaves FAILED after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
-from ._weight_state import FAILED, PUSHING, READY, WeightState
+from ._weight_state import (
+    FAILED,
+    PUSHING,
+    READY,
+    WeightPushError,
+    WeightState,
+    next_version,
+    version_of_label,
+)
 from .errors import RolloutConflict
 
 __all__ = ["ServedWeights"]
@@ -48,12 +63,16 @@ class ServedWeights:
         self._updates = 0
         self._loaded = False
         self.held: str | None = None
+        self.asleep: int | None = None
+        """The level of the sleep the engine is in (None: awake)."""
         self._kv_kept = False
         self._subscribers: list[Callable[[WeightState], None]] = []
 
     @property
     def state(self) -> WeightState:
         """The gate-facing state: FAILED while held, whatever the engine's phase."""
+        if self.asleep is not None:
+            return WeightState(phase=FAILED, version=self._version, error="asleep")
         if self.held is not None:
             return WeightState(phase=FAILED, version=self._version, error=f"held: {self.held}")
         kept = self._kv_kept and self._phase is READY
@@ -79,7 +98,13 @@ class ServedWeights:
             except Exception:
                 _log.exception("a weight-state subscriber raised on %s", state)
 
-    # ---- what the guarded routes answered ---------------------------------------------
+    # ---- what the guarded routes ask, and what they answered ---------------------------
+
+    def check_label(self, label: object) -> int:
+        """The version ``label`` spells, if a route may label the engine with it now: a
+        version's canonical spelling above the one served; else `WeightPushError`
+        ``bad_version`` or ``version_not_increasing`` (nothing changes)."""
+        return next_version(self._version, version_of_label(label))
 
     def started(self, label: str) -> None:
         """``/start_weight_update`` succeeded; ``label`` is the engine's version label now."""
@@ -111,6 +136,19 @@ class ServedWeights:
             self._kv_kept = False
             self._changed()
 
+    def slept(self, level: int) -> None:
+        """``/sleep`` succeeded at ``level`` (2: the weights were discarded)."""
+        self.asleep = level
+        if level >= 2:
+            self._phase, self._error, self._loaded = FAILED, "slept_discarding_weights", False
+        self._changed()
+
+    def woke(self) -> None:
+        """``/wake_up`` left the engine fully awake."""
+        if self.asleep is not None:
+            self.asleep = None
+            self._changed()
+
     def failed(self, code: str) -> None:
         """A weight route failed: the engine may hold half-updated weights."""
         self._phase, self._error, self._loaded = FAILED, code, False
@@ -118,8 +156,8 @@ class ServedWeights:
 
     def _ready(self, label: str) -> None:
         self._phase, self._error, self._loaded = READY, None, False
-        if label.isdigit():
-            self._version = int(label)
+        with contextlib.suppress(WeightPushError):  # a label no route checked: version unknown
+            self._version = version_of_label(label)
         self._kv_kept = True  # until the push's KV reset says otherwise (`recomputed`)
         self._changed()
 

@@ -50,7 +50,7 @@ from ._guarded_routes import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpe
 from ._http import AsyncClosing, bearer_http
 from ._shm import SHM_DIR, Entry, PushFile, entries_for, file_chunks
 from ._spec import TensorSpec
-from ._weight_state import WeightPushError, WeightSyncError
+from ._weight_state import WeightPushError, WeightSyncError, check_version, next_version
 from ._weights import (
     PUSH_MODES,
     PushMode,
@@ -187,14 +187,10 @@ class GateWeightClient(AsyncClosing):
         return await check_while_staging(tensors, self.stage)
 
     async def check_version(self, version: int) -> None:
-        """`WeightPushError` unless ``version`` is an int above the gate's."""
-        if type(version) is not int or version < 0:
-            raise WeightPushError("bad_version", f"a weight version is an int >= 0: {version!r}")
-        current = (await self.info()).version
-        if version <= current:
-            raise WeightPushError(
-                "version_not_increasing", f"version {version} is not above the gate's {current}"
-            )
+        """`WeightPushError` unless ``version`` is a weight version above the gate's
+        (`tokcap_vllm._weight_state.next_version`: ``bad_version``, ``version_not_increasing``)."""
+        check_version(version)  # before asking the gate anything
+        next_version((await self.info()).version, version)
 
     async def swap(self, staged: StagedPush, version: int) -> None:
         """Step 3: pause, load ``staged`` through vLLM's routes, label, reset, resume."""

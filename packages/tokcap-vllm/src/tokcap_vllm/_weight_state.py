@@ -12,6 +12,14 @@ Invariants:
   succeeds in full. Nothing but a full push leaves FAILED: a captured call must never be
   admitted against a half-updated model.
 - Every transition either applies or raises `WeightPushError` and changes nothing.
+
+Versions have one rule, here, for every door that takes one (`WeightSync.push`,
+`GateWeightClient.push`, the labels of vLLM's ``/finish_weight_update`` and
+``/update_weight_version`` a served gate watches): a version is an ``int`` in
+``[0, 2**63)`` (the ledger stores it as a count below ``2**63``), and its label is its
+canonical decimal spelling (ASCII digits, no sign, space or leading zero). Anything else
+is `WeightPushError` ``bad_version``; a version at or below the one served is
+``version_not_increasing`` (`check_version`, `version_of_label`, `next_version`).
 """
 
 from __future__ import annotations
@@ -28,8 +36,11 @@ __all__ = [
     "WeightState",
     "WeightSyncError",
     "begin",
+    "check_version",
     "fail",
+    "next_version",
     "succeed",
+    "version_of_label",
 ]
 
 
@@ -38,7 +49,11 @@ class WeightPushError(TokcapError, ValueError):
 
     Codes: ``missing_tensors`` (a partial push), ``unknown_tensors``, ``shape_mismatch``,
     ``dtype_mismatch``, ``not_a_tensor``, ``non_finite_weights``, ``bad_version``,
-    ``version_not_increasing``, ``bad_mode``, ``push_in_progress``, ``not_pushing``.
+    ``version_not_increasing``, ``bad_mode``, ``push_in_progress``, ``not_pushing``; for a
+    push file (`tokcap_vllm._shm`): ``push_file_name``, ``push_file_missing``,
+    ``push_file_link``, ``push_file_not_regular``, ``push_file_linked``,
+    ``push_file_unreadable``, ``push_file_size``, ``push_file_changed``, ``bad_entry``,
+    ``duplicate_tensors``, ``entry_out_of_file``.
     """
 
 
@@ -104,17 +119,47 @@ def _step(state: WeightState, op: str) -> WeightPhase:
     return phase
 
 
+def check_version(version: object) -> int:
+    """``version`` if it is a weight version (an ``int``, not a bool, in ``[0, 2**63)``);
+    else `WeightPushError` ``bad_version``."""
+    if type(version) is not int or not 0 <= version < MAX_WEIGHT_VERSION:
+        raise WeightPushError(
+            "bad_version", f"a weight version is an int in [0, 2**63): {version!r}"[:300]
+        )
+    return version
+
+
+def version_of_label(label: object) -> int:
+    """The version a label spells (``"7"`` is 7); `WeightPushError` ``bad_version`` for any
+    other spelling (``" 7"``, ``"07"``, ``"-5"``, ``"1e3"``, ``"0x10"``, ``"²"``, ...) or a
+    version out of range. vLLM keeps labels as strings: only the canonical one round-trips."""
+    if (
+        not isinstance(label, str)
+        or not 0 < len(label) <= 19
+        or not label.isascii()
+        or not label.isdigit()
+        or (label[0] == "0" and label != "0")
+    ):
+        raise WeightPushError(
+            "bad_version", f"a weight version label is a decimal int in [0, 2**63): {label!r}"[:300]
+        )
+    return check_version(int(label))
+
+
+def next_version(current: int, version: object) -> int:
+    """``version`` if it is a weight version above ``current``; else `WeightPushError`
+    ``bad_version`` or ``version_not_increasing``."""
+    target = check_version(version)
+    if target <= current:
+        raise WeightPushError("version_not_increasing", f"version {target} is not above {current}")
+    return target
+
+
 def begin(state: WeightState, target: int) -> WeightState:
-    """Start loading ``target`` (must be an int above ``state.version``)."""
-    if type(target) is not int or not 0 <= target < MAX_WEIGHT_VERSION:
-        raise WeightPushError(
-            "bad_version", f"a weight version is an int in [0, 2**63): {target!r}"
-        )
+    """Start loading ``target`` (must be a version above ``state.version``)."""
+    check_version(target)
     phase = _step(state, "begin")
-    if target <= state.version:
-        raise WeightPushError(
-            "version_not_increasing", f"version {target} is not above {state.version}"
-        )
+    next_version(state.version, target)
     return WeightState(phase=phase, version=state.version, target=target)
 
 

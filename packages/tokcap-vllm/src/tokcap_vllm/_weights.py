@@ -62,6 +62,7 @@ from ._weight_state import (
     begin,
     fail,
     succeed,
+    version_of_label,
 )
 
 if TYPE_CHECKING:
@@ -244,7 +245,10 @@ class WeightSync:
             spec = {name: (dtype, tuple(shape)) for name, (dtype, shape) in raw["tensors"].items()}
             tied = [(head, embedding) for head, embedding in raw["tied"]]
         label = await engine.get_weight_version()
-        served = int(label) if isinstance(label, str) and label.isdigit() else version
+        try:
+            served = version_of_label(label)
+        except WeightPushError:  # vLLM's own "default", or a label tokcap did not set
+            served = version
         return cls(
             engine, spec, tied=tied, version=served, chunk_bytes=chunk_bytes, shm_dir=shm_dir
         )

@@ -20,9 +20,11 @@ The staged copy costs one more model's worth of memory until the commit.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._shm import check_push_file, open_push_file
 from ._spec import TensorSpec, engine_spec
 
 if TYPE_CHECKING:
@@ -76,7 +78,9 @@ class WeightSyncWorker:
         """Like `tokcap_stage`, the bytes read from a shared-memory file the server wrote:
         ``entries`` are ``[name, dtype, shape, offset, nbytes]``. Same host only."""
         staging = _staging_for(self, push_id)
-        with open(path, "rb") as f:
+        spec, _ = _spec_of(self)
+        check_push_file(path, entries, spec)  # no link, FIFO or device; exactly its size
+        with os.fdopen(open_push_file(path), "rb") as f:
             for name, dtype_name, shape, offset, nbytes in entries:
                 tensor = _checked_empty(self, push_id, name, dtype_name, shape, nbytes)
                 f.seek(offset)

@@ -183,6 +183,14 @@ class Health(msgspec.Struct):
     """Problems that do not stop serving (``memory_sink: ...``)."""
     instance: str = ""
     """This gate process's instance id: a new one after a restart (what a fleet compares)."""
+    sink_error: str | None = None
+    """Why the sink cannot take staged calls now (its TransferQueue is gone, ...): captured
+    calls are refused (``sink_unavailable``) until it can."""
+    weights: str = "READY"
+    """The engine's weights as the gate admits calls: READY, PUSHING, or FAILED with why."""
+    engine: str = "unknown"
+    """The engine's own state: ``running``, ``paused`` (calls wait), ``asleep``,
+    ``unresponsive`` (no answer within the health's bound) or ``unknown`` (no engine)."""
 
 
 class RouteItem(msgspec.Struct):

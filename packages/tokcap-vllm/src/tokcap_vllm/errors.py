@@ -30,6 +30,7 @@ __all__ = [
     "MethodNotAllowed",
     "RolloutConflict",
     "RolloutNotFound",
+    "SinkUnavailable",
     "TooLarge",
     "TooManyRollouts",
     "Unauthorized",
@@ -129,6 +130,14 @@ class CallNotServed(GateError, RuntimeError):
     error instead of a completion: ``call_aborted`` (the engine aborted the request: a
     weight push or vLLM's ``/pause`` in abort mode; retry it), ``capture_failed``, or
     ``ledger_write_failed`` (the ledger file cannot record it)."""
+
+    status = 503
+
+
+class SinkUnavailable(GateError, RuntimeError):
+    """The sink cannot take staged calls now (its TransferQueue is gone, or being attached
+    again): captured calls are refused before admission (``sink_unavailable``) instead of
+    answered with a completion whose staging would fail."""
 
     status = 503
 

@@ -13,13 +13,18 @@ Worker side (`TokcapShmWeightTransferEngine`), driven by vLLM's worker:
 
 - ``start_weight_update``: drops anything an earlier, unfinished push staged. The model is
   not touched (no layerwise-reload set-up yet), so a push refused later changes nothing.
-- ``update_weights``: checks the entries against the engine's spec (names, dtypes, shapes,
-  sizes; `tokcap_vllm._spec`), maps the file and keeps the views aside. A trainer's push
-  file (rewritten in place push after push) stays mapped for its next push, unless it was
-  removed, replaced or resized (`tokcap_vllm._shm.KeptMappings`). Overridden because the
-  base calls ``torch.accelerator.synchronize()``, which raises on a CPU-only torch.
+- ``update_weights``: checks the file (no link followed, a regular file of exactly the
+  entries' size) and the entries against the engine's spec (names, dtypes, shapes, sizes;
+  `tokcap_vllm._shm`, `tokcap_vllm._spec`), reads the file into a buffer of its own,
+  refuses non-finite values (`tokcap_vllm._weights.refuse_non_finite`, on the bytes read:
+  the bytes checked are the bytes loaded) and keeps the views aside. A trainer's push file
+  (rewritten in place push after push) keeps its buffer for its next push
+  (`tokcap_vllm._shm.KeptBuffers`). Overridden because the base calls
+  ``torch.accelerator.synchronize()``, which raises on a CPU-only torch.
 - ``finish_weight_update``: refuses (ValueError, nothing loaded) unless the staged set is
-  exactly the spec: a partial push leaves a fused layer half-initialised (NaN, measured).
+  exactly the spec (a partial push leaves a fused layer half-initialised: NaN, measured)
+  and every file it was read from is unchanged since (``push_file_changed``: a file
+  rewritten or shrunk under a push fails that push, never the engine).
   Then, on a CPU engine (one rank, unquantized), a **direct load**
   (`tokcap_vllm._direct_load`): each linear layer whose weight vLLM's CPU dispatch packed
   away takes its new weight straight from the push file (a view; a fused ``qkv_proj`` or
@@ -83,8 +88,16 @@ from vllm.distributed.weight_transfer.base import (
 
 from ._direct_load import DirectLoader, direct_refusal
 from ._direct_plan import NotDirect
-from ._shm import SHM_DIR, Entry, KeptMappings, write_push_file
+from ._shm import (
+    SHM_DIR,
+    Entry,
+    FileIdentity,
+    KeptBuffers,
+    unchanged_since,
+    write_push_file,
+)
 from ._spec import TensorSpec, engine_spec
+from ._weights import refuse_non_finite
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -142,7 +155,8 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
         self._staged: dict[str, torch.Tensor] = {}
         self._spec: dict[str, TensorSpec] | None = None
         self._tied: tuple[tuple[str, str], ...] = ()
-        self._mappings = KeptMappings()
+        self._buffers = KeptBuffers()
+        self._read: dict[str, FileIdentity] = {}
         choice = os.environ.get(LOAD_ENV, "auto")
         if choice not in ("auto", "layerwise"):
             raise ValueError(f"{LOAD_ENV} is 'auto' or 'layerwise': {choice!r}")
@@ -162,19 +176,22 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
 
     def start_weight_update(self) -> None:
         """Drop what an unfinished push staged; the model stays as it is."""
-        self._staged = {}
+        self._staged, self._read = {}, {}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Stage one chunk (no device synchronisation: there is no accelerator)."""
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: TokcapShmUpdateInfo) -> None:
-        """Check the chunk's entries and keep views of its file (ValueError: nothing kept)."""
-        tensors = self._mappings.map(update_info.path, update_info.entries, self.spec)
+        """Check the chunk's file and entries, read it, refuse non-finite values, keep the
+        views (`WeightPushError`, a ValueError: nothing kept)."""
+        tensors, identity = self._buffers.read(update_info.path, update_info.entries, self.spec)
         again = sorted(self._staged.keys() & {name for name, _ in tensors})
         if again:
             raise ValueError(f"tensors pushed twice: {again[:5]}")
+        refuse_non_finite(tensors)
         self._staged.update(tensors)
+        self._read[update_info.path] = identity
 
     def finish_weight_update(self) -> None:
         """Load the staged push if it is exactly the spec; see the module for an empty finish."""
@@ -184,11 +201,14 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
         )
 
         staged, self._staged = self._staged, {}
+        read, self._read = self._read, {}
         if not staged:
             return
         if staged.keys() != self.spec.keys():
             missing = sorted(self.spec.keys() - staged.keys())
             raise ValueError(f"a push carries every tensor; {len(missing)} missing: {missing[:5]}")
+        for path, identity in read.items():
+            unchanged_since(path, identity)
         started = time.perf_counter()
         how = self._load_directly(staged)
         if how is None:
@@ -226,9 +246,9 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
             return None
 
     def shutdown(self) -> None:
-        """Drop anything staged, and the kept mapping."""
-        self._staged = {}
-        self._mappings.clear()
+        """Drop anything staged, and the kept buffers."""
+        self._staged, self._read = {}, {}
+        self._buffers.clear()
 
 
 class StateDictSource(WeightSource):
