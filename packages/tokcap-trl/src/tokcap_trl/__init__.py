@@ -25,8 +25,10 @@ from ._collect import (
     RolloutPlan,
 )
 from ._errors import TRLAdapterError
+from ._grpo import GRPORollouts, WeightPushCallback
 from ._harness import Episode, Harness, Prompt, Scored, chat_harness, prompt_messages
 from ._shape import (
+    METRICS_KEY,
     REASON_KEY,
     REWARD_KEY,
     ROLLOUT_KEY,
@@ -39,6 +41,7 @@ from ._shape import (
 __all__ = [
     "CLOSE_FAILED",
     "HARNESS_FAILED",
+    "METRICS_KEY",
     "REASON_KEY",
     "REWARD_KEY",
     "ROLLOUT_KEY",
@@ -48,11 +51,13 @@ __all__ = [
     "CollectedBatch",
     "Collector",
     "Episode",
+    "GRPORollouts",
     "Harness",
     "Prompt",
     "RolloutPlan",
     "Scored",
     "TRLAdapterError",
+    "WeightPushCallback",
     "chat_harness",
     "prompt_messages",
     "receipt_reward",
