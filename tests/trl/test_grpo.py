@@ -171,7 +171,6 @@ def run(gates: Any, tmp_path_factory: pytest.TempPathFactory) -> Run:
                 return super().compute_loss(model, inputs, *args, **kwargs)
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        record.pad_token_id = tokenizer.pad_token_id
         policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         prompts = [f"Write a word about {topic}." for topic in ("cats", "rain", "ships", "tea")]
         dataset = Dataset.from_list(
@@ -214,6 +213,7 @@ def run(gates: Any, tmp_path_factory: pytest.TempPathFactory) -> Run:
                 rollout_func=rollout_func,
                 callbacks=[rollouts.callback],
             )
+            record.pad_token_id = tokenizer.pad_token_id  # after TRL set it, if it had to
             trainer.train()
             record.versions = [info.version for info in rollouts.versions()]
             record.pushed = list(rollouts.callback.pushed)
