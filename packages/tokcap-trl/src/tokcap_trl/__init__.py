@@ -1,3 +1,65 @@
-"""tokcap adapter for Hugging Face TRL (skeleton; filled in by issue #34)."""
+"""tokcap adapter for Hugging Face TRL: verified, token-exact rollouts for ``GRPOTrainer``.
 
-__all__: list[str] = []
+The trainer side of a tokcap deployment, for TRL users: rollouts are played by a harness
+(yours, or `chat_harness`) against gates (``tokcap-vllm serve``), every receipt is
+verified, and TRL gets the engine's exact token ids, loss mask and logprobs back; after
+each optimizer step the new weights are pushed to every gate.
+
+- `GRPORollouts`: the ``rollout_func`` for ``trl.GRPOTrainer`` (and, through
+  `GRPORollouts.callback`, the `WeightPushCallback` that pushes the weights);
+- `receipt_reward`: the reward function that hands TRL each receipt's reward;
+- the collection layer they share, for other TRL workers: `Collector` (open, play,
+  close, verify, rebuild, release), `RolloutPlan`, `Collected`, `CollectedBatch`;
+- harnesses: `Harness` (the callable you give), `Episode`, `Scored`, `chat_harness`;
+- `trl_rollout_output` (collected rows in ``rollout_func``'s shape) and its extra keys.
+
+See docs/trl.md ("Using tokcap with TRL").
+"""
+
+from ._collect import (
+    CLOSE_FAILED,
+    HARNESS_FAILED,
+    Collected,
+    CollectedBatch,
+    Collector,
+    RolloutPlan,
+)
+from ._errors import TRLAdapterError
+from ._grpo import GRPORollouts, WeightPushCallback
+from ._harness import Episode, Harness, Prompt, Scored, chat_harness, prompt_messages
+from ._shape import (
+    METRICS_KEY,
+    REASON_KEY,
+    REWARD_KEY,
+    ROLLOUT_KEY,
+    VALID_KEY,
+    WEIGHT_VERSION_KEY,
+    receipt_reward,
+    trl_rollout_output,
+)
+
+__all__ = [
+    "CLOSE_FAILED",
+    "HARNESS_FAILED",
+    "METRICS_KEY",
+    "REASON_KEY",
+    "REWARD_KEY",
+    "ROLLOUT_KEY",
+    "VALID_KEY",
+    "WEIGHT_VERSION_KEY",
+    "Collected",
+    "CollectedBatch",
+    "Collector",
+    "Episode",
+    "GRPORollouts",
+    "Harness",
+    "Prompt",
+    "RolloutPlan",
+    "Scored",
+    "TRLAdapterError",
+    "WeightPushCallback",
+    "chat_harness",
+    "prompt_messages",
+    "receipt_reward",
+    "trl_rollout_output",
+]
