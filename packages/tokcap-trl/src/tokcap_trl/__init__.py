@@ -16,6 +16,10 @@ each optimizer step the new weights are pushed to every gate.
 See docs/trl.md ("Using tokcap with TRL").
 """
 
+from ._async_gates import AsyncGRPOGates
+from ._async_samples import GroupSamples, group_samples
+from ._async_transfer import GateWeightTransfer, PolicyVersions
+from ._async_worker import GateRolloutWorker
 from ._collect import (
     CLOSE_FAILED,
     HARNESS_FAILED,
@@ -44,16 +48,22 @@ __all__ = [
     "ROLLOUT_KEY",
     "VALID_KEY",
     "WEIGHT_VERSION_KEY",
+    "AsyncGRPOGates",
     "Collected",
     "CollectedBatch",
     "Collector",
     "Episode",
+    "GateRolloutWorker",
+    "GateWeightTransfer",
+    "GroupSamples",
     "Harness",
+    "PolicyVersions",
     "Prompt",
     "RolloutPlan",
     "Scored",
     "TRLAdapterError",
     "chat_harness",
+    "group_samples",
     "prompt_messages",
     "receipt_reward",
     "trl_rollout_output",
