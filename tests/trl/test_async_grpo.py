@@ -6,14 +6,15 @@ tiny Qwen3) staging into TransferQueue on the session's local Ray (``tq_cluster`
 `tokcap_trl.AsyncGRPOGates` as its ``rollout_worker`` and ``weight_transfer``. The only
 replacements are the two CUDA-only spots of TRL's trainer (tests/trl/_async_cpu.py).
 
-What is checked: every receipt verified and no rollout left out; every sample TRL
-consumed is exactly an engine sequence (ids, loss mask = the engine's generated positions,
-``old_log_probs`` = the engine's logprobs); the gates' version advances once per TRL
-weight sync (the cold one included) and TRL's ``model_version`` maps onto it; the first
-step's trainer/engine KL is at fp32 noise (the pushed weights, tied head added, are the
-trainer's); every parameter moved. Then the failures: a push the gates refuse raises and
-holds the fleet until a full push; a worker whose rollouts fail, stall or never started
-makes ``check_health`` raise.
+What is checked: every receipt verified but one per group, whose harness names a witness
+no call matches (poisoned ``witness_unmatched``: counted, never in TRL's buffer); every
+sample TRL consumed is exactly an engine sequence (ids, loss mask = the engine's
+generated positions, ``old_log_probs`` = the engine's logprobs); the gates' version
+advances once per TRL weight sync (the cold one included) and TRL's ``model_version``
+maps onto it; the first step's trainer/engine KL is at fp32 noise (the pushed weights,
+tied head added, are the trainer's); every parameter moved. Then the failures: a push
+the gates refuse raises and holds the fleet until a full push; a worker whose rollouts
+fail, stall or never started makes ``check_health`` raise.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from tokcap_trl import AsyncGRPOGates, Episode, TRLAdapterError, chat_harness
+from tokcap_trl import AsyncGRPOGates, Episode, Scored, TRLAdapterError, chat_harness
 
 from tests.e2e._gates import ServedGate
 from tests.trl._async_cpu import CpuVarlenAttention, cpu_async_grpo
@@ -37,6 +38,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 GROUP = 4
 STEPS = 3
+POISONED_INDEX = 3
+"""In every group, the rollout at this index names a witness no call matches."""
 PROMPTS = ["Count to five:", "Name a number:", "Say 7 7 7", "Digits please:"]
 
 
@@ -156,7 +159,7 @@ def test_async_grpo_trainer_trains_on_the_engines_tokens_through_gates(
 
     async_grpo = _import_trl()
     engine = EngineRecord()
-    harness = chat_harness(
+    played = chat_harness(
         _digits,
         turns=2,
         reply="More digits.",
@@ -164,6 +167,16 @@ def test_async_grpo_trainer_trains_on_the_engines_tokens_through_gates(
         extra_body={"return_token_ids": True, "logprobs": True},
         on_response=engine,
     )
+    poisoned: set[str] = set()
+
+    async def harness(client: Any, episode: Episode) -> Scored:
+        scored = await played(client, episode)
+        assert isinstance(scored, Scored)
+        if episode.index != POISONED_INDEX:
+            return scored
+        poisoned.add(episode.rollout_id)  # a witness no call matches: the receipt is poisoned
+        return Scored(reward=scored.reward, response_id="chatcmpl-never-served")
+
     taken = TakenQueue()
     args = async_grpo.AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"),
@@ -200,13 +213,18 @@ def test_async_grpo_trainer_trains_on_the_engines_tokens_through_gates(
     assert trainer.model_version == STEPS + 1
     assert transfer.pushes == [base + v for v in range(1, STEPS + 2)]
     assert {(i.phase, i.version, i.held) for i in infos} == {("READY", base + STEPS + 1, None)}
-    # every rollout's receipt verified; nothing left out
-    assert worker.counts["tokcap/rollouts"] == worker.counts["tokcap/receipts_verified"] > 0
-    assert worker.left_out == {}
+    # every rollout's receipt verified but the poisoned ones, which never reached TRL
+    rollouts = worker.counts["tokcap/rollouts"]
+    assert rollouts == worker.groups * GROUP
+    assert worker.counts["tokcap/receipts_verified"] == rollouts - worker.groups > 0
+    assert worker.left_out == {"witness_unmatched": worker.groups}
+    assert len(poisoned) >= worker.groups  # a group stopped mid-way is not counted
     # what TRL trained on is exactly what the engine saw and produced
     assert len(taken.taken) >= STEPS * 2 * GROUP
     unmatched = [s.input_ids.tolist() for s in taken.taken if not engine.match(s)]
     assert unmatched == []
+    bad = {tuple(engine.by_rollout[rid][0]) for rid in poisoned}
+    assert [s for s in taken.taken if tuple(s.input_ids.tolist()) in bad] == []
     versions = {s.model_version for s in taken.taken}
     assert versions <= set(range(1, STEPS + 2)), versions
     assert max(versions) > 1, versions

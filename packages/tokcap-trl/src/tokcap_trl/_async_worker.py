@@ -85,7 +85,8 @@ class GateRolloutWorker:
         self._versions = versions
         self._in_flight = max_groups_in_flight
         self._future: concurrent.futures.Future[None] | None = None
-        self._stopping = threading.Event()
+        self._stopping = False  # read and set on the loop only
+        self._scope: anyio.CancelScope | None = None
         self._finished = threading.Event()
         self._progress_at = 0.0
         self._lock = threading.Lock()
@@ -114,8 +115,8 @@ class GateRolloutWorker:
         """Stop the players and wait for them (what they held is cleaned up by them)."""
         if self._future is None or self._future.done():
             return
-        self._stopping.set()
-        self._future.cancel()  # cancels the players; their shielded clean-up still runs
+        # On the loop, so it is ordered with the players' start: they see it either way.
+        self._portal.call(self._cancel)
         if not self._finished.wait(timeout=120):
             raise TRLAdapterError("stop_timeout", "the rollout players did not stop in 120 s")
 
@@ -148,17 +149,23 @@ class GateRolloutWorker:
                 f"no rollout group finished in {idle:.0f} s (stale after {stale_after_s:.0f} s)",
             )
 
+    def _cancel(self) -> None:
+        self._stopping = True
+        if self._scope is not None:
+            self._scope.cancel()  # the players' shielded clean-up still runs
+
     async def _run(self, sample_type: Any) -> None:
         ids = itertools.count()
         try:
-            async with anyio.create_task_group() as tg:
-                for _ in range(self._in_flight):
-                    tg.start_soon(self._player, ids, sample_type)
+            with anyio.CancelScope() as self._scope:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(self._in_flight):
+                        tg.start_soon(self._player, ids, sample_type)
         finally:
             self._finished.set()
 
     async def _player(self, ids: itertools.count[int], sample_type: Any) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping:
             group_id = next(ids)
             prompt = self._prompts[group_id % len(self._prompts)]
             plans = [
