@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import queue
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tokcap_trl import AsyncGRPOGates, Episode, Scored, TRLAdapterError, chat_harness
 
 from tests.e2e._gates import ServedGate
 from tests.trl._async_cpu import CpuVarlenAttention, cpu_async_grpo
 from tokcap.compose import served_gate_options
 from tokcap_tq import TQSink, TQSinkConfig
+from tokcap_trl import AsyncGRPOGates, Episode, Scored, TRLAdapterError, chat_harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -115,11 +116,12 @@ class EngineRecord:
         spans.update({len(prompt) + i: lp for i, lp in enumerate(logprobs)})
         self.by_rollout[episode.rollout_id] = (prompt + generated, spans)
 
-    def match(self, sample: Any) -> bool:
-        """Whether ``sample`` is exactly one rollout's engine sequence, mask and logprobs."""
+    def match(self, sample: Any, *, leaving_out: set[str]) -> bool:
+        """Whether ``sample`` is exactly the engine sequence, mask and logprobs of a rollout
+        not in ``leaving_out``."""
         ids = sample.input_ids.tolist()
-        for engine_ids, generated in self.by_rollout.values():
-            if engine_ids != ids:
+        for rollout_id, (engine_ids, generated) in self.by_rollout.items():
+            if rollout_id in leaving_out or engine_ids != ids:
                 continue
             mask = [int(p in generated) for p in range(len(ids))]
             logprobs = torch.tensor([generated.get(p, 0.0) for p in range(len(ids))])
@@ -221,10 +223,13 @@ def test_async_grpo_trainer_trains_on_the_engines_tokens_through_gates(
     assert len(poisoned) >= worker.groups  # a group stopped mid-way is not counted
     # what TRL trained on is exactly what the engine saw and produced
     assert len(taken.taken) >= STEPS * 2 * GROUP
-    unmatched = [s.input_ids.tolist() for s in taken.taken if not engine.match(s)]
+    # (a valid rollout may have sampled the very sequence a poisoned one did: each valid
+    # rollout gives one sample, so no sequence is taken more often than valid rollouts made it)
+    unmatched = [s for s in taken.taken if not engine.match(s, leaving_out=poisoned)]
     assert unmatched == []
-    bad = {tuple(engine.by_rollout[rid][0]) for rid in poisoned}
-    assert [s for s in taken.taken if tuple(s.input_ids.tolist()) in bad] == []
+    made = Counter(tuple(ids) for r, (ids, _) in engine.by_rollout.items() if r not in poisoned)
+    trained = Counter(tuple(s.input_ids.tolist()) for s in taken.taken)
+    assert [ids for ids, n in trained.items() if n > made[ids]] == []
     versions = {s.model_version for s in taken.taken}
     assert versions <= set(range(1, STEPS + 2)), versions
     assert max(versions) > 1, versions

@@ -13,9 +13,9 @@ from array import array
 from typing import Any
 
 import pytest
-from tokcap_trl import group_samples
 
 from tokcap_core import TrainingRow, grpo, placeholder_row
+from tokcap_trl import group_samples
 
 
 def _sample_type() -> Any:

@@ -13,6 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from tokcap_core import assemble_receipt, placeholder_row, reassemble, verify_manifest
+from tokcap_core.ledger import Closed, Ledger, Witnesses, manifest_of
+from tokcap_core.simulate import admit_call, stage_call
 from tokcap_trl import (
     REASON_KEY,
     REWARD_KEY,
@@ -22,10 +26,6 @@ from tokcap_trl import (
     receipt_reward,
     trl_rollout_output,
 )
-
-from tokcap_core import assemble_receipt, placeholder_row, reassemble, verify_manifest
-from tokcap_core.ledger import Closed, Ledger, Witnesses, manifest_of
-from tokcap_core.simulate import admit_call, stage_call
 
 PROMPT = [11, 12, 13, 14]
 FIRST = [21, 22, 23]
