@@ -163,6 +163,11 @@ ALONE = {
         "GateConfig",
         ("vllm", "torch", "ray", "transfer_queue"),
     ),
+    "tokcap-trl": Alone(
+        "import sys, tokcap_trl; print(tokcap_trl.GRPORollouts.__name__, 'trl' in sys.modules)",
+        "GRPORollouts False",
+        ("vllm", "tokcap_ray", "tokcap"),
+    ),
     "tokcap": Alone("import tokcap; print(tokcap.__name__)", "tokcap", ("vllm",)),
 }
 

@@ -11,7 +11,11 @@ each optimizer step the new weights are pushed to every gate.
 - the collection layer they share, for other TRL workers: `Collector` (open, play,
   close, verify, rebuild, release), `RolloutPlan`, `Collected`, `CollectedBatch`;
 - harnesses: `Harness` (the callable you give), `Episode`, `Scored`, `chat_harness`;
-- `trl_rollout_output` (collected rows in ``rollout_func``'s shape) and its extra keys.
+- `trl_rollout_output` (collected rows in ``rollout_func``'s shape) and its extra keys;
+- for ``trl.experimental.async_grpo.AsyncGRPOTrainer``: `AsyncGRPOGates`, which holds its
+  ``rollout_worker`` (`GateRolloutWorker`) and ``weight_transfer`` (`GateWeightTransfer`,
+  versions counted in `PolicyVersions`); `group_samples` makes a group's ``RolloutSample``s
+  (docs/trl-async.md).
 
 See docs/trl.md ("Using tokcap with TRL").
 """
@@ -29,8 +33,10 @@ from ._collect import (
     RolloutPlan,
 )
 from ._errors import TRLAdapterError
+from ._grpo import GRPORollouts, WeightPushCallback
 from ._harness import Episode, Harness, Prompt, Scored, chat_harness, prompt_messages
 from ._shape import (
+    METRICS_KEY,
     REASON_KEY,
     REWARD_KEY,
     ROLLOUT_KEY,
@@ -43,6 +49,7 @@ from ._shape import (
 __all__ = [
     "CLOSE_FAILED",
     "HARNESS_FAILED",
+    "METRICS_KEY",
     "REASON_KEY",
     "REWARD_KEY",
     "ROLLOUT_KEY",
@@ -53,6 +60,7 @@ __all__ = [
     "CollectedBatch",
     "Collector",
     "Episode",
+    "GRPORollouts",
     "GateRolloutWorker",
     "GateWeightTransfer",
     "GroupSamples",
@@ -62,6 +70,7 @@ __all__ = [
     "RolloutPlan",
     "Scored",
     "TRLAdapterError",
+    "WeightPushCallback",
     "chat_harness",
     "group_samples",
     "prompt_messages",

@@ -28,12 +28,13 @@ its group's baseline: return None where ``tokcap_valid`` is False.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._collect import Collected
 
 __all__ = [
+    "METRICS_KEY",
     "REASON_KEY",
     "REWARD_KEY",
     "ROLLOUT_KEY",
@@ -53,6 +54,9 @@ REASON_KEY = "tokcap_reason"
 """The extra key carrying why a row is a dummy (None for a valid row)."""
 WEIGHT_VERSION_KEY = "tokcap_weight_version"
 """The extra key carrying the oldest weight version that sampled the row (None: dummy)."""
+METRICS_KEY = "tokcap_metrics"
+"""The extra key carrying the batch's ``tokcap/...`` metrics (one dict, which TRL hands
+every row): `receipt_reward` logs them through TRL's ``log_metric``."""
 
 
 def trl_rollout_output(
@@ -97,14 +101,18 @@ def trl_rollout_output(
 def receipt_reward(
     *,
     tokcap_reward: Sequence[float | None],
+    tokcap_metrics: Sequence[Mapping[str, float]] = (),
     log_metric: Callable[[str, float], object] | None = None,
     **_: Any,
 ) -> list[float | None]:
     """A TRL reward function: each row's reward as its verified receipt records it (the
     score the harness closed the rollout with, read back from the gate's ledger), None for
     a dummy row (TRL then gives it advantage 0 and leaves it out of its group's baseline).
-    Logs ``tokcap/valid_fraction`` through TRL's ``log_metric``."""
+    Logs ``tokcap/valid_fraction`` and the batch's `METRICS_KEY` metrics through TRL's
+    ``log_metric`` (TRL averages them over each logging step)."""
     if log_metric is not None and tokcap_reward:
         valid = sum(r is not None for r in tokcap_reward)
         log_metric("tokcap/valid_fraction", valid / len(tokcap_reward))
+        for name, value in (tokcap_metrics[0] if tokcap_metrics else {}).items():
+            log_metric(name, float(value))
     return [None if r is None else float(r) for r in tokcap_reward]
