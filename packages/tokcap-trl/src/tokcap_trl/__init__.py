@@ -11,11 +11,19 @@ each optimizer step the new weights are pushed to every gate.
 - the collection layer they share, for other TRL workers: `Collector` (open, play,
   close, verify, rebuild, release), `RolloutPlan`, `Collected`, `CollectedBatch`;
 - harnesses: `Harness` (the callable you give), `Episode`, `Scored`, `chat_harness`;
-- `trl_rollout_output` (collected rows in ``rollout_func``'s shape) and its extra keys.
+- `trl_rollout_output` (collected rows in ``rollout_func``'s shape) and its extra keys;
+- for ``trl.experimental.async_grpo.AsyncGRPOTrainer``: `AsyncGRPOGates`, which holds its
+  ``rollout_worker`` (`GateRolloutWorker`) and ``weight_transfer`` (`GateWeightTransfer`,
+  versions counted in `PolicyVersions`); `group_samples` makes a group's ``RolloutSample``s
+  (docs/trl-async.md).
 
 See docs/trl.md ("Using tokcap with TRL").
 """
 
+from ._async_gates import AsyncGRPOGates
+from ._async_samples import GroupSamples, group_samples
+from ._async_transfer import GateWeightTransfer, PolicyVersions
+from ._async_worker import GateRolloutWorker
 from ._collect import (
     CLOSE_FAILED,
     HARNESS_FAILED,
@@ -47,18 +55,24 @@ __all__ = [
     "ROLLOUT_KEY",
     "VALID_KEY",
     "WEIGHT_VERSION_KEY",
+    "AsyncGRPOGates",
     "Collected",
     "CollectedBatch",
     "Collector",
     "Episode",
     "GRPORollouts",
+    "GateRolloutWorker",
+    "GateWeightTransfer",
+    "GroupSamples",
     "Harness",
+    "PolicyVersions",
     "Prompt",
     "RolloutPlan",
     "Scored",
     "TRLAdapterError",
     "WeightPushCallback",
     "chat_harness",
+    "group_samples",
     "prompt_messages",
     "receipt_reward",
     "trl_rollout_output",

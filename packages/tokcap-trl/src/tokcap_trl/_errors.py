@@ -18,4 +18,9 @@ class TRLAdapterError(TokcapError, RuntimeError):
     another run), ``weight_push_failed`` (a push after an optimizer step failed on a gate:
     the fleet is held until a push succeeds), ``not_started`` (the adapter was used
     outside its ``with`` block).
+
+    ``AsyncGRPOTrainer``'s worker adds: ``rollouts_failed`` (a group's collection raised;
+    the cause is chained), ``rollouts_stopped`` (never started, or stopped),
+    ``rollouts_stalled`` (no group finished within TRL's ``stale_after_s``),
+    ``stop_timeout``, ``already_started``, ``no_prompts``, ``bad_config``.
     """
