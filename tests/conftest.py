@@ -52,3 +52,13 @@ def tq_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     with local_tq(tmp_path_factory.mktemp("tq"), storage_units=1, extra_cpus=2) as cluster:
         yield cluster
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``replaces_tq`` run last, in their order: they close the session's
+    TransferQueue and start another, which no test collected after them should meet."""
+    last = [item for item in items if item.get_closest_marker("replaces_tq")]
+    if last:
+        marked = set(map(id, last))
+        items[:] = [item for item in items if id(item) not in marked] + last

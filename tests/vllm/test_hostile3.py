@@ -31,7 +31,8 @@ from tokcap_vllm import ControlPlaneClient
 from tokcap_vllm._shm import SHM_DIR
 from tokcap_vllm.weights import GateWeightClient, WeightPushError, WeightSyncError
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# The whole module runs last (tests/conftest.py): its last test replaces the session's TQ.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.replaces_tq]
 
 TOKEN = "hostile3-" + secrets.token_hex(12)
 AUTH = {"authorization": f"Bearer {TOKEN}"}
