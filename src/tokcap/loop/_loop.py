@@ -41,7 +41,15 @@ from ..compose import Stack, run_in_process, tq_sink
 from ..demo import QWEN_VLLM_ARGS
 from ._fleet import run_fleet
 from ._run import Training
-from ._step import LoopConfig, Observer, Pushed, StepRecord, TrainRun, load_policy
+from ._step import (
+    LoopConfig,
+    Observer,
+    Pushed,
+    StepRecord,
+    TrainRun,
+    load_policy,
+    preload_policy_imports,
+)
 
 __all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "run_loop"]
 
@@ -75,6 +83,7 @@ def run_loop(
     # gates someone else started stage into their default partitions (--tokcap-*-partition)
     sink = TQSink(TQSinkConfig()) if config.gate_urls else tq_sink(config.tag)
     training = Training(run, stages, on_step, observe)
+    preload_policy_imports()
     if config.gates or config.gate_urls:
         run_fleet(training, sink, capture)
         return run

@@ -35,6 +35,7 @@ __all__ = [
     "load_policy",
     "new_trainer",
     "play_group",
+    "preload_policy_imports",
     "step_record",
 ]
 
@@ -312,6 +313,17 @@ def _parity_json(parity: Any) -> dict[str, float]:
         "max_abs": parity.max_abs,
         "k3": parity.k3,
     }
+
+
+def preload_policy_imports() -> None:
+    """Import what `load_policy` needs, on this thread, before a run starts its threads.
+
+    With ``accelerate`` installed (TRL brings it), transformers' generation module imports
+    it, and two threads importing accelerate's circular package at once fail ("partially
+    initialized module 'accelerate.hooks'"): the policy loads in a worker thread while the
+    in-process engine starts in another.
+    """
+    from transformers import AutoModelForCausalLM  # noqa: F401
 
 
 def load_policy(model: Path, seed: int) -> Any:
