@@ -112,7 +112,9 @@ def main() -> None:
     parser.add_argument(
         "--run-id", default=f"run-{secrets.token_hex(4)}", help="the rollout ids' prefix"
     )
-    parser.add_argument("--wait-s", type=float, default=600.0)
+    parser.add_argument(
+        "--wait-s", type=float, default=600.0, help="for the head, TransferQueue and the gates"
+    )
     args = parser.parse_args()
     token = os.environ["TOKCAP_CONTROL_TOKEN"]
     with contextlib.ExitStack() as stack:
@@ -126,7 +128,10 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(2.0)
-        stack.enter_context(connect_tq(args.ray_address))
+        # tq.init starts TransferQueue's actors as new Ray workers: on a machine busy starting
+        # the gates' engines that took over two minutes (connect_tq's default limit).
+        remaining = max(deadline - time.monotonic(), 60.0)
+        stack.enter_context(connect_tq(args.ray_address, init_timeout_s=remaining))
         print(json.dumps(anyio.run(main_async, args, token)), flush=True)
 
 

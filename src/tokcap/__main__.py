@@ -50,6 +50,11 @@ def _one_line_error(args: list[str], error: Exception) -> int:
     from tokcap_core.errors import TokcapError
 
     where = f"tokcap {args[0]}" if args else "tokcap"
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        inner = error.exceptions[0]  # a task group's one failure: name it, not the group
+        if not isinstance(inner, Exception):
+            break
+        error = inner
     if isinstance(error, TokcapError):
         print(f"{where}: [{error.code}] {error.message}", file=sys.stderr)
         return 3

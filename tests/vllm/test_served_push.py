@@ -280,13 +280,15 @@ def test_a_push_from_another_process_lands_exactly(
     url = gates[0]
     assert engine_parity(url, model, original) <= SAME
     new = perturbed(original, seed=1 if transport == "shm" else 2)
+    # Other processes on the host (the suite's other lane) push too: only this push's files count.
+    before = set(Path("/dev/shm").glob("tokcap-push-*"))
     info = run(lambda: push(url, new, transport=transport))
     assert (info.phase, info.engine_version) == ("READY", str(info.version))
     assert loaded_directly(last_load(gate_logs, 0))  # not vLLM's layerwise reload
     assert engine_parity(url, model, new) <= SAME  # vs the trainer's copy, fresh prefix cache
     assert engine_parity(url, model, original) > 1e-4  # the engine really moved
     assert captured(url) == (200, info.version)  # the native version, per staged call
-    assert not [p for p in Path("/dev/shm").glob("tokcap-push-*")]
+    assert set(Path("/dev/shm").glob("tokcap-push-*")) <= before  # this push left none
 
 
 @pytest.mark.usefixtures("restore")
