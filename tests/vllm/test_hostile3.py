@@ -73,12 +73,16 @@ def _http(url: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers=AUTH, timeout=120)
 
 
-def _captured(url: str, rollout: str | None = None) -> tuple[int, Any]:
-    """One captured completion on a fresh rollout: (200, the staged weight version, its
-    receipt verified) or (status, code)."""
+def _captured(url: str, rollout: str | None = None, *, opened: bool = False) -> tuple[int, Any]:
+    """One captured completion on a fresh rollout (or on ``rollout``, already open when
+    ``opened``): (200, the staged weight version, its receipt verified) or (status, code)
+    of the open or the call, whichever was refused."""
     rollout = rollout or f"h3-{next(_IDS)}"
     with _http(url) as http:
-        assert http.post(f"/tokcap/v1/rollouts/{rollout}/open").status_code == 200
+        if not opened:
+            answer = http.post(f"/tokcap/v1/rollouts/{rollout}/open")
+            if answer.status_code != 200:
+                return answer.status_code, answer.json()["error"]["code"]
         model = http.get("/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "def g(x):", "max_tokens": 4, "temperature": 0}
         answer = http.post(f"/tokcap/rollouts/{rollout}/v1/completions", json=body)
@@ -300,11 +304,16 @@ def test_b1_a_gate_outlives_its_transferqueue_and_attaches_to_the_next(gate: str
     from tokcap_tq._local import init_tq, loopback_env
 
     assert _health(gate)["sink_error"] is None
+    with _http(gate) as http:  # a rollout the harness opened before the sink went
+        assert http.post("/tokcap/v1/rollouts/h3-open-before/open").status_code == 200
     tq.close()  # this process started the session's TransferQueue: the first trainer exits
     try:
         _wait(lambda: _health(gate)["sink_error"] is not None, "health names the dead sink")
         assert _health(gate)["status"] == "degraded"
+        # a new rollout is refused at its open (the gate cannot ask the sink for stale rows),
+        # an open one at its call, before admission: both retryable, neither a poisoned 200
         assert _captured(gate) == (503, "sink_unavailable")
+        assert _captured(gate, "h3-open-before", opened=True) == (503, "sink_unavailable")
     finally:
         with loopback_env():  # the next trainer's TransferQueue
             init_tq({"num_data_storage_units": 1}, 120)
