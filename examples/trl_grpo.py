@@ -22,9 +22,11 @@ import argparse
 import contextlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -49,6 +51,26 @@ class PrintSteps(TrainerCallback):
         if logs and "reward" in logs:
             keys = ("reward", "tokcap/valid_fraction", "tokcap/weight_version")
             print(json.dumps({"step": state.global_step, **{k: logs.get(k) for k in keys}}))
+
+
+def wait_for_gates(urls: Sequence[str], token: str, deadline: float) -> None:
+    """Until every gate answers its health route: a gate serves once it has attached to the
+    TransferQueue this process started (gates and trainer may be started together)."""
+    for url in urls:
+        while True:
+            try:
+                answer = httpx.get(
+                    f"{url}/tokcap/v1/health",
+                    headers={"authorization": f"Bearer {token}"},
+                    timeout=10,
+                )
+                if answer.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gate at {url} did not answer its health route in time")
+            time.sleep(2.0)
 
 
 def train(args: argparse.Namespace, token: str) -> None:
@@ -101,10 +123,16 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--output-dir", default="trl-grpo-out")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU")
+    parser.add_argument(
+        "--wait-s", type=float, default=600.0, help="for TransferQueue to start and the gates"
+    )
     args = parser.parse_args()
     token = os.environ["TOKCAP_CONTROL_TOKEN"]
+    deadline = time.monotonic() + args.wait_s
     with contextlib.ExitStack() as stack:
-        stack.enter_context(connect_tq(args.ray_address))
+        # TransferQueue first: the gates wait for it before they serve.
+        stack.enter_context(connect_tq(args.ray_address, init_timeout_s=args.wait_s))
+        wait_for_gates(args.gate, token, deadline)
         train(args, token)
 
 
