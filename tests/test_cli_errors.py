@@ -67,19 +67,3 @@ def test_demo_sh_help_answers_without_the_set_up() -> None:
     assert "usage: tokcap demo" in result.stdout
     assert "--quick" in result.stdout
     assert "setup:" not in result.stderr  # scripts/setup.sh says "setup: ok" when it runs
-
-
-def test_a_task_groups_one_failure_is_named_not_the_group(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """The loops run in anyio task groups: a failure inside one reaches the CLI wrapped in an
-    ExceptionGroup (twice, when groups nest); the one line names the failure itself."""
-    from tokcap.__main__ import _one_line_error
-    from tokcap_core.errors import SinkError
-
-    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [SinkError("tq_gone", "no TQ")])])
-    assert _one_line_error(["demo"], nested) == 3
-    assert capsys.readouterr().err == "tokcap demo: [tq_gone] no TQ\n"
-    two = ExceptionGroup("two", [ValueError("a"), KeyError("b")])
-    assert _one_line_error(["train"], two) == 1
-    assert capsys.readouterr().err.startswith("tokcap train: ExceptionGroup: two")
