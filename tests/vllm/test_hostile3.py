@@ -316,7 +316,7 @@ def test_b1_a_gate_outlives_its_transferqueue_and_attaches_to_the_next(gate: str
         assert _captured(gate, "h3-open-before", opened=True) == (503, "sink_unavailable")
     finally:
         with loopback_env():  # the next trainer's TransferQueue
-            init_tq({"num_data_storage_units": 1}, 120)
+            init_tq({"num_data_storage_units": 1}, 300)
     _wait(lambda: _health(gate)["status"] == "ok", "the gate attached to the new TransferQueue")
     assert _captured(gate, "h3-after-restart")[0] == 200
 

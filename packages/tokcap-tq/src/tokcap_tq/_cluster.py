@@ -68,7 +68,7 @@ def connect_tq(
     *,
     storage_units: int = 1,
     storage_resource: str | None = None,
-    init_timeout_s: float = 120.0,
+    init_timeout_s: float = 300.0,
 ) -> Iterator[ClusterTQ]:
     """Connect to the Ray cluster at ``address`` and run TransferQueue on it.
 

@@ -124,7 +124,7 @@ def local_tq(
     *,
     storage_units: int = 1,
     extra_cpus: int = 0,
-    init_timeout_s: float = 120.0,
+    init_timeout_s: float = 300.0,
 ) -> Iterator[LocalTQ]:
     """Start a local Ray (``1 + storage_units + extra_cpus`` logical CPUs) and TransferQueue.
 
