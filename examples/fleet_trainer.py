@@ -28,22 +28,7 @@ import openai
 
 from tokcap_core import reassemble
 from tokcap_tq import TQSink, TQSinkConfig, connect_tq
-from tokcap_vllm import ControlPlaneClient, ControlPlaneError, GateFleet, RolloutClose
-
-
-async def wait_for_gates(urls: list[str], token: str, timeout_s: float) -> None:
-    """Until every gate answers ``/tokcap/v1/health`` (gates start in about a minute)."""
-    deadline = time.monotonic() + timeout_s
-    for url in urls:
-        async with ControlPlaneClient(url, token, retries=0) as cp:
-            while True:
-                try:
-                    await cp.health()
-                    break
-                except ControlPlaneError:
-                    if time.monotonic() > deadline:
-                        raise
-                    await anyio.sleep(2.0)
+from tokcap_vllm import GateFleet, RolloutClose, wait_for_gates
 
 
 async def harness(base_url: str, prompt: str) -> list[int]:
@@ -97,8 +82,9 @@ async def train_step(fleet: GateFleet, sink: TQSink, rollouts: int, run_id: str)
     }
 
 
-async def main_async(args: argparse.Namespace, token: str) -> dict[str, Any]:
-    await wait_for_gates(args.gate, token, args.wait_s)
+async def main_async(args: argparse.Namespace, token: str, deadline: float) -> dict[str, Any]:
+    # the gates serve once attached to the TransferQueue this process has just started
+    await wait_for_gates(args.gate, token, timeout_s=max(deadline - time.monotonic(), 60.0))
     sink = TQSink(TQSinkConfig())
     async with GateFleet(args.gate, token) as fleet:
         return await train_step(fleet, sink, args.rollouts, args.run_id)
@@ -132,7 +118,7 @@ def main() -> None:
         # the gates' engines that took over two minutes (connect_tq's default limit).
         remaining = max(deadline - time.monotonic(), 60.0)
         stack.enter_context(connect_tq(args.ray_address, init_timeout_s=remaining))
-        print(json.dumps(anyio.run(main_async, args, token)), flush=True)
+        print(json.dumps(anyio.run(main_async, args, token, deadline)), flush=True)
 
 
 if __name__ == "__main__":

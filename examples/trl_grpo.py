@@ -26,13 +26,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
+import anyio
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from tokcap_tq import TQSink, TQSinkConfig, connect_tq
 from tokcap_trl import GRPORollouts, chat_harness, receipt_reward
+from tokcap_vllm import wait_for_gates
 
 PROMPTS = ["Write a word about cats.", "Write a word about rain.", "Write a word about tea."]
 
@@ -51,26 +52,6 @@ class PrintSteps(TrainerCallback):
         if logs and "reward" in logs:
             keys = ("reward", "tokcap/valid_fraction", "tokcap/weight_version")
             print(json.dumps({"step": state.global_step, **{k: logs.get(k) for k in keys}}))
-
-
-def wait_for_gates(urls: Sequence[str], token: str, deadline: float) -> None:
-    """Until every gate answers its health route: a gate serves once it has attached to the
-    TransferQueue this process started (gates and trainer may be started together)."""
-    for url in urls:
-        while True:
-            try:
-                answer = httpx.get(
-                    f"{url}/tokcap/v1/health",
-                    headers={"authorization": f"Bearer {token}"},
-                    timeout=10,
-                )
-                if answer.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gate at {url} did not answer its health route in time")
-            time.sleep(2.0)
 
 
 def train(args: argparse.Namespace, token: str) -> None:
@@ -132,7 +113,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         # TransferQueue first: the gates wait for it before they serve.
         stack.enter_context(connect_tq(args.ray_address, init_timeout_s=args.wait_s))
-        wait_for_gates(args.gate, token, deadline)
+        remaining = max(deadline - time.monotonic(), 60.0)
+        anyio.run(lambda: wait_for_gates(args.gate, token, timeout_s=remaining))
         train(args, token)
 
 

@@ -13,7 +13,8 @@ the install command.
 The trainer talks to the gate's authenticated control plane (``/tokcap/v1/...``)
 through `ControlPlaneClient` (or `GateFleet` over many gates: each rollout opened on
 one gate, every control call routed to it): close rollouts (keeping the ledger head), declare
-terminals, fetch and verify manifests into receipts, release. With
+terminals, fetch and verify manifests into receipts, release. A trainer started together
+with its gates waits for them with `wait_for_gates`. With
 ``GateConfig.ledger_path`` the ledgers are persisted, so a restarted gate serves closed
 manifests byte-identical and poisons rollouts that were open at the crash. Trainers
 push new weights into the running engine with `WeightSync`.
@@ -32,6 +33,7 @@ from ._fleet import FleetGateReport, GateFleet
 from ._gate import Gate
 from ._inproc import InProcessServer
 from ._middleware import GateMiddleware, install_gate
+from ._ready import wait_for_gates
 from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
 from ._weights import WeightSync
 from ._worker import WeightSyncWorker
@@ -73,4 +75,5 @@ __all__ = [
     "WeightSyncError",
     "WeightSyncWorker",
     "install_gate",
+    "wait_for_gates",
 ]
