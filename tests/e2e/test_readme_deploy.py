@@ -4,9 +4,10 @@ The block is read from README.md and run by bash in a folder holding links to th
 repository's ``examples`` and ``.venv`` (what the block's ``source .venv/bin/activate``
 and ``python examples/...`` name); only the model (the tiny local one) and vLLM's
 fast-start options are replaced. The block itself takes free ports, starts its own Ray head
-in its own temp dir and stops only that head (never ``ray stop``), so it runs beside other
-Ray clusters on the host. It runs the trainer twice against the same gates (gates outlive
-trainers). Ray stays on loopback through the block's own export (see `tokcap_tq.local_tq`).
+in its own temp dir and process group and stops only that head (never ``ray stop``), so it
+runs beside other Ray clusters on the host; nothing of that head may be left running. It
+runs the trainer twice against the same gates (gates outlive trainers). Ray stays on
+loopback through the block's own export (see `tokcap_tq.local_tq`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def test_the_readme_commands_train_twice_through_two_served_gates(tmp_path: Path
     )
     try:
         output, _ = run.communicate(timeout=1500)
+        left = _naming(Path(ray_dir))  # the block stops its own head: nothing of it is left
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.pid, signal.SIGKILL)  # whatever the script left behind
@@ -105,3 +107,17 @@ def test_the_readme_commands_train_twice_through_two_served_gates(tmp_path: Path
         assert summary["rows_equal_engine_ids"] == 8
         assert [g["opened"] for g in summary["gates"]] == [4, 4]
         assert [g["released"] for g in summary["gates"]] == [4, 4]
+    assert left == [], f"the block left its Ray head's processes running: {left}"
+
+
+def _naming(folder: Path) -> list[str]:
+    """The command lines of live processes that name ``folder`` (Ray's name their temp dir)."""
+    marker = str(folder).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (line := (entry / "cmdline").read_bytes()):
+                found.append(line.replace(b"\0", b" ").decode(errors="replace")[:200])
+        except OSError:
+            continue
+    return found
