@@ -24,8 +24,14 @@ against the box's cores. If sync already keeps the cores busy, overlapping canno
 more than the idle CPU left: the async/sync ratio is bounded by
 ``(sync CPU per sample / async CPU per sample) x (async CPU busy / sync CPU busy)``.
 
+Each run also prints the shapes it played (calls per rollout, tokens per trained row) and
+the engine's calls in flight step by step. ``--task long-tail`` plays the long-tailed agent
+task (`tokcap.loop.long_tail_shape`) in both runs: where a lock-step loop waits for its
+stragglers with a nearly empty engine batch.
+
 Run: ``.venv/bin/python bench/bench_async.py [--steps 40] [--max-staleness 2] [--seed 0]
-[--out DIR]``; ``--summaries DIR`` prints the figures of runs kept with ``--out``.
+[--task agent|digits|long-tail] [--out DIR]``; ``--summaries DIR`` prints the figures of
+runs kept with ``--out``.
 """
 
 from __future__ import annotations
@@ -81,11 +87,34 @@ def describe(name: str, summary: dict[str, Any]) -> float:
           "over the step's groups and overlap)")  # fmt: skip
     print(f"tokcap share of a step: {share * 100:.1f} %")
     print(load_line(load_figures(t["steps"], summary["config"])))
+    print(played_line(steps))
+    occupancy = [s["seconds"].get("in_flight") for s in steps]
+    if all(v is not None for v in occupancy):
+        print("engine calls in flight when busy, step by step: "
+              + " ".join(f"{v:.1f}" for v in occupancy))  # fmt: skip
     print(f"staleness max {t['staleness_max']}, stale tokens {t.get('tokens_stale', 0)}, "
           f"calls spanning versions {t.get('calls_spanning_versions', 0)}, dropped stale "
           f"{t.get('dropped_stale', 0)}, loop lag max {t.get('loop_lag_ms_max', 0.0):.0f} ms, "
           f"receipts {t['receipts_verified']}/{t['receipts_total']}")  # fmt: skip
     return float(t["samples_per_s"])
+
+
+def played_line(steps: list[dict[str, Any]]) -> str:
+    """The rollout shapes a run actually played: calls per rollout, tokens per trained row."""
+    calls: dict[int, int] = {}
+    for s in steps:
+        for n, count in s.get("calls_per_rollout", {}).items():
+            calls[int(n)] = calls.get(int(n), 0) + count
+    tokens = sorted(t for s in steps for t in s.get("row_tokens", []))
+    if not calls or not tokens:
+        return "played: not recorded"
+    total = sum(calls.values())
+    shape = ", ".join(f"{n}: {calls[n]} ({calls[n] / total:.0%})" for n in sorted(calls))
+    p50, p90 = tokens[len(tokens) // 2], tokens[min(len(tokens) - 1, len(tokens) * 9 // 10)]
+    return (
+        f"played: calls per rollout {shape}; tokens per row median {p50}, p90 {p90}, "
+        f"max {tokens[-1]}"
+    )
 
 
 def load_figures(steps: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, float]:
@@ -178,12 +207,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument(
+        "--task", choices=("agent", "digits", "long-tail"), default="agent",
+        help="the task both runs play (long-tail: where asynchronous should pay)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="keep both runs here (default: a temp dir)")
     parser.add_argument(
         "--summaries", type=Path, help="print the figures of runs kept with --out (no new run)"
     )
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}")
+    if args.summaries is None:
+        print(f"task: {args.task}")
     if args.summaries is not None:
         sync, asyn = (
             json.loads((args.summaries / name / "summary.json").read_text())
@@ -192,12 +227,13 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
             where = args.out or Path(tmp)
-            sync = train(where / "sync", args.steps, args.seed, [])
+            task = ["--task", args.task]
+            sync = train(where / "sync", args.steps, args.seed, task)
             asyn = train(
                 where / "async",
                 args.steps,
                 args.seed,
-                ["--async", "--max-staleness", str(args.max_staleness)],
+                [*task, "--async", "--max-staleness", str(args.max_staleness)],
             )
     sync_steps = describe("sync", sync)
     async_steps = describe(f"async (K={asyn['train']['max_staleness']})", asyn)

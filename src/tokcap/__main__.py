@@ -124,9 +124,10 @@ def _parser() -> argparse.ArgumentParser:
         "--rollouts", type=_positive, default=8, help="rollouts per group (default 8)"
     )
     train.add_argument(
-        "--task", choices=("agent", "digits"), default="agent",
+        "--task", choices=("agent", "digits", "long-tail"), default="agent",
         help="agent: a tool result from the environment between the model's calls (default); "
-        "digits: the user asks for more digits",
+        "digits: the user asks for more digits; long-tail: the agent task where 1 rollout in 5 "
+        "makes 6-10 calls of 4x --max-tokens and the rest 1-2 (--turns is not used)",
     )  # fmt: skip
     train.add_argument(
         "--harness-api", choices=("chat", "responses", "messages"), default="chat",

@@ -144,10 +144,12 @@ ASYNC_STEPS = 4
 
 @pytest.fixture(scope="module")
 def async_summary(tmp_path_factory: pytest.TempPathFactory, cluster_address: str) -> dict[str, Any]:
-    """``tokcap train --async --max-staleness 1`` (default agent task), a few small steps."""
+    """``tokcap train --async --max-staleness 1 --task long-tail``, a few small steps: the
+    task where asynchronous pays (`tokcap.loop.long_tail_shape`)."""
     out = tmp_path_factory.mktemp("train-async") / "run"
     proc = tokcap(
         "train", "--async", "--max-staleness", "1", "--steps", str(ASYNC_STEPS),
+        "--task", "long-tail",
         "--groups", "2", "--rollouts", "4", "--seed", "0",
         "--out", out, "--ray-address", cluster_address, timeout=HANG_GUARD_S,
     )  # fmt: skip
@@ -178,4 +180,14 @@ def test_async_trains_within_the_bound_and_verifies_every_receipt(
     assert versions == sorted(set(versions))
     for before, after in itertools.pairwise(steps):  # never sampled by weights not yet pushed
         assert after["sampled_version"] <= before["weight_version"]
-    assert async_summary["config"]["turns"] == 2  # the agent task: a tool result between calls
+    assert async_summary["config"]["task"].startswith("long-tail")
+    # the long tail was played: short rollouts and 6-10-call ones, each call captured
+    played: dict[int, int] = {}
+    for s in steps:
+        for calls, n in s["calls_per_rollout"].items():
+            played[int(calls)] = played.get(int(calls), 0) + n
+    assert sum(played.values()) == 8 * ASYNC_STEPS
+    assert set(played) <= {1, 2, 6, 7, 8, 9, 10}
+    assert min(played) <= 2, played
+    assert max(played) >= 6, played
+    assert all(len(s["row_tokens"]) == s["rows_valid"] for s in steps)

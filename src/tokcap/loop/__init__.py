@@ -11,7 +11,16 @@ from ._report import render_train_report
 from ._staleness import STALE, LoopError, Provenance, SkipCount, StalenessPolicy, provenance
 from ._summary import build_train_summary, print_train_summary, tokcap_share, train_problems
 from ._sync import StepTail
-from ._task import HARNESS_APIS, MORE, SYSTEM, DigitsEpisode, HarnessApi, tool_response
+from ._task import (
+    HARNESS_APIS,
+    MORE,
+    SYSTEM,
+    TASKS,
+    DigitsEpisode,
+    HarnessApi,
+    long_tail_shape,
+    tool_response,
+)
 from ._watchdog import LagWatch, Stall
 
 __all__ = [
@@ -19,6 +28,7 @@ __all__ = [
     "MORE",
     "STALE",
     "SYSTEM",
+    "TASKS",
     "BusyMeter",
     "CpuMeter",
     "DigitsEpisode",
@@ -35,6 +45,7 @@ __all__ = [
     "TrainRun",
     "build_train_summary",
     "load_policy",
+    "long_tail_shape",
     "print_train_summary",
     "provenance",
     "render_train_report",

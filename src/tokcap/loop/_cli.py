@@ -34,7 +34,7 @@ class TrainOptions(RunOptions):
     rollouts: int = 8
     turns: int | None = None
     """None: 2 for the agent task, 1 for digits."""
-    task: Literal["agent", "digits"] = "agent"
+    task: Literal["agent", "digits", "long-tail"] = "agent"
     harness_api: Literal["chat", "responses", "messages"] = "chat"
     max_tokens: int = 16
     lr: float = 1e-2

@@ -87,6 +87,10 @@ class StepRecord:
     receipts_lost: dict[str, int] = field(default_factory=dict)
     """Receipts poisoned ``gate_unreachable`` by gate URL: rollouts lost with their gate
     (counted in ``receipts_total``, not failed verifications)."""
+    calls_per_rollout: dict[str, int] = field(default_factory=dict)
+    """How many rollouts made each number of calls (``"1"``, ``"2"``, ...): the shape played."""
+    row_tokens: tuple[int, ...] = ()
+    """Each trained row's length in tokens (placeholders left out), in row order."""
 
     def as_json(self) -> dict[str, Any]:
         """A plain JSON object (floats rounded for reading)."""
@@ -119,6 +123,8 @@ class StepRecord:
             "parity_by_staleness": self.parity_by_staleness,
             "placeholders": dict(self.placeholders),
             "receipts_lost": dict(self.receipts_lost),
+            "calls_per_rollout": dict(self.calls_per_rollout),
+            "row_tokens": list(self.row_tokens),
         }
 
 
@@ -300,6 +306,10 @@ def step_record(
         loop_lag_ms_max=loop_lag_ms_max,
         placeholders=dict(Counter(r.reason_bucket for r in rows if r.reason_bucket)),
         receipts_lost=lost_receipts(loop.fleet, receipts) if loop.fleet is not None else {},
+        calls_per_rollout={
+            str(k): v for k, v in sorted(Counter(len(e.response_ids) for e in episodes).items())
+        },
+        row_tokens=tuple(len(r.input_ids) for r in rows if r.sample_mask),
         parity_by_staleness={
             str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
         },

@@ -35,6 +35,8 @@ TASK_NOTES = {
     "agent": "agent: the answers with a digit checker's tool result between calls; reward = "
     "share of the answers' non-space characters that are digits",
     "digits": "digits: reward = share of the answers' non-space characters that are digits",
+    "long-tail": "long-tail: the agent task, 4 rollouts in 5 making 1-2 calls and the 5th 6-10 "
+    "calls of 4x the tokens; reward = share of the answers' non-space characters that are digits",
 }
 WINDOW = 5
 """Steps averaged at each end of the run for the reward gain."""

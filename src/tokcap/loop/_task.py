@@ -12,6 +12,11 @@ through the gate, each one extending the one before). Two tasks:
   logprob is the behaviour policy's (no token needs masking out of the loss or the
   importance weights).
 - ``digits``: the user just asks for more digits between calls.
+- ``long-tail``: the ``agent`` task with a long-tailed shape, as real agent work has
+  (`long_tail_shape`, seeded per rollout): four rollouts in five make 1 or 2 calls of
+  ``max_tokens``, the fifth 6 to 10 calls of four times ``max_tokens``. A lock-step loop
+  waits for that fifth with a nearly empty engine batch; this is where an asynchronous
+  loop earns its keep (``bench/bench_async.py --task long-tail``).
 
 The scorer sees text only: the reward is the share of the answers' non-space characters
 that are digits, in [0, 1]. A random tiny model writes almost no digits (about 0.2 %); a
@@ -46,12 +51,20 @@ __all__ = [
     "Task",
     "Witness",
     "digit_share",
+    "long_tail_shape",
     "play_digits",
     "tool_response",
 ]
 
-Task = Literal["agent", "digits"]
-TASKS: tuple[Task, ...] = ("agent", "digits")
+Task = Literal["agent", "digits", "long-tail"]
+TASKS: tuple[Task, ...] = ("agent", "digits", "long-tail")
+
+LONG_TAIL_SHARE = 0.2
+"""The share of ``long-tail`` rollouts in the tail."""
+LONG_TAIL_CALLS = (6, 10)
+"""A tail rollout's calls (inclusive range); the others make 1 or 2."""
+LONG_TAIL_TOKENS = 4
+"""A tail rollout's ``max_tokens``, in multiples of the run's."""
 
 HarnessApi = Literal["chat", "responses", "messages"]
 HARNESS_APIS: tuple[HarnessApi, ...] = ("chat", "responses", "messages")
@@ -87,6 +100,16 @@ def group_prompt(seed: int, group: int) -> str:
     """The user's first message for every rollout of a group."""
     rng = random.Random(f"{seed}/{group}")
     return f"Write a long number that starts with {rng.randint(10, 99)}."
+
+
+def long_tail_shape(seed: int, max_tokens: int) -> tuple[int, int]:
+    """``(calls, max_tokens)`` of the ``long-tail`` rollout seeded ``seed``: with
+    probability `LONG_TAIL_SHARE` 6 to 10 calls of ``LONG_TAIL_TOKENS * max_tokens``, else
+    1 or 2 calls of ``max_tokens`` (each choice uniform). The same seed, the same shape."""
+    rng = random.Random(f"long-tail/{seed}")
+    if rng.random() < LONG_TAIL_SHARE:
+        return rng.randint(*LONG_TAIL_CALLS), LONG_TAIL_TOKENS * max_tokens
+    return rng.randint(1, 2), max_tokens
 
 
 @dataclass(slots=True)
@@ -128,7 +151,10 @@ async def play_digits(
     api: HarnessApi = "chat",
 ) -> DigitsEpisode:
     """Play ``turns`` calls (sampled at temperature 1) of ``task`` over ``api``; fill the
-    answers and the reward."""
+    answers and the reward. ``long-tail`` draws its calls and ``max_tokens`` from ``seed``
+    instead (`long_tail_shape`; ``turns`` is not used)."""
+    if task == "long-tail":
+        turns, max_tokens = long_tail_shape(seed, max_tokens)
     messages: list[dict[str, Any]] = [{"role": "user", "content": episode.prompt}]
     call = _CALLERS[api]
     for turn in range(turns):
