@@ -166,6 +166,42 @@ def _card(label: str, value: str, kind: str = "") -> str:
     return f'<div class="card {kind}"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
 
 
+def _shapes(steps: Sequence[dict[str, Any]]) -> str:
+    """The rollout shapes played (calls per rollout over the run, tokens per row by step) and
+    the engine's calls in flight by step; empty for runs that did not record them."""
+    calls: dict[int, int] = {}
+    for s in steps:
+        for n, count in s.get("calls_per_rollout", {}).items():
+            calls[int(n)] = calls.get(int(n), 0) + count
+    if not calls:
+        return ""
+    total = sum(calls.values())
+    cells = "".join(f"<td>{n}: {calls[n]} ({calls[n] / total:.0%})</td>" for n in sorted(calls))
+
+    def p90(values: Sequence[int]) -> float | None:
+        ordered = sorted(values)
+        return float(ordered[min(len(ordered) - 1, len(ordered) * 9 // 10)]) if ordered else None
+
+    longest = [p90(s.get("row_tokens", [])) for s in steps]
+    busy = [s["seconds"].get("in_flight") for s in steps]
+    series: list[tuple[str, Sequence[float | None], str]] = [
+        ("tokens per row, p90 / 10", [None if v is None else v / 10 for v in longest], "#7c3aed")
+    ]
+    if any(v is not None for v in busy):
+        series.append(("calls in flight when busy", busy, "#059669"))
+    top = max([1.0, *(v for _, values, _ in series for v in values if v is not None)])
+    chart = svg_chart(series, y_range=(0.0, top * 1.1))
+    return f"""<h2>Rollout shapes and the engine's batch</h2>
+<table><tr><th>calls per rollout</th>{cells}</tr></table>
+<div class="chart">{chart}</div>
+{_legend([(name, color) for name, _, color in series])}
+<p class="note">How many calls each rollout made over the run, the 90th percentile of a trained
+row's length (tokens, divided by 10) and the engine's mean calls in flight while it was busy,
+step by step. A long tail keeps a lock-step engine waiting on a few rollouts with a nearly
+empty batch; an asynchronous loop fills it with the next groups.</p>
+"""
+
+
 def render_train_report(summary: dict[str, Any]) -> str:
     """The whole page as a string (no external resource)."""
     train, config = summary["train"], summary["config"]
@@ -261,7 +297,7 @@ with and the version the trainer updated: 0 is on-policy. {_e(staleness_note)}</
 <div class="chart">{lag_chart}</div>
 <p class="note">The largest delay of a 10 ms tick on the loop the pumps, the control-plane
 client and TransferQueue's async calls share: something blocking that loop shows up here.</p>
-<h2>Step time by stage</h2><div class="chart">{_stacked_bars(steps)}</div>
+{_shapes(steps)}<h2>Step time by stage</h2><div class="chart">{_stacked_bars(steps)}</div>
 {_legend(list(_COLORS.items()))}
 <h2>Sampled answers (first rollout)</h2>
 <table><tr><th>step</th><th>reward</th><th style="text-align:left">answer</th></tr>
