@@ -95,10 +95,11 @@ def test_the_readme_commands_train_twice_through_two_served_gates(tmp_path: Path
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.pid, signal.SIGKILL)  # whatever the script left behind
         _kill_leftovers(Path(ray_dir))  # Ray's own processes name their temp dir
+        ray_logs = _ray_log_tails(Path(ray_dir))  # why a head died, if it did
         shutil.rmtree(ray_dir, ignore_errors=True)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("gate-*.log"))
     lines = [line for line in output.splitlines() if line.startswith("{")]
-    assert len(lines) == 2, f"two summaries expected:\n{output[-4000:]}\n{logs}"
+    assert len(lines) == 2, f"two summaries expected:\n{output[-4000:]}\n{logs}\n{ray_logs}"
     assert len(list((tmp_path / "ledgers").glob("gate-*.ledger"))) == 2  # one file per gate
     for line in lines:
         summary = json.loads(line)
@@ -108,6 +109,16 @@ def test_the_readme_commands_train_twice_through_two_served_gates(tmp_path: Path
         assert [g["opened"] for g in summary["gates"]] == [4, 4]
         assert [g["released"] for g in summary["gates"]] == [4, 4]
     assert left == [], f"the block left its Ray head's processes running: {left}"
+
+
+def _ray_log_tails(folder: Path) -> str:
+    """The last lines of the head's raylet and GCS logs under ``folder``."""
+    tails = []
+    for pattern in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
+        for log in folder.glob(f"**/session_latest/logs/{pattern}"):
+            lines = log.read_text(errors="replace").splitlines()[-15:]
+            tails.append(f"--- {log.name}\n" + "\n".join(lines))
+    return "\n".join(tails)
 
 
 def _naming(folder: Path) -> list[str]:
