@@ -12,7 +12,9 @@
    batch and round by round, with a garbage collection before every timed call. A pair's
    overhead is ours / raw - 1; printed: the median pair of every round, and over all pairs
    the median with its quartiles (a pair shares its moment's load, so the median pair
-   holds up on a busy machine where sums over a round do not).
+   holds up on a busy machine where sums over a round do not). A get pair times each side
+   three times, interleaved, and keeps each side's fastest (a put cannot be repeated: the
+   second would be the idempotent re-put).
    Goal (issue #16): put <= 15 %, get <= 10 %.
 The load average at start and end is printed: on a shared 2-core box the figures move
 with it.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import math
 import os
 import random
 import statistics
@@ -87,6 +90,12 @@ async def _lag(sink: TQSink, n: int, repeats: int, rng: random.Random) -> tuple[
     return statistics.median(sync_lags), statistics.median(our_lags)
 
 
+GET_TRIES = 3
+"""A get pair times each side this many times, interleaved, and keeps each side's fastest:
+a get reads and changes nothing, and the fastest of a few filters out the moments the
+box's other work took the core (one try a side measured quartiles of -6 % .. +26 %)."""
+
+
 async def _timed(op: Callable[[], Awaitable[object]]) -> float:
     gc.collect()
     start = time.perf_counter()
@@ -107,14 +116,19 @@ async def _round(
     out: dict[str, list[float]] = {"put": [], "get": [], "raw_put": [], "raw_get": []}
 
     async def pair(
-        op: str, b: int, raw: Callable[[], Awaitable[object]], ours: Callable[[], Awaitable[object]]
+        op: str,
+        b: int,
+        raw: Callable[[], Awaitable[object]],
+        ours: Callable[[], Awaitable[object]],
+        tries: int = 1,
     ) -> None:
-        spent = {}
+        spent: dict[str, float] = {"raw": math.inf, "ours": math.inf}
         order = [("raw", raw), ("ours", ours)]
         if (b + round_) % 2:
             order.reverse()
-        for who, work in order:
-            spent[who] = await _timed(work)
+        for _ in range(tries):  # interleaved; each side's fastest try (a get can repeat)
+            for who, work in order:
+                spent[who] = min(spent[who], await _timed(work))
         out[op].append(spent["ours"] / spent["raw"] - 1)
         out[f"raw_{op}"].append(batch / spent["raw"])
 
@@ -133,6 +147,7 @@ async def _round(
             b,
             functools.partial(tq.async_kv_batch_get, keys=raw_keys[b], partition_id=part),
             functools.partial(sink.get, [c.key for c in calls]),
+            tries=GET_TRIES,
         )
     for b, calls in enumerate(data):
         await sink.clear(raw_keys[b] + [c.key for c in calls])
@@ -192,7 +207,7 @@ def _load() -> str:
 
 
 if __name__ == "__main__":
-    args = parse_counts(__doc__, repeats=3, batches=12, batch=64, tokens=2048, rounds=5)
+    args = parse_counts(__doc__, repeats=3, batches=12, batch=64, tokens=2048, rounds=10)
     print(f"start: {_load()}")
     with tempfile.TemporaryDirectory(prefix="tqb-") as tmp, local_tq(tmp):
         anyio.run(main, args, backend="asyncio")

@@ -176,6 +176,12 @@ def decode_own_staged(td: Any) -> list[StagedCall]:
 
 _CALL_FIELDS = tuple(f.name for f in dataclasses.fields(StagedCall))
 _SET = object.__setattr__
+# The slots' own setters: a frozen dataclass refuses ``setattr``, its slot descriptors do
+# not, and calling them skips the attribute lookup ``object.__setattr__`` makes per field.
+_CALL_SETTERS = tuple((name, getattr(StagedCall, name).__set__) for name in _CALL_FIELDS)
+_SPAN_VERSION, _SPAN_START, _SPAN_END = (
+    getattr(VersionSpan, name).__set__ for name in ("version", "start", "end")
+)
 
 
 def _checked_call(values: dict[str, Any]) -> StagedCall:
@@ -187,8 +193,8 @@ def _trusted_call(values: dict[str, Any]) -> StagedCall:
         raise SinkError("bad_layout", f"a staged row has fields {sorted(values)}")
     call = object.__new__(StagedCall)
     try:
-        for name in _CALL_FIELDS:
-            _SET(call, name, values[name])
+        for name, setter in _CALL_SETTERS:
+            setter(call, values[name])
     except KeyError as e:
         raise SinkError("bad_layout", f"a staged row has no {e.args[0]!r}") from None
     return call
@@ -230,9 +236,9 @@ def _spans(value: Any) -> Spans | None:
                 and 0 <= start < end
             ):
                 span = object.__new__(VersionSpan)
-                _SET(span, "version", version)
-                _SET(span, "start", start)
-                _SET(span, "end", end)
+                _SPAN_VERSION(span, version)
+                _SPAN_START(span, start)
+                _SPAN_END(span, end)
                 out.append(span)
                 continue
         return spans_from_json(value)
