@@ -119,7 +119,7 @@ def test_the_report_draws_its_curves_without_the_network(train_run: tuple[Path, 
     assert "http://" not in page
     assert "https://" not in page
     charts = re.findall(r"<svg.*?</svg>", page, re.S)
-    assert len(charts) == 5  # reward, parity, staleness, loop lag, step time
+    assert len(charts) == 6  # reward, parity, staleness, loop lag, rollout shapes, step time
     for chart in charts:
         xml.dom.minidom.parseString(chart)  # well-formed
     reward, parity = charts[0], charts[1]
@@ -127,6 +127,9 @@ def test_the_report_draws_its_curves_without_the_network(train_run: tuple[Path, 
     assert parity.count("<circle") == 2 * STEPS  # K3 and mean |Δ|
     assert "K3 bound 1e-9" in parity
     assert charts[2].count("<circle") == STEPS  # max staleness, one point per step
+    # the shapes played: every rollout of the agent task made its two calls
+    assert "calls per rollout</th><td>2: 640 (100%)</td>" in page
+    assert charts[4].count("<circle") == 2 * STEPS  # row length p90, calls in flight
 
 
 def test_show_reprints_the_training_summary(train_run: tuple[Path, str]) -> None:
