@@ -44,31 +44,39 @@ def _versions(fields: FieldReader) -> dict[str, int]:
     }
 
 
+def _call_fields(fields: FieldReader) -> dict[str, Any]:
+    """What a staged record and a manifest call record share, read by the same rules: the
+    version triple, the call's ids, lengths and weight version, and its three hashes."""
+    return {
+        **_versions(fields),
+        "model_call_id": fields.identifier("model_call_id"),
+        "parent_call_id": fields.identifier("parent_call_id", null=True, default=None),
+        "prev_len": fields.uint("prev_len"),
+        "delta_len": fields.uint("delta_len"),
+        "cum_len": fields.uint("cum_len"),
+        "weight_version": fields.uint("weight_version"),
+        "digest": fields.hexdigest("digest"),
+        "chain_hash": fields.hexdigest("chain_hash"),
+        "cumulative_hash": fields.hexdigest("cumulative_hash"),
+    }
+
+
 def staged_record_from_json(obj: object) -> GymStagedRecord:
     """Strictly read one staged record (an object already parsed from JSON)."""
     fields = FieldReader(obj, "staged record")
-    versions = _versions(fields)
+    shared = _call_fields(fields)
     loaded = fields.has("extras")
     extras = fields.raw("extras", default=None)
     if extras is not None and not isinstance(extras, dict):
         raise _bad("wrong_type", "staged record.extras must be an object or null")
     record = GymStagedRecord(
-        **versions,
+        **shared,
         rollout_id=fields.identifier("rollout_id"),
-        model_call_id=fields.identifier("model_call_id"),
-        parent_call_id=fields.identifier("parent_call_id", null=True, default=None),
         mode=fields.choice("mode", GYM_MODES),
-        prev_len=fields.uint("prev_len"),
-        delta_len=fields.uint("delta_len"),
-        cum_len=fields.uint("cum_len"),
-        weight_version=fields.uint("weight_version"),
-        digest=fields.hexdigest("digest"),
         token_ids_delta=fields.int_column("token_ids_delta"),
         token_mask_delta=fields.float_column("token_mask_delta"),
         generation_log_probs_delta=fields.float_column("generation_log_probs_delta"),
         extras_digest=fields.hexdigest("extras_digest", default=EMPTY_EXTRAS_DIGEST),
-        chain_hash=fields.hexdigest("chain_hash"),
-        cumulative_hash=fields.hexdigest("cumulative_hash"),
         extras=extras,
         extras_loaded=loaded,
     )
@@ -80,19 +88,10 @@ def call_record_from_json(obj: object) -> GymCallRecord:
     """Strictly read one manifest call record."""
     fields = FieldReader(obj, "call record")
     record = GymCallRecord(
-        **_versions(fields),
-        model_call_id=fields.identifier("model_call_id"),
-        parent_call_id=fields.identifier("parent_call_id", null=True, default=None),
-        prev_len=fields.uint("prev_len"),
-        delta_len=fields.uint("delta_len"),
-        cum_len=fields.uint("cum_len"),
-        weight_version=fields.uint("weight_version"),
-        digest=fields.hexdigest("digest"),
+        **_call_fields(fields),
         extras_digest=fields.hexdigest("extras_digest"),
         staging_key=fields.identifier("staging_key"),
         mode=fields.choice("mode", GYM_MODES, default="token_in"),
-        chain_hash=fields.hexdigest("chain_hash"),
-        cumulative_hash=fields.hexdigest("cumulative_hash"),
         response_id=fields.identifier("response_id"),
         admitted_at=fields.number("admitted_at", null=True, default=None),
         output_fingerprint=fields.hexdigest("output_fingerprint", null=True, default=None),
