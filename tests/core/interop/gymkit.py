@@ -8,7 +8,6 @@ links, the cumulative hash covers the whole sequence up to the call.
 
 from __future__ import annotations
 
-import copy
 import json
 import struct
 from collections.abc import Iterator, Sequence
@@ -17,6 +16,7 @@ from typing import Any
 
 from tokcap_core import TokcapError
 from tokcap_core.interop import gym
+from tokcap_core.testing import single_field_tampers
 
 
 def f32(value: float) -> float:
@@ -197,54 +197,18 @@ def vocabulary(receipt: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
 
 
 def tampers(
-    doc: Any, vocab: dict[str, tuple[Any, ...]] | None = None, path: tuple[Any, ...] = ()
+    doc: Any, vocab: dict[str, tuple[Any, ...]] | None = None
 ) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """Every single-field change of a JSON document: ``(path, changed document)``.
+    """Every single-field change of a JSON document: ``(path, changed document)``, as
+    `tokcap_core.testing.single_field_tampers` walks it, with Gym's leaf alternatives:
+    type-preserving ones and, for keys in ``vocab``, every other plausible value."""
+    known = vocab or {}
 
-    Leaves get type-preserving alternatives and, for keys in ``vocab``, every other
-    plausible value; objects lose each key in turn and gain an unknown one; arrays lose
-    their last item and repeat it. In an array of more than four numbers only the first,
-    middle and last items are changed (each column is still changed in every field).
-    """
-    vocab = vocab or {}
-    node = _at(doc, path)
-    if isinstance(node, dict):
-        for key in node:
-            yield from tampers(doc, vocab, (*path, key))
-            changed = copy.deepcopy(doc)
-            del _at(changed, path)[key]
-            yield (*path, key, "<removed>"), changed
-        changed = copy.deepcopy(doc)
-        _at(changed, path)["unknown_field"] = 1
-        yield (*path, "<added>"), changed
-    elif isinstance(node, list):
-        indices = range(len(node))
-        if len(node) > 4 and not any(isinstance(item, (dict, list)) for item in node):
-            indices = range(0, len(node), max(1, (len(node) - 1) // 2))
-        for index in indices:
-            yield from tampers(doc, vocab, (*path, index))
-        if node:
-            for edit in ("<dropped>", "<repeated>"):
-                changed = copy.deepcopy(doc)
-                items = _at(changed, path)
-                if edit == "<dropped>":
-                    items.pop()
-                else:
-                    items.append(copy.deepcopy(items[-1]))
-                yield (*path, edit), changed
-    else:
+    def leaf(path: tuple[Any, ...], value: Any) -> list[Any]:
         key = next((step for step in reversed(path) if isinstance(step, str)), "")
-        substitutes = [v for v in vocab.get(key, ()) if v != node]
-        for alternative in [*_alternatives(node), *substitutes]:
-            changed = copy.deepcopy(doc)
-            _at(changed, path[:-1])[path[-1]] = alternative
-            yield path, changed
+        return [*_alternatives(value), *(v for v in known.get(key, ()) if v != value)]
 
-
-def _at(doc: Any, path: tuple[Any, ...]) -> Any:
-    for step in path:
-        doc = doc[step]
-    return doc
+    return single_field_tampers(doc, alternatives=leaf)
 
 
 def list_tampers(snapshots: list[dict[str, Any]], stranger: dict[str, Any]) -> Iterator[Any]:

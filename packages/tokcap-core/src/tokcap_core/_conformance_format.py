@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -42,6 +42,8 @@ Sample: TypeAlias = tuple[bytes, bytes]
 """One rollout: ``(manifest JSON, staged JSON)`` (or a peer's two documents)."""
 Verify: TypeAlias = Callable[[bytes, bytes], object]
 Irrelevant: TypeAlias = Callable[[int, tuple[Any, ...], Sample], "str | None"]
+Alternatives: TypeAlias = Callable[[tuple[Any, ...], Any], Iterable[Any]]
+"""``(path, value) -> other values`` a leaf at ``path`` takes in `single_field_tampers`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,19 +118,23 @@ def _alternatives(value: Any) -> Iterator[Any]:
         yield "x"
 
 
-def single_field_tampers(doc: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, Any]]:
+def single_field_tampers(
+    doc: Any,
+    path: tuple[Any, ...] = (),
+    *,
+    alternatives: Alternatives | None = None,
+) -> Iterator[tuple[Any, Any]]:
     """``(path, changed document)`` for every single-field change of a JSON document.
 
-    Scalars take other values of their type, objects lose each key and gain an unknown
+    Scalars take other values of their type (or, with ``alternatives``, the values
+    ``alternatives(path, value)`` gives), objects lose each key and gain an unknown
     one, arrays lose and repeat their last item; in arrays of more than four scalars only
     the first, middle and last items are changed.
     """
-    node = doc
-    for step in path:
-        node = node[step]
+    node = _parent(doc, path)
     if isinstance(node, dict):
         for key in node:
-            yield from single_field_tampers(doc, (*path, key))
+            yield from single_field_tampers(doc, (*path, key), alternatives=alternatives)
             changed = copy.deepcopy(doc)
             _parent(changed, path).pop(key)
             yield (*path, key, "<removed>"), changed
@@ -140,7 +146,7 @@ def single_field_tampers(doc: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple
         if len(node) > 4 and not any(isinstance(i, (dict, list)) for i in node):
             indices = sorted({0, len(node) // 2, len(node) - 1})
         for index in indices:
-            yield from single_field_tampers(doc, (*path, index))
+            yield from single_field_tampers(doc, (*path, index), alternatives=alternatives)
         if node:
             for edit in ("<dropped>", "<repeated>"):
                 changed = copy.deepcopy(doc)
@@ -148,7 +154,8 @@ def single_field_tampers(doc: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple
                 items.append(copy.deepcopy(items[-1])) if edit == "<repeated>" else items.pop()
                 yield (*path, edit), changed
     else:
-        for alternative in _alternatives(node):
+        values = _alternatives(node) if alternatives is None else alternatives(path, node)
+        for alternative in values:
             changed = copy.deepcopy(doc)
             _parent(changed, path[:-1])[path[-1]] = alternative
             yield path, changed
