@@ -47,7 +47,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from array import array
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -66,6 +65,7 @@ from _harness import CPU_ENGINE_ARGS, stop_all  # noqa: E402  (bench/ is on sys.
 from tokcap.tiny import SMALL_SHAPE  # noqa: E402
 from tokcap.train import Trainer  # noqa: E402
 from tokcap_core import LogprobParity, TrainingRow  # noqa: E402
+from tokcap_core.simulate import one_call_row  # noqa: E402
 from tokcap_vllm import WeightSync  # noqa: E402
 from tokcap_vllm.weights import WeightPhase, WeightState  # noqa: E402
 
@@ -126,26 +126,13 @@ async def sample(engine: Any, version: int, seed: int) -> list[TrainingRow]:
             final = out
         assert final is not None
         c = final.outputs[0]
-        ids = prompt + list(c.token_ids)
-        lps = [0.0] * len(prompt) + [
-            s[t].logprob for t, s in zip(c.token_ids, c.logprobs, strict=True)
-        ]
-        return TrainingRow(
-            rollout_id=f"r{seed}-{i}",
-            segment=0,
-            input_ids=array("I", ids),
-            loss_mask=array("B", [0] * len(prompt) + [1] * len(c.token_ids)),
-            logprobs=array("f", lps),
-            routes=None,
-            prompt_len=len(prompt),
-            call_spans=(),  # the trainer reads no span
-            weight_version_min=version,
-            weight_version_max=version,
-            truncated=True,
-            reward=None,
-            sample_mask=1,
-            reason=None,
-            terminal_call_id="c",
+        return one_call_row(
+            f"r{seed}-{i}",
+            prompt_ids=prompt,
+            output_ids=c.token_ids,
+            logprobs=[s[t].logprob for t, s in zip(c.token_ids, c.logprobs, strict=True)],
+            weight_version=version,
+            finish_reason="length",  # ignore_eos: every call runs to max_tokens
         )
 
     return list(await asyncio.gather(*(one(i) for i in range(PROMPTS))))

@@ -9,12 +9,12 @@ before training began become no sample and are counted by reason.
 from __future__ import annotations
 
 import warnings
-from array import array
 from typing import Any
 
 import pytest
 
 from tokcap_core import TrainingRow, grpo, placeholder_row
+from tokcap_core.simulate import one_call_row
 from tokcap_trl import group_samples
 
 
@@ -27,22 +27,13 @@ def _sample_type() -> Any:
 
 
 def _row(rollout_id: str, reward: float, version: int) -> TrainingRow:
-    return TrainingRow(
-        rollout_id=rollout_id,
-        segment=0,
-        input_ids=array("I", [5, 6, 7, 8, 9]),
-        loss_mask=array("b", [0, 0, 1, 1, 1]),
-        logprobs=array("f", [0.0, 0.0, -0.5, -1.25, -2.0]),
-        routes=None,
-        prompt_len=2,
-        call_spans=(),
-        weight_version_min=version,
-        weight_version_max=version,
-        truncated=False,
+    return one_call_row(
+        rollout_id,
+        prompt_ids=[5, 6],
+        output_ids=[7, 8, 9],
+        logprobs=[-0.5, -1.25, -2.0],
+        weight_version=version,
         reward=reward,
-        sample_mask=1,
-        reason=None,
-        terminal_call_id="c000001",
     )
 
 

@@ -15,11 +15,14 @@ from typing import Literal
 from ._events import SPLICE_CAUSES, Admitted, Closed, Failed, Staged, TerminalDeclared, Witnesses
 from ._ledger import Ledger
 from ._manifest import Manifest, manifest_of
+from ._reassembly import reassemble
+from ._receipt import assemble_receipt
+from ._rows import TrainingRow
 from ._staged import StagedCall
 from .provenance import Spans, VersionSpan, single_span
 from .routes import Routes, routes_from_rows
 
-__all__ = ["SimulatedRollout", "admit_call", "simulate_rollout", "stage_call"]
+__all__ = ["SimulatedRollout", "admit_call", "one_call_row", "simulate_rollout", "stage_call"]
 
 TerminalMode = Literal["declared", "response_id", "content", "heuristic"]
 
@@ -191,6 +194,37 @@ def stage_call(
         Staged.for_call(call, response_id=response_id, output_fingerprint=output_fingerprint)
     )
     return call
+
+
+def one_call_row(
+    rollout_id: str,
+    *,
+    prompt_ids: Iterable[int],
+    output_ids: Iterable[int],
+    logprobs: Iterable[float],
+    weight_version: int = 0,
+    finish_reason: str = "stop",
+    reward: float | None = None,
+) -> TrainingRow:
+    """The training row of a rollout of one call, made the way a gate's rows are: the call
+    admitted and staged in a ledger, declared terminal, the rollout closed with ``reward``,
+    its receipt assembled and the row reassembled (``prompt_ids`` carried, mask 0)."""
+    ledger = Ledger(rollout_id)
+    call_id = admit_call(ledger, None, admitted_at=1, request_fingerprint="req")
+    call = stage_call(
+        ledger,
+        call_id,
+        None,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        weight_version=weight_version,
+    )
+    ledger.append(TerminalDeclared(by="call_id", value=call_id))
+    ledger.append(Closed(reward=reward))
+    (row,) = reassemble(assemble_receipt(ledger.state), [call], max_seq_len=call.cum_len)
+    return row
 
 
 def _admit(
