@@ -8,7 +8,11 @@ its descendants finds exactly this run's processes even when other clusters shar
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # our tests/, not TQ's stray one
+from tests.procs import descendants as process_tree
 
 __all__ = ["cpu_seconds", "descendants", "memory_by_role", "role_of", "status_mib"]
 
@@ -37,19 +41,7 @@ def cpu_seconds(pid: int | str = "self") -> float:
 def descendants(root: int | None = None) -> list[int]:
     """Every live process below ``root`` (default: this process)."""
     root = os.getpid() if root is None else root
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    return sorted(process_tree(root) - {root})
 
 
 def role_of(pid: int) -> str:

@@ -1,5 +1,6 @@
 """This machine's process table, read from ``/proc`` (Linux), for tests that must find the
-Ray and TransferQueue processes *this* test session started among everyone else's."""
+Ray and TransferQueue processes *this* test session started among everyone else's (and
+for the benchmarks' ``bench/_procmem.py``, which measures this run's processes)."""
 
 from __future__ import annotations
 
