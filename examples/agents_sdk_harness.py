@@ -36,7 +36,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import tokcap
 
@@ -48,9 +48,9 @@ import openai  # noqa: E402
 from agents import (  # noqa: E402
     Agent,
     FunctionTool,
+    Model,
     ModelResponse,
     ModelSettings,
-    ModelTracing,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
     RunConfig,
@@ -59,10 +59,7 @@ from agents import (  # noqa: E402
     ToolCallItem,
     function_tool,
 )
-from agents.agent_output import AgentOutputSchemaBase  # noqa: E402
-from agents.handoffs import Handoff  # noqa: E402
 from agents.items import TResponseInputItem  # noqa: E402
-from openai.types.responses import ResponsePromptParam  # noqa: E402
 from pydantic import Field  # noqa: E402
 
 from tokcap.compose import (  # noqa: E402
@@ -130,52 +127,33 @@ def forced(settings: ModelSettings, tools: Sequence[Tool]) -> ModelSettings:
     return settings.resolve(force)
 
 
-class ForcedChatModel(OpenAIChatCompletionsModel):
+class ForcedSettings:
+    """Mixed in before one of the SDK's models: its ``get_response`` runs on `forced`
+    settings (the model's other methods are its own)."""
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        model_settings: ModelSettings,
+        tools: list[Tool],
+        *args: Any,
+        **kwargs: Any,
+    ) -> ModelResponse:
+        """The SDK's call, on the forced settings."""
+        model = cast(Model, super())
+        settings = forced(model_settings, tools)
+        return await model.get_response(
+            system_instructions, input, settings, tools, *args, **kwargs
+        )
+
+
+class ForcedChatModel(ForcedSettings, OpenAIChatCompletionsModel):
     """The SDK's chat-completions model, with ``tool_choice="required"`` forced as `forced`."""
 
-    async def get_response(
-        self,
-        system_instructions: str | None,
-        input: str | list[TResponseInputItem],
-        model_settings: ModelSettings,
-        tools: list[Tool],
-        output_schema: AgentOutputSchemaBase | None,
-        handoffs: list[Handoff],
-        tracing: ModelTracing,
-        previous_response_id: str | None = None,
-        conversation_id: str | None = None,
-        prompt: ResponsePromptParam | None = None,
-    ) -> ModelResponse:
-        """The SDK's call, on the forced settings."""
-        settings = forced(model_settings, tools)
-        return await super().get_response(
-            system_instructions, input, settings, tools, output_schema, handoffs, tracing,
-            previous_response_id, conversation_id, prompt,
-        )  # fmt: skip
 
-
-class ForcedResponsesModel(OpenAIResponsesModel):
+class ForcedResponsesModel(ForcedSettings, OpenAIResponsesModel):
     """The SDK's Responses model, with ``tool_choice="required"`` forced as `forced`."""
-
-    async def get_response(
-        self,
-        system_instructions: str | None,
-        input: str | list[TResponseInputItem],
-        model_settings: ModelSettings,
-        tools: list[Tool],
-        output_schema: AgentOutputSchemaBase | None,
-        handoffs: list[Handoff],
-        tracing: ModelTracing,
-        previous_response_id: str | None = None,
-        conversation_id: str | None = None,
-        prompt: ResponsePromptParam | None = None,
-    ) -> ModelResponse:
-        """The SDK's call, on the forced settings."""
-        settings = forced(model_settings, tools)
-        return await super().get_response(
-            system_instructions, input, settings, tools, output_schema, handoffs, tracing,
-            previous_response_id, conversation_id, prompt,
-        )  # fmt: skip
 
 
 @dataclass(slots=True)
