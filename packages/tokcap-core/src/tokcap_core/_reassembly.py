@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from ._errors import ReassemblyError, RoutesError, VerificationError
-from ._receipt import Receipt, ReceiptCall
+from ._receipt import Receipt
 from ._rows import CallSpan, TrainingRow
 from ._staged import StagedCall
 from ._verify import verify_staged
@@ -59,21 +59,6 @@ def reassemble(
     ]
 
 
-def call_span(call: StagedCall | ReceiptCall) -> CallSpan:
-    """Where ``call``'s tokens sit in its row (a staged call, or a receipt's call when the
-    tokens come from elsewhere), with its weight versions."""
-    return CallSpan(
-        call_id=call.call_id,
-        start=call.prefix_len,
-        carry_len=call.carry_len,
-        gen_len=call.gen_len,
-        weight_version=call.weight_version,
-        weight_version_last=call.weight_version_last,
-        weight_versions=call.weight_versions,
-        kv_versions=call.kv_versions,
-    )
-
-
 def _segment_row(
     receipt: Receipt, index: int, calls: list[StagedCall], *, max_seq_len: int, reward: float | None
 ) -> TrainingRow:
@@ -82,7 +67,18 @@ def _segment_row(
     logprobs = array("f")
     spans = []
     for call in calls:
-        spans.append(call_span(call))
+        spans.append(
+            CallSpan(
+                call_id=call.call_id,
+                start=call.prefix_len,
+                carry_len=call.carry_len,
+                gen_len=call.gen_len,
+                weight_version=call.weight_version,
+                weight_version_last=call.weight_version_last,
+                weight_versions=call.weight_versions,
+                kv_versions=call.kv_versions,
+            )
+        )
         input_ids.extend(call.tokens)
         loss_mask.frombytes(bytes(call.carry_len))
         loss_mask.frombytes(b"\x01" * call.gen_len)

@@ -35,9 +35,8 @@ from typing import Any, Final
 from .._digest import ZERO_HASH
 from .._errors import RoutesError
 from .._events import SPLICE_CAUSES
-from .._reassembly import call_span
 from .._receipt import Receipt, ReceiptCall, TerminalSelection
-from .._rows import TrainingRow, placeholder_row
+from .._rows import CallSpan, TrainingRow, placeholder_row
 from ..ids import StagingKey
 from ..routes import (
     Routes,
@@ -212,7 +211,17 @@ def _training_row(
         raise GymConversionError(
             "token_id_out_of_range", "a token id does not fit tokcap's u32 rows"
         ) from None
-    spans = tuple(call_span(c) for c in segment)
+    spans = tuple(
+        CallSpan(
+            call_id=c.call_id,
+            start=c.prefix_len,
+            carry_len=c.carry_len,
+            gen_len=c.gen_len,
+            weight_version=c.weight_version,
+            weight_version_last=c.weight_version_last,
+        )
+        for c in segment
+    )
     routes, backfilled = _chain_routes(segment, snapshots)
     return TrainingRow(
         rollout_id=lin.rollout_id,
