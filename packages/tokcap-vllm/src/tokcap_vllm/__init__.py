@@ -26,17 +26,10 @@ checks) and `tokcap_vllm.extend` (hooks, metrics, the capture host: for extendin
 gate).
 """
 
-from ._client import ControlPlaneClient
-from ._closes import CloseResult, RolloutClose
-from ._config import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, GateConfig
-from ._fleet import FleetGateReport, GateFleet
-from ._gate import Gate
-from ._inproc import InProcessServer
-from ._middleware import GateMiddleware, install_gate
-from ._ready import wait_for_gates
-from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
-from ._weights import WeightSync
-from ._worker import WeightSyncWorker
+from .client._client import ControlPlaneClient
+from .client._closes import CloseResult, RolloutClose
+from .client._fleet import FleetGateReport, GateFleet
+from .client._ready import wait_for_gates
 from .errors import (
     ControlAuthError,
     ControlConflict,
@@ -46,7 +39,14 @@ from .errors import (
     ControlUnreachable,
     GateError,
 )
+from .gate._config import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, GateConfig
+from .gate._gate import Gate
 from .persist import LedgerFileError
+from .server._inproc import InProcessServer
+from .server._middleware import GateMiddleware, install_gate
+from .transfer._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
+from .transfer._weights import WeightSync
+from .transfer._worker import WeightSyncWorker
 
 __all__ = [
     "CONTROL_TOKEN_ENV",

@@ -8,9 +8,9 @@ from typing import ClassVar
 
 from tokcap_core import TokcapError
 
-from ._lifecycle import CallStateError
-from ._weight_state import WeightPushError, WeightSyncError
+from .gate._lifecycle import CallStateError
 from .persist import LedgerFileError
+from .transfer._weight_state import WeightPushError, WeightSyncError
 
 __all__ = [
     "BadRequest",

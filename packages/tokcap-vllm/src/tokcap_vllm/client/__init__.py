@@ -1,0 +1,1 @@
+"""client room (its door comes next)."""

@@ -1,0 +1,1 @@
+"""control room (its door comes next)."""

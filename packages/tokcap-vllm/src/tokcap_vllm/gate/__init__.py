@@ -1,0 +1,1 @@
+"""gate room (its door comes next)."""

@@ -1,0 +1,1 @@
+"""server room (its door comes next)."""
