@@ -15,13 +15,9 @@ import torch
 
 from tokcap_core import CaptureConfig
 from tokcap_vllm import Gate, GateConfig
+from tokcap_vllm.api import WEIGHTS_PATH, WeightSpec
 from tokcap_vllm.control._control import ControlPlane
-from tokcap_vllm.control._guarded_routes import (
-    MAX_PENDING_UPLOADS,
-    WEIGHTS_PATH,
-    GuardedRoutes,
-    WeightSpec,
-)
+from tokcap_vllm.control._guarded_routes import MAX_PENDING_UPLOADS, GuardedRoutes
 from tokcap_vllm.control._served_weights import ServedWeights
 from tokcap_vllm.gate._gate import GateHealth
 from tokcap_vllm.transfer._shm import (

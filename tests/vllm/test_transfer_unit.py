@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tokcap_vllm import Gate
-from tokcap_vllm.control._guarded_routes import GUARDED_PATHS, WEIGHTS_PATH, guarded_path
+from tokcap_vllm.api import WEIGHTS_PATH
+from tokcap_vllm.control._guarded_routes import GUARDED_PATHS, guarded_path
 from tokcap_vllm.control._served_weights import ServedWeights
 from tokcap_vllm.errors import GateError
 from tokcap_vllm.transfer._shm import PushFile, read_push_file, write_push_file

@@ -13,9 +13,10 @@ process only (`InProcessServer`); it stays supported there, and is superseded by
 classes (which import vLLM) are in `tokcap_vllm.transfer`.
 """
 
+from .api import WeightInfo, WeightSpec
 from .client._fleet_weights import FleetPushError, FleetWeightSync, GateOutcome
 from .client._weight_client import GateWeightClient, PushTransport, StagedPush
-from .control._guarded_routes import GUARDED_PATHS, WeightInfo, WeightSpec
+from .control._guarded_routes import GUARDED_PATHS
 from .transfer._spec import TensorSpec, expected_spec, read_checkpoint_spec
 from .transfer._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
 from .transfer._weights import PUSH_MODES, PauseMode, PushMode, WeightSync, check_push

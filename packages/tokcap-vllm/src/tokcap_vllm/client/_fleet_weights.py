@@ -28,7 +28,7 @@ import anyio
 
 from tokcap_core import TokcapError
 
-from ..control._guarded_routes import WeightInfo
+from ..api import WeightInfo
 from ..transfer._shm import SHM_DIR, PushFile
 from ..transfer._weight_state import WeightPushError, WeightSyncError
 from ..transfer._weights import PushMode, check_push

@@ -46,7 +46,7 @@ import anyio
 import httpx
 import msgspec
 
-from ..control._guarded_routes import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
+from ..api import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
 from ..transfer._shm import SHM_DIR, Entry, PushFile, entries_for, file_chunks
 from ..transfer._spec import TensorSpec
 from ..transfer._weight_state import WeightPushError, WeightSyncError, check_version, next_version

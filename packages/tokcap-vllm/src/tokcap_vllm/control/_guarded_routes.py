@@ -55,7 +55,14 @@ from urllib.parse import parse_qs
 import anyio
 import msgspec
 
-from ..api import CONTROL_PREFIX, error_json
+from ..api import (
+    WEIGHTS_PATH,
+    HoldBody,
+    UploadResponse,
+    WeightInfo,
+    WeightSpec,
+    error_json,
+)
 from ..errors import (
     BadRequest,
     Forbidden,
@@ -74,18 +81,8 @@ from ._control import ControlPlane
 from ._route_table import GUARDED_PATHS, normalized_path, rule_of
 from ._served_weights import ServedWeights
 
-__all__ = [
-    "GUARDED_PATHS",
-    "MAX_PENDING_UPLOADS",
-    "WEIGHTS_PATH",
-    "GuardedRoutes",
-    "HoldBody",
-    "UploadResponse",
-    "WeightInfo",
-    "WeightSpec",
-]
+__all__ = ["GUARDED_PATHS", "MAX_PENDING_UPLOADS", "GuardedRoutes", "guarded_path"]
 
-WEIGHTS_PATH: Final = CONTROL_PREFIX + "weights"
 MAX_PENDING_UPLOADS: Final = 2
 """Uploads waiting for their push's finish (two pushes in flight); a newer one removes the
 oldest."""
@@ -95,41 +92,6 @@ _LABELS: Final = {
 }
 _MAX_ROUTE_BODY: Final = 16 << 20
 _log = logging.getLogger("tokcap_vllm.gate")
-
-
-class WeightInfo(msgspec.Struct):
-    """``GET /tokcap/v1/weights``: the gate's weight state and the engine's label."""
-
-    phase: str
-    """READY, PUSHING or FAILED as the gate admits calls (FAILED while held)."""
-    version: int
-    """The last version loaded in full."""
-    engine_phase: str
-    """The engine's own phase, the hold aside."""
-    held: str | None
-    error: str | None
-    engine_version: str
-    """The label vLLM attaches to outputs (``/weight_info``)."""
-
-
-class WeightSpec(msgspec.Struct):
-    """``GET /tokcap/v1/weights/spec``: ``{name: [dtype, shape]}`` and the tied pairs."""
-
-    tensors: dict[str, tuple[str, list[int]]]
-    tied: list[tuple[str, str]]
-
-
-class HoldBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /tokcap/v1/weights/hold``."""
-
-    reason: str
-
-
-class UploadResponse(msgspec.Struct):
-    """``PUT /tokcap/v1/weights/upload``: where the bytes now are, on the gate's host."""
-
-    path: str
-    nbytes: int
 
 
 def guarded_path(scope: Scope) -> str | None:

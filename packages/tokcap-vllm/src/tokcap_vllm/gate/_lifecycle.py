@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final, TypeVar
 
-from tokcap_core import TokcapError
 from tokcap_core.states import Sentinel
+
+from ..errors import CallStateError
 
 __all__ = [
     "ABANDONED",
@@ -97,11 +98,6 @@ EFFECTS: Final[Mapping[str, tuple[str, ...]]] = {
     "fail": ("leave", "unindex_parent", "uncapture"),
     "abandon": ("leave", "release_claims", "signal_abandoned"),
 }
-
-
-class CallStateError(TokcapError, RuntimeError):
-    """The gate asked a call or a rollout for a step its phase does not allow (a gate bug,
-    contained)."""
 
 
 _Phase = TypeVar("_Phase")

@@ -1,4 +1,4 @@
-"""The lock that keeps a ledger file to one gate, and the ledger file's error.
+"""The lock that keeps a ledger file to one gate (its error, `LedgerFileError`, is in `errors`).
 
 `lock_ledger_file` holds ``<name>.lock`` beside the ledger file with an exclusive
 ``flock`` for as long as its descriptor stays open (a process that ends lets it go, however
@@ -13,20 +13,9 @@ import fcntl
 import os
 from pathlib import Path
 
-from tokcap_core import TokcapError
+from ..errors import LedgerFileError
 
 __all__ = ["LedgerFileError", "lock_ledger_file"]
-
-
-class LedgerFileError(TokcapError, RuntimeError):
-    """The ledger file cannot be trusted (a corrupt record before the tail, a broken chain)
-    or cannot be written (``ledger_write_failed``, ``ledger_sync_failed``); ``detail`` names
-    the OS error (``ENOSPC``, ``EFBIG``, ...) when there is one."""
-
-    def __init__(self, code: str, message: str = "", detail: str | None = None) -> None:
-        super().__init__(code, message)
-        self.args = (code, message, detail)
-        self.detail = detail
 
 
 def lock_ledger_file(path: str | os.PathLike[str]) -> int:

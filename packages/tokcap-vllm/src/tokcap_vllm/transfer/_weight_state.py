@@ -28,7 +28,7 @@ import enum
 from dataclasses import dataclass
 from typing import Final
 
-from tokcap_core import TokcapError
+from ..errors import WeightPushError, WeightSyncError
 
 __all__ = [
     "WeightPhase",
@@ -42,25 +42,6 @@ __all__ = [
     "succeed",
     "version_of_label",
 ]
-
-
-class WeightPushError(TokcapError, ValueError):
-    """A push refused before anything was loaded: the engine serves what it served before.
-
-    Codes: ``missing_tensors`` (a partial push), ``unknown_tensors``, ``shape_mismatch``,
-    ``dtype_mismatch``, ``not_a_tensor``, ``non_finite_weights``, ``bad_version``,
-    ``version_not_increasing``, ``bad_mode``, ``push_in_progress``, ``not_pushing``; for a
-    push file (`tokcap_vllm._shm`): ``push_file_name``, ``push_file_missing``,
-    ``push_file_link``, ``push_file_not_regular``, ``push_file_linked``,
-    ``push_file_unreadable``, ``push_file_size``, ``push_file_changed``, ``bad_entry``,
-    ``duplicate_tensors``, ``entry_out_of_file``.
-    """
-
-
-class WeightSyncError(TokcapError, RuntimeError):
-    """The engine side of a push failed (``stage_failed``: nothing loaded, state unchanged;
-    ``<step>_failed`` after the pause: the state is FAILED), or the engine cannot take
-    pushes at all (``extension_missing``, ``spec_unavailable``)."""
 
 
 class WeightPhase(enum.Enum):

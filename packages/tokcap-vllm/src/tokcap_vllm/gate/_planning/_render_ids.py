@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from ...errors import BadRequest, Unsupported, UnsupportedTokenizer
 from ...fingerprints import normalize_message
@@ -31,10 +31,7 @@ from .._wire import ChatBody, CompletionBody
 from ._index import Planner
 from ._plan_ids import plan_chat_ids
 from ._plan_text import ChatPlan, PriorCall
-from ._render_text import RequestRenderer
-
-if TYPE_CHECKING:
-    from .._config import GateConfig
+from ._render_text import RenderSettings, RequestRenderer
 
 __all__ = [
     "IdRequestRenderer",
@@ -159,7 +156,7 @@ def probe_follow_up(codec: MistralCodec) -> str | None:
 class IdRequestRenderer(RequestRenderer):
     """Per server: a tokenizer that renders requests to ids, and its checked codec."""
 
-    def __init__(self, tokenizer: Any, app_args: Any, config: GateConfig, max_model_len: int):
+    def __init__(self, tokenizer: Any, app_args: Any, config: RenderSettings, max_model_len: int):
         super().__init__(tokenizer, app_args, config, max_model_len)
         self.codec = MistralCodec(tokenizer)
         problem = probe_follow_up(self.codec)
@@ -257,7 +254,7 @@ def _served_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
 
 
 def request_renderer(
-    tokenizer: Any, app_args: Any, config: GateConfig, max_model_len: int
+    tokenizer: Any, app_args: Any, config: RenderSettings, max_model_len: int
 ) -> RequestRenderer:
     """The renderer for this server's tokenizer: the one place its kind chooses the planner.
 

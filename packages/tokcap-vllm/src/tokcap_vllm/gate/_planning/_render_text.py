@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Literal, Protocol
 
 from ...errors import BadRequest, Unsupported
 from ...fingerprints import normalize_message
@@ -25,20 +25,30 @@ from ._index import PlannedRequest, Planner
 from ._plan_text import ChatPlan, PriorCall, plan_chat, plan_completion
 from ._splice import SpliceRules
 
-if TYPE_CHECKING:
-    from .._config import GateConfig
-
-__all__ = ["RequestRenderer"]
+__all__ = ["RenderSettings", "RequestRenderer"]
 
 _RESERVED_KWARGS: Final = frozenset(
     {"tokenize", "add_generation_prompt", "chat_template", "tools", "conversation", "messages"}
 )
 
 
+class RenderSettings(Protocol):
+    """What a renderer reads of the gate's configuration (`GateConfig` is one)."""
+
+    @property
+    def max_chars_per_token(self) -> int: ...
+    @property
+    def reasoning_markers(self) -> tuple[str, ...]: ...
+    @property
+    def on_render_mismatch(self) -> Literal["splice", "break"]: ...
+    @property
+    def reasoning(self) -> Literal["follow_template", "keep_model_tokens"]: ...
+
+
 class RequestRenderer:
     """Per server: the engine's tokenizer, the server's template and its template options."""
 
-    def __init__(self, tokenizer: Any, app_args: Any, config: GateConfig, max_model_len: int):
+    def __init__(self, tokenizer: Any, app_args: Any, config: RenderSettings, max_model_len: int):
         self.tokenizer = tokenizer
         self.config = config
         self.max_chars = max_model_len * config.max_chars_per_token
