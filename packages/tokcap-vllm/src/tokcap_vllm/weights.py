@@ -14,13 +14,29 @@ classes (which import vLLM) are in `tokcap_vllm.transfer`.
 """
 
 from .api import WeightInfo, WeightSpec
-from .client._fleet_weights import FleetPushError, FleetWeightSync, GateOutcome
-from .client._weight_client import GateWeightClient, PushTransport, StagedPush
-from .control._guarded_routes import GUARDED_PATHS
-from .transfer._spec import TensorSpec, expected_spec, read_checkpoint_spec
-from .transfer._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
-from .transfer._weights import PUSH_MODES, PauseMode, PushMode, WeightSync, check_push
-from .transfer._worker import WeightSyncWorker
+from .client import (
+    FleetPushError,
+    FleetWeightSync,
+    GateOutcome,
+    GateWeightClient,
+    PushTransport,
+    StagedPush,
+)
+from .control import GUARDED_PATHS
+from .errors import WeightPushError, WeightSyncError
+from .transfer import (
+    PUSH_MODES,
+    PauseMode,
+    PushMode,
+    TensorSpec,
+    WeightPhase,
+    WeightState,
+    WeightSync,
+    WeightSyncWorker,
+    check_push,
+    expected_spec,
+    read_checkpoint_spec,
+)
 
 __all__ = [
     "GUARDED_PATHS",

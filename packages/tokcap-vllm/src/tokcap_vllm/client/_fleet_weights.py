@@ -29,9 +29,8 @@ import anyio
 from tokcap_core import TokcapError
 
 from ..api import WeightInfo
-from ..transfer._shm import SHM_DIR, PushFile
-from ..transfer._weight_state import WeightPushError, WeightSyncError
-from ..transfer._weights import PushMode, check_push
+from ..errors import WeightPushError, WeightSyncError
+from ..transfer import SHM_DIR, PushFile, PushMode, check_push
 from ._http import AsyncClosing, each_concurrently
 from ._weight_client import GateWeightClient, PushTransport, StagedPush, check_while_staging
 

@@ -47,13 +47,19 @@ import httpx
 import msgspec
 
 from ..api import WEIGHTS_PATH, UploadResponse, WeightInfo, WeightSpec
-from ..transfer._shm import SHM_DIR, Entry, PushFile, entries_for, file_chunks
-from ..transfer._spec import TensorSpec
-from ..transfer._weight_state import WeightPushError, WeightSyncError, check_version, next_version
-from ..transfer._weights import (
+from ..errors import WeightPushError, WeightSyncError
+from ..transfer import (
     PUSH_MODES,
+    SHM_DIR,
+    Entry,
+    PushFile,
     PushMode,
+    TensorSpec,
     check_push,
+    check_version,
+    entries_for,
+    file_chunks,
+    next_version,
     refuse_non_finite,
     resets_running_kv,
     vllm_pause_mode,

@@ -80,11 +80,7 @@ from ..errors import (
     Unauthorized,
 )
 from ..fingerprints import output_fingerprint
-from ..gate._gate import Gate
-from ..gate._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..gate._routing import parse_rollout_id
-from ..gate._served import describe_sink
-from ..gate._wire import decode_json
+from ..gate import METRICS_CONTENT_TYPE, Gate, decode_json, describe_sink, parse_rollout_id
 from ..persist import LedgerFileError
 from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
 from ._route_table import route_listing

@@ -71,11 +71,10 @@ from ..errors import (
     MethodNotAllowed,
     RolloutNotFound,
     TooLarge,
+    WeightPushError,
 )
-from ..gate._gate import Gate
-from ..transfer._shm import PUSH_PREFIX, SHM_DIR, check_push_file
-from ..transfer._spec import engine_spec
-from ..transfer._weight_state import WeightPushError
+from ..gate import Gate
+from ..transfer import PUSH_PREFIX, SHM_DIR, check_push_file, engine_spec
 from ._asgi import App, Message, Receive, Scope, Send, read_body, send_body
 from ._control import ControlPlane
 from ._route_table import GUARDED_PATHS, normalized_path, rule_of

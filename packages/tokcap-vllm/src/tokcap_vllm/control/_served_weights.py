@@ -35,21 +35,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Final
 
-from ..errors import RolloutConflict
-from ..transfer._weight_state import (
-    FAILED,
-    PUSHING,
-    READY,
-    WeightPushError,
-    WeightState,
-    next_version,
-    version_of_label,
-)
+from ..errors import RolloutConflict, WeightPushError
+from ..transfer import WeightPhase, WeightState, next_version, version_of_label
 
 __all__ = ["ServedWeights"]
 
 _log = logging.getLogger("tokcap_vllm.weights")
+READY: Final = WeightPhase.READY
+PUSHING: Final = WeightPhase.PUSHING
+FAILED: Final = WeightPhase.FAILED
 
 
 class ServedWeights:

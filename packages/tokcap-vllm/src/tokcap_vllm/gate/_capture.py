@@ -49,9 +49,8 @@ from ..errors import (
     SinkUnavailable,
     WeightsUnavailable,
 )
-from ..persist import LedgerFileError
-from ..persist._hooks import GateHooks
-from ..transfer._weight_state import WeightPhase, WeightState
+from ..persist import GateHooks, LedgerFileError
+from ..transfer import WeightPhase, WeightState
 from ._config import GateConfig
 from ._host import EngineResult
 from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING

@@ -30,9 +30,8 @@ from tokcap_core.reasons import GATE_RESTARTED, make_reason
 from tokcap_core.sink import SinkHealth, TokenSink
 
 from ..errors import ControlUnavailable, InvalidBody, RolloutConflict
-from ..persist import LedgerFile
-from ..persist._hooks import GateHooks
-from ..transfer._weight_state import WeightState
+from ..persist import GateHooks, LedgerFile
+from ..transfer import WeightState
 from ._capture import CapturePath
 from ._config import GateConfig
 from ._lifecycle import COMMITTED, FAILED, FINISHED, RESPONDED
@@ -40,7 +39,7 @@ from ._metrics import GateMetrics
 from ._rollouts import RolloutBook, RolloutRecord
 
 if TYPE_CHECKING:
-    from ..transfer._weights import WeightSync
+    from ..transfer import WeightSync
 
 __all__ = ["Gate", "GateHealth"]
 

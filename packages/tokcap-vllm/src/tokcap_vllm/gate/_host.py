@@ -27,7 +27,8 @@ from typing import Any
 from tokcap_core.provenance import Spans, VersionSpan, single_span
 from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
 
-from ..transfer._weight_state import WeightPushError, version_of_label
+from ..errors import WeightPushError
+from ..transfer import version_of_label
 from ._logprob_text import SKIP_LOGPROB_TEXT, install_logprob_text_switch
 from ._vllm import require_vllm
 

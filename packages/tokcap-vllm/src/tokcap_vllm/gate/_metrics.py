@@ -22,7 +22,7 @@ from tokcap_core import Entry, StagedCall
 from tokcap_core.ledger import Admitted, Failed, Poisoned, Staged
 from tokcap_core.reasons import reason_bucket
 
-from ..persist._hooks import GateHooks
+from ..persist import GateHooks
 
 __all__ = ["CONTENT_TYPE", "GateMetrics"]
 

@@ -25,7 +25,7 @@ from tokcap_core import ConfigError, MemorySink
 from tokcap_core.config import non_empty_text
 from tokcap_core.sink import SINK_PLUGIN_GROUP, SinkPlugin, TokenSink
 
-from ..persist._ledger_lock import LedgerFileError, lock_ledger_file
+from ..persist import LedgerFileError, lock_ledger_file
 from ._config import GateConfig, gate_options
 from ._gate import Gate
 from ._options import Option, build, from_environ, options_of

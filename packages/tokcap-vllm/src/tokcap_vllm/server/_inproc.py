@@ -14,8 +14,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from ..gate._gate import Gate
-from ..gate._vllm import require_vllm
+from ..gate import Gate, require_vllm
 from ._middleware import install_gate
 
 _LAUNCHERS = "vllm.entrypoints.launchers"

@@ -26,22 +26,42 @@ from contextlib import AbstractAsyncContextManager
 import anyio
 
 from ..api import CONTROL_PREFIX, error_json
-from ..control._asgi import App, Message, Receive, Scope, Send, header_values, read_body, send_body
-from ..control._control import ControlPlane
-from ..control._guarded_routes import GuardedRoutes, guarded_path
-from ..control._route_table import normalized_path, rule_of
+from ..control import (
+    App,
+    ControlPlane,
+    GuardedRoutes,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    guarded_path,
+    header_values,
+    normalized_path,
+    read_body,
+    rule_of,
+    send_body,
+)
 from ..errors import BadRequest, GateError, Unsupported
-from ..gate._answers import ResponsesAnswer
-from ..gate._apis import decode_request, planned_on, stream_error_event
-from ..gate._capture import CapturePath
-from ..gate._gate import Gate
-from ..gate._host import CURRENT_TICKET, CaptureHost, Ticket
-from ..gate._lifecycle import ABANDONED
-from ..gate._planning import Observed, RequestRenderer, request_renderer
-from ..gate._records import Flag, GateCall
-from ..gate._routing import route_request
-from ..gate._served import served_gate
-from ..gate._wire import ResponseObserver
+from ..gate import (
+    ABANDONED,
+    CURRENT_TICKET,
+    CaptureHost,
+    CapturePath,
+    Flag,
+    Gate,
+    GateCall,
+    Observed,
+    RequestRenderer,
+    ResponseObserver,
+    ResponsesAnswer,
+    Ticket,
+    decode_request,
+    planned_on,
+    request_renderer,
+    route_request,
+    served_gate,
+    stream_error_event,
+)
 
 __all__ = ["GateMiddleware", "default_gate", "install_gate"]
 

@@ -17,7 +17,7 @@ import functools
 import os
 from typing import Any
 
-from ..gate._vllm import require_vllm
+from ..gate import require_vllm
 
 __all__ = ["ENABLE_ENV", "register", "register_weight_transfer"]
 

@@ -27,9 +27,15 @@ from typing import NoReturn
 
 from tokcap_core import ConfigError
 
-from ..gate._options import FLAG_PREFIX, from_environ, split_argv
-from ..gate._served import gate_help, served_gate, served_options
-from ..gate._vllm import INSTALL_HINT
+from ..gate import (
+    FLAG_PREFIX,
+    INSTALL_HINT,
+    from_environ,
+    gate_help,
+    served_gate,
+    served_options,
+    split_argv,
+)
 
 __all__ = ["main"]
 
