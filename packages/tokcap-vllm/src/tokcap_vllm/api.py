@@ -200,7 +200,7 @@ class Health(msgspec.Struct):
 
 
 class RouteItem(msgspec.Struct):
-    """One route the server mounts and how the gate answers it (`tokcap_vllm._route_table`)."""
+    """One route the server mounts and how the gate answers it (`control._route_table`)."""
 
     path: str
     methods: list[str]

@@ -202,7 +202,7 @@ class WeightPushError(TokcapError, ValueError):
     Codes: ``missing_tensors`` (a partial push), ``unknown_tensors``, ``shape_mismatch``,
     ``dtype_mismatch``, ``not_a_tensor``, ``non_finite_weights``, ``bad_version``,
     ``version_not_increasing``, ``bad_mode``, ``push_in_progress``, ``not_pushing``; for a
-    push file (`tokcap_vllm._shm`): ``push_file_name``, ``push_file_missing``,
+    push file (`tokcap_vllm.transfer._shm`): ``push_file_name``, ``push_file_missing``,
     ``push_file_link``, ``push_file_not_regular``, ``push_file_linked``,
     ``push_file_unreadable``, ``push_file_size``, ``push_file_changed``, ``bad_entry``,
     ``duplicate_tensors``, ``entry_out_of_file``.

@@ -13,7 +13,7 @@ A fleet version is current only when every gate reports it (`current_version`). 
 - Calls served before the hold stay valid: each records the version(s) it was sampled with.
 
 With ``transport="shm"`` (gates on the trainer's host) the push file is written once and
-read by every gate's engine (the fleet's `tokcap_vllm._shm.PushFile`, rewritten in place
+read by every gate's engine (the fleet's `tokcap_vllm.transfer._shm.PushFile`, rewritten in place
 push after push, removed by `aclose`); with ``"http"`` each gate gets its own upload.
 """
 

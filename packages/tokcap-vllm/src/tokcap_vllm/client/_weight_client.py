@@ -11,7 +11,7 @@ with the gate's bearer token (vLLM's own HTTP weight-sync client sends no header
    `WeightPushError`, and the gate never saw it.
 2. **stage** (the engine keeps serving): ``transport="shm"`` writes the push file into
    shared memory on this host (the gate's host): one file per client, rewritten in place
-   push after push (`tokcap_vllm._shm.PushFile`; removed by `aclose`); ``"http"`` streams
+   push after push (`tokcap_vllm.transfer._shm.PushFile`; removed by `aclose`); ``"http"`` streams
    the same bytes to the gate (``PUT /tokcap/v1/weights/upload``), which writes the file
    on its host. A failure
    here loads nothing: `WeightSyncError` ``stage_failed``.
@@ -194,7 +194,7 @@ class GateWeightClient(AsyncClosing):
 
     async def check_version(self, version: int) -> None:
         """`WeightPushError` unless ``version`` is a weight version above the gate's
-        (`tokcap_vllm._weight_state.next_version`: ``bad_version``, ``version_not_increasing``)."""
+        (`tokcap_vllm.transfer.next_version`: ``bad_version``, ``version_not_increasing``)."""
         check_version(version)  # before asking the gate anything
         next_version((await self.info()).version, version)
 

@@ -6,7 +6,7 @@ routes (``/collective_rpc``, ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``,
 ``/server_info``, ...); ``/scale_elastic_ep`` is mounted even without it, and the LoRA,
 profiler and fault-tolerance routes with their own switches. vLLM puts no authentication
 on any of them: anyone who reaches the port could swap the weights or run a method on
-every worker. `tokcap_vllm._route_table` classifies every route the server mounts; a
+every worker. `tokcap_vllm.control._route_table` classifies every route the server mounts; a
 request to one that is not public answers 401 unless it carries the control token
 (``Authorization: Bearer``, compared in constant time by `ControlPlane.authorize`), and
 one the table refuses (runtime LoRA adapter changes) answers 403 ``route_refused`` even
@@ -34,7 +34,7 @@ about (`_admit`; a refusal is a typed answer and vLLM never runs): a label
 (``/finish_weight_update``'s ``weight_version``, ``/update_weight_version``'s
 ``new_version``) must be a version above the one served (`ServedWeights.check_label`: 422
 ``bad_version`` or ``version_not_increasing``, nothing changes); a push file named by
-``/update_weights`` must be one a worker would read (`tokcap_vllm._shm.check_push_file`:
+``/update_weights`` must be one a worker would read (`tokcap_vllm.transfer._shm.check_push_file`:
 422 with the file's code, and the push fails as any failed update does);
 ``/collective_rpc`` is refused by the route table (403 ``route_refused``): it runs any
 method on every worker (``__init__``, ``sleep``, ``reload_weights``, ...), which nothing

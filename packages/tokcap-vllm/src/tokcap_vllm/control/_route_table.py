@@ -8,7 +8,7 @@ vLLM puts no authentication on any of them. The gate answers each request by thi
 
 - **public** (`PUBLIC`, each with its reason): inference and what a client or a load
   balancer asks before it (a rollout's calls are captured on its path or with the rollout
-  header, see `tokcap_vllm._routing`; other traffic is served uncaptured), liveness;
+  header, see `tokcap_vllm.gate._routing`; other traffic is served uncaptured), liveness;
 - **guarded** (`GUARDED_PATHS`): the control token is required (``Authorization:
   Bearer``); anything that changes or reveals the engine beyond serving;
 - **refused** (`REFUSED`): answered 403 even with the token, because no rule of the gate

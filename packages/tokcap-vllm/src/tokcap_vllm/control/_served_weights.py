@@ -23,7 +23,7 @@ Rules beside the table:
 - A hold is the fleet's: its own gate's successful push does not lift it (the other gates
   may not have the version yet); only `release` does, and only once the gate is READY.
 - A label a route would set is asked first (`check_label`, before vLLM sees it): it must be
-  a version's canonical spelling above the one served (`tokcap_vllm._weight_state`'s rule),
+  a version's canonical spelling above the one served (`tokcap_vllm.transfer._weight_state`'s rule),
   else the route is refused and nothing changes, so the gate and the ledger never disagree.
 - An engine put to sleep (``/sleep``) serves nothing the gate can vouch for: FAILED("asleep")
   until ``/wake_up`` says it is awake; a sleep of level 2 discards the weights, so only a

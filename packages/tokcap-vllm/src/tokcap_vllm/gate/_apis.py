@@ -1,11 +1,11 @@
 """The four APIs a rollout may speak, decoded into what capture needs of one request.
 
-Chat completions and completions are read by `tokcap_vllm._wire.decode_body`; Anthropic
-Messages (`tokcap_vllm._messages`) and OpenAI Responses (`tokcap_vllm._responses`) become
+Chat completions and completions are read by `tokcap_vllm.gate._wire.decode_body`; Anthropic
+Messages (`tokcap_vllm.gate._messages`) and OpenAI Responses (`tokcap_vllm.gate._responses`) become
 the chat requests vLLM itself makes of them, so they are planned as chat: a rollout that
 mixes APIs on one conversation stays one custody chain wherever the template renders the
 turns alike. Each API keeps its own response id (the ledger's ``response_id``), its own
-answer reader (`tokcap_vllm._answers`) and its own stream error event.
+answer reader (`tokcap_vllm.gate._answers`) and its own stream error event.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class CapturedRequest:
     thread: ResponsesTurn | None = None
     structured_outputs: Any = None
     """vLLM's ``StructuredOutputsParams`` the engine call is constrained by, where the API's
-    own request has no field for it (Messages: the tokcap extension, `tokcap_vllm._messages`)."""
+    own request has no field for it (Messages: the tokcap extension, `_messages`)."""
 
 
 async def decode_request(

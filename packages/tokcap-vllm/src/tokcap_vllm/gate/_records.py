@@ -1,7 +1,7 @@
 """The records the gate's tables move: a rollout (`RolloutRecord`) and a call (`GateCall`).
 
-Pure data, no rules: the rollout-phase table lives in `tokcap_vllm._rollouts`, the call
-table in `tokcap_vllm._lifecycle`; a rollout and its calls refer to each other, so both
+Pure data, no rules: the rollout-phase table lives in `tokcap_vllm.gate._rollouts`, the call
+table in `tokcap_vllm.gate._lifecycle`; a rollout and its calls refer to each other, so both
 records live here (no import circle between the tables' modules).
 """
 

@@ -217,7 +217,7 @@ class ResponseObserver:
     """Watches a response on its way out: status, id, returned content and tool calls.
 
     ``kind`` is the captured endpoint: a Messages or Responses answer is read by its
-    `tokcap_vllm._answers` reader, whose terminal event (``message_stop``,
+    `tokcap_vllm.gate._answers` reader, whose terminal event (``message_stop``,
     ``response.completed``) ends the stream as ``[DONE]`` ends a chat stream.
     """
 

@@ -6,7 +6,7 @@ so the app it builds carries `GateMiddleware` (the same thing ``--middleware
 tokcap_vllm.GateMiddleware`` does); without it, the plugin does nothing, so installing
 tokcap-vllm never changes a server. The gate is configured by the same ``TOKCAP_<FIELD>``
 variables ``tokcap-vllm serve`` sets from its options (``TOKCAP_SINK`` is required; see
-`tokcap_vllm._served`). `register_weight_transfer` always registers the ``tokcap_shm``
+`tokcap_vllm.gate._served`). `register_weight_transfer` always registers the ``tokcap_shm``
 weight-transfer backend (lazily, by module path: nothing is imported until an engine
 selects it with ``--weight-transfer-config '{"backend": "tokcap_shm"}'``).
 """

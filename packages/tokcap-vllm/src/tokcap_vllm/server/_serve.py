@@ -2,7 +2,7 @@
 
 vLLM's OpenAI server with the gate in front. The ``--tokcap-*`` options (every field of
 `GateConfig`, `CaptureConfig` and the chosen sink's config that means something to a
-gate; see `tokcap_vllm._served`) are checked here, then handed to the server as
+gate; see `tokcap_vllm.gate._served`) are checked here, then handed to the server as
 ``TOKCAP_<FIELD>`` variables, which is also how ``--middleware`` and plugin users set
 them: a bad value is one line on stderr naming the option, and exit status 2. The control
 token is never an option (it would show in ``ps``): ``TOKCAP_CONTROL_TOKEN`` or

@@ -1,4 +1,4 @@
-"""The direct load of a push into a CPU engine's model (the plan: `tokcap_vllm._direct_plan`).
+"""The direct load of a push into a CPU engine's model (the plan: `_direct_plan`).
 
 `DirectLoader.plan` runs once per engine (the push's names do not change): the model's own
 ``load_weights`` over the staged tensors, with every parameter swapped for a meta stand-in

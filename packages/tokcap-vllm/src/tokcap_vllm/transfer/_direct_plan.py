@@ -8,7 +8,7 @@ the push (the tensor itself, or its shards joined in the layer's row order) and 
 with its own quant method; every other parameter is copied in place by its own loader,
 and the layers holding those parameters run their quant method again.
 
-The engine side (`tokcap_vllm._direct_load`) learns what goes where by running the model's
+The engine side (`tokcap_vllm.transfer._direct_load`) learns what goes where by running the model's
 own ``load_weights`` with recording loaders (vLLM's name mapping, stacked shards and tied
 heads included) and describes the layers it touched (`LayerFacts`); `plan_direct` turns
 that into a `DirectPlan`, or refuses with `NotDirect` naming the first thing it does not

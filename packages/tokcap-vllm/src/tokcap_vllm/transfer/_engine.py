@@ -3,9 +3,9 @@
 vLLM 0.32's weight transfer (`vllm.distributed.weight_transfer`) has a worker-side engine
 and a trainer-side engine per backend; every shipped one (``nccl``, ``ipc``, ...) needs a
 GPU. This module adds one for CPU engines, registered by the ``vllm.general_plugins``
-entry point (`tokcap_vllm._plugin.register_weight_transfer`) and chosen with
+entry point (`tokcap_vllm.server._plugin.register_weight_transfer`) and chosen with
 ``--weight-transfer-config '{"backend": "tokcap_shm"}'``. The bytes travel in a push file
-(`tokcap_vllm._shm`) on the engine's host: written by the trainer into ``/dev/shm`` (same
+(`tokcap_vllm.transfer._shm`) on the engine's host: written by the trainer into ``/dev/shm`` (same
 host), or by the gate from a streamed HTTP body (another host); ``/update_weights`` carries
 only ``{"path", "entries"}``.
 
@@ -15,18 +15,18 @@ Worker side (`TokcapShmWeightTransferEngine`), driven by vLLM's worker:
   not touched (no layerwise-reload set-up yet), so a push refused later changes nothing.
 - ``update_weights``: checks the file (no link followed, a regular file of exactly the
   entries' size) and the entries against the engine's spec (names, dtypes, shapes, sizes;
-  `tokcap_vllm._shm`, `tokcap_vllm._spec`), reads the file into a buffer of its own,
-  refuses non-finite values (`tokcap_vllm._weights.refuse_non_finite`, on the bytes read:
+  `_shm`, `_spec`), reads the file into a buffer of its own,
+  refuses non-finite values (`_weights.refuse_non_finite`, on the bytes read:
   the bytes checked are the bytes loaded) and keeps the views aside. A trainer's push file
   (rewritten in place push after push) keeps its buffer for its next push
-  (`tokcap_vllm._shm.KeptBuffers`). Overridden because the base calls
+  (`tokcap_vllm.transfer._shm.KeptBuffers`). Overridden because the base calls
   ``torch.accelerator.synchronize()``, which raises on a CPU-only torch.
 - ``finish_weight_update``: refuses (ValueError, nothing loaded) unless the staged set is
   exactly the spec (a partial push leaves a fused layer half-initialised: NaN, measured)
   and every file it was read from is unchanged since (``push_file_changed``: a file
   rewritten or shrunk under a push fails that push, never the engine).
   Then, on a CPU engine (one rank, unquantized), a **direct load**
-  (`tokcap_vllm._direct_load`): each linear layer whose weight vLLM's CPU dispatch packed
+  (`tokcap_vllm.transfer._direct_load`): each linear layer whose weight vLLM's CPU dispatch packed
   away takes its new weight straight from the push file (a view; a fused ``qkv_proj`` or
   ``gate_up_proj`` is one view when its shards lie back to back in the file, as a trainer's
   state dict writes them, else joined into a buffer kept across pushes) and is packed by
@@ -35,7 +35,7 @@ Worker side (`TokcapShmWeightTransferEngine`), driven by vLLM's worker:
   What goes where comes from the model's own ``load_weights`` run once with recording
   loaders. Anything it does not recognise (a GPU, tensor or pipeline parallelism, a
   quantized or unknown quant method, shards or shapes that do not add up, a tensor the
-  model transforms before loading; `tokcap_vllm._direct_plan`), or
+  model transforms before loading; `tokcap_vllm.transfer._direct_plan`), or
   ``TOKCAP_SHM_LOAD=layerwise`` in the engine's environment, and the push goes through
   vLLM's layerwise reload (initialise, ``model.load_weights``, finalise), the path
   ``reload_weights(is_checkpoint_format=True)`` takes, unchanged; a direct load that fails
@@ -222,7 +222,7 @@ class TokcapShmWeightTransferEngine(WeightTransferEngine[TokcapShmInitInfo, Tokc
         _log.info("tokcap_shm loaded %d tensors: %s, %.1f ms", len(staged), how, elapsed)
 
     def _load_directly(self, staged: dict[str, torch.Tensor]) -> str | None:
-        """Load ``staged`` directly (`tokcap_vllm._direct_load`); None where the direct load
+        """Load ``staged`` directly (`_direct_load`); None where the direct load
         does not apply (``self._direct`` then says why) or failed part-way (the layerwise
         reload then loads every tensor again)."""
         if self._direct is None or (

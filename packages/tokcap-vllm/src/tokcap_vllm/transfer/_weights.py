@@ -5,7 +5,7 @@
 `WeightSyncWorker` (``--worker-extension-cls tokcap_vllm.WeightSyncWorker``). A push:
 
 1. **check** (nothing sent yet): the state dict must be exactly the spec the worker read
-   from the engine's checkpoint (`tokcap_vllm._spec`): every name, no other, each shape,
+   from the engine's checkpoint (`tokcap_vllm.transfer._spec`): every name, no other, each shape,
    the engine's dtype, finite values. Anything else raises `WeightPushError`; the engine
    never saw it. Pushing part of a model is refused, not attempted: vLLM reloads a fused
    layer (``qkv_proj``) only once all its parts arrived, and a partial one is left
