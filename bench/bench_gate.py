@@ -11,7 +11,7 @@ time). Four kinds of requests, each ``--requests`` chat calls at ``--concurrency
   it, apart from the gate;
 - ``captured``: ``/tokcap/rollouts/{id}/v1/chat/completions`` (admission, token_in,
   staging into a MemorySink, ledger commit), vLLM skipping the text of the logprobs only
-  the gate reads (`tokcap_vllm._logprob_text`);
+  the gate reads (`tokcap_vllm.gate._logprob_text`);
 - ``captured+text``: the same with that switch off for the round (vLLM decodes every
   logprob token to text, as before the switch): what the switch saves.
 

@@ -30,17 +30,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "packages" / "tokcap-vllm" / "src" / "tokcap_vllm"
 MODULES = (
-    "_rollouts.py",
-    "_lifecycle.py",
-    "_planning/_index.py",
-    "_staging.py",
+    "gate/_rollouts.py",
+    "gate/_lifecycle.py",
+    "gate/_planning/_index.py",
+    "gate/_staging.py",
     "fingerprints.py",
-    "_planning/_plan_text.py",
-    "_planning/_plan_ids.py",
-    "_planning/_splice.py",
-    "_routing.py",
-    "_weight_state.py",
-    "_planning/_render_ids.py",
+    "gate/_planning/_plan_text.py",
+    "gate/_planning/_plan_ids.py",
+    "gate/_planning/_splice.py",
+    "gate/_routing.py",
+    "transfer/_weight_state.py",
+    "gate/_planning/_render_ids.py",
 )
 ENGINE_FREE_TESTS = (
     "tests/vllm/test_gate_rules.py",
@@ -52,17 +52,17 @@ ENGINE_FREE_TESTS = (
 )
 _RULES = ("tests/vllm/test_gate_rules.py", "tests/vllm/test_gate_tables.py")
 EXERCISING: dict[str, tuple[str, ...]] = {
-    "_rollouts.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
-    "_lifecycle.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
-    "_planning/_index.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
-    "_staging.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
-    "_weight_state.py": (*_RULES, "tests/vllm/test_weight_state.py"),
+    "gate/_rollouts.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
+    "gate/_lifecycle.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
+    "gate/_planning/_index.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
+    "gate/_staging.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
+    "transfer/_weight_state.py": (*_RULES, "tests/vllm/test_weight_state.py"),
     "fingerprints.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
-    "_planning/_plan_text.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
-    "_planning/_splice.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
-    "_routing.py": _RULES,
-    "_planning/_plan_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
-    "_planning/_render_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
+    "gate/_planning/_plan_text.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
+    "gate/_planning/_splice.py": (*_RULES, "tests/vllm/test_admission_unit.py"),
+    "gate/_routing.py": _RULES,
+    "gate/_planning/_plan_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
+    "gate/_planning/_render_ids.py": (*_RULES, "tests/vllm/test_mistral_planner.py"),
 }
 """The engine-free test files that exercise each module (``--all-tests``: every one)."""
 _FLIP_COMPARE: dict[type[ast.cmpop], type[ast.cmpop]] = {

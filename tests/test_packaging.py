@@ -4,7 +4,8 @@
   msgspec, no adapter) and its golden vectors and CLI work there;
 - every other package installs from its wheel with only what it declares (and what
   that brings), into a clean environment of its own, imports, and runs its CLI there;
-  ``tokcap-vllm serve`` without vLLM says how to install it in one line;
+  ``tokcap-vllm serve`` without vLLM says how to install it in one line; the trainer's room
+  (`tokcap_vllm.client`) imports and runs there without vLLM, torch or the engine side;
 - every workspace member builds a wheel;
 - the packages are clean under ``mypy --strict`` and ``ruff check``.
 
@@ -191,6 +192,65 @@ def test_every_package_installs_alone_and_imports(
         cli = _run(bin_dir / "tokcap", "--help", cwd=tmp_path)
         assert cli.returncode == 0, cli.stdout + cli.stderr
         assert "demo" in cli.stdout
+
+
+TRAINER_ROOM_ALONE = """
+import socket, sys
+import anyio
+import tokcap_vllm.client as client
+from tokcap_vllm.errors import ControlPlaneError, WeightSyncError
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))  # bound, never listening: every connection is refused
+url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+async def main():
+    async with client.ControlPlaneClient(url, "token", retries=0) as one:
+        try:
+            await one.health()
+        except ControlPlaneError as e:
+            print("ControlPlaneClient", type(e).__name__, e.code)
+    async with client.GateFleet([url], "token", retries=0) as fleet:
+        try:
+            await fleet.open("r1")
+        except ControlPlaneError as e:
+            print("GateFleet", type(e).__name__, e.code)
+    try:
+        await client.wait_for_gates([url], "token", timeout_s=0.5, interval_s=0.1)
+    except ControlPlaneError as e:
+        print("wait_for_gates", type(e).__name__, e.code)
+    async with client.GateWeightClient(url, "token") as weights:
+        try:
+            await weights.info()
+        except WeightSyncError as e:
+            print("GateWeightClient", type(e).__name__, e.code)
+
+anyio.run(main)
+engine_side = ("gate", "server", "control", "persist")
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch")
+             or (m.startswith("tokcap_vllm.") and m.split(".")[1] in engine_side)))
+"""
+
+
+def test_the_trainer_room_imports_and_runs_without_vllm_or_torch(
+    uv: str, wheels: Path, tmp_path: Path
+) -> None:
+    """`tokcap_vllm.client`, in a clean environment holding tokcap-vllm and what it declares
+    (no vLLM, no torch), imports without any engine-side room and its clients run: against
+    a port nothing listens on each fails with its typed error."""
+    bin_dir = _install_alone(uv, wheels, tmp_path / "venv", "tokcap-vllm")
+    find = "import importlib.util as u; print([m for m in ('vllm', 'torch') if u.find_spec(m)])"
+    present = _run(bin_dir / "python", "-c", find, cwd=tmp_path)
+    assert present.stdout.strip() == "[]", present.stdout + present.stderr
+    result = _run(bin_dir / "python", "-c", TRAINER_ROOM_ALONE, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.splitlines() == [
+        "ControlPlaneClient ControlUnreachable unreachable",
+        "GateFleet ControlUnreachable unreachable",
+        "wait_for_gates ControlUnreachable gates_not_ready",
+        "GateWeightClient WeightSyncError info_failed",
+        "[]",
+    ]
 
 
 def _check_vllm_cli_without_vllm(bin_dir: Path, cwd: Path) -> None:

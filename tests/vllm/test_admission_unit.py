@@ -32,9 +32,9 @@ from tokcap.tiny import CHATML_TEMPLATE
 from tokcap_core import ConfigError
 from tokcap_core.ledger import BREAK_CAUSES, SPLICE_CAUSES
 from tokcap_vllm import GateConfig
-from tokcap_vllm._planning._plan_text import ChatPlan, PriorCall, plan_chat
-from tokcap_vllm._planning._splice import SpliceRules, splice_cause
 from tokcap_vllm.fingerprints import message_fingerprints, normalize_message
+from tokcap_vllm.gate._planning._plan_text import ChatPlan, PriorCall, plan_chat
+from tokcap_vllm.gate._planning._splice import SpliceRules, splice_cause
 
 TOOLS = [
     {

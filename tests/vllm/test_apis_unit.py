@@ -9,12 +9,12 @@ from typing import Any
 import anyio
 import pytest
 
-from tokcap_vllm._answers import MessagesAnswer, ResponsesAnswer
-from tokcap_vllm._apis import decode_request, stream_error_event
-from tokcap_vllm._rollouts import RolloutBook
-from tokcap_vllm._routing import route_request
-from tokcap_vllm._wire import ResponseObserver
 from tokcap_vllm.errors import BadRequest, GateError, Unsupported
+from tokcap_vllm.gate._answers import MessagesAnswer, ResponsesAnswer
+from tokcap_vllm.gate._apis import decode_request, stream_error_event
+from tokcap_vllm.gate._rollouts import RolloutBook
+from tokcap_vllm.gate._routing import route_request
+from tokcap_vllm.gate._wire import ResponseObserver
 
 PREFIX = "/tokcap/rollouts/"
 
@@ -302,7 +302,7 @@ def test_a_whole_messages_answer_and_a_whole_responses_answer() -> None:
 
 
 def test_a_turns_history_is_its_chain_of_items_oldest_first() -> None:
-    from tokcap_vllm._responses import ResponsesTurn
+    from tokcap_vllm.gate._responses import ResponsesTurn
 
     first = ResponsesTurn(None, [{"role": "user", "content": "a"}], [{"type": "message"}])
     second = ResponsesTurn(first, [{"type": "function_call_output"}], [{"type": "function_call"}])

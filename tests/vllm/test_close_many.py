@@ -13,7 +13,7 @@ import anyio
 import httpx
 import pytest
 
-import tokcap_vllm.persist as persist
+import tokcap_vllm.persist._ledger_file as persist
 from tests.vllm._helpers import client, control
 from tokcap_core import Receipt
 from tokcap_core.ledger import CLOSED, Closed, manifest_of

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokcap_vllm._direct_plan import (
+from tokcap_vllm.transfer._direct_plan import (
     EMBEDDING,
     LINEAR,
     DirectPlan,
@@ -18,7 +18,7 @@ from tokcap_vllm._direct_plan import (
     Packed,
     plan_direct,
 )
-from tokcap_vllm._shm import KeptBuffers, PushFile, joined, read_push_file, write_push_file
+from tokcap_vllm.transfer._shm import KeptBuffers, PushFile, joined, read_push_file, write_push_file
 
 QKV = "model.layers.0.self_attn.qkv_proj"
 OPROJ = "model.layers.0.self_attn.o_proj"
@@ -246,7 +246,7 @@ def _toy(*hows: str) -> torch.nn.Module:
 
 
 def test_a_direct_load_packs_views_and_keeps_no_view_of_the_push_file(tmp_path: Path) -> None:
-    from tokcap_vllm._direct_load import DirectLoader
+    from tokcap_vllm.transfer._direct_load import DirectLoader
 
     q, k, w = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
     tensors = [("q", q), ("k", k), ("w", w)]
@@ -263,7 +263,7 @@ def test_a_direct_load_packs_views_and_keeps_no_view_of_the_push_file(tmp_path: 
 
 
 def test_a_layer_whose_packing_fails_gets_its_emptied_weight_back(tmp_path: Path) -> None:
-    from tokcap_vllm._direct_load import DirectLoader
+    from tokcap_vllm.transfer._direct_load import DirectLoader
 
     tensors = [("a", torch.randn(4, 4)), ("b", torch.randn(4, 4))]
     spec = {name: ("float32", tuple(t.shape)) for name, t in tensors}

@@ -16,23 +16,23 @@ import pytest
 from tests.vllm._rules import Flag, NoLock
 from tokcap_core import TokcapError
 from tokcap_core.provenance import VersionSpan
-from tokcap_vllm._host import EngineResult
-from tokcap_vllm._lifecycle import COMMITTED, FAILED
-from tokcap_vllm._planning import Observed, ParentIndex, PlannedRequest
-from tokcap_vllm._planning._plan_text import ChatPlan, PriorCall, plan_completion
-from tokcap_vllm._planning._render_ids import (
+from tokcap_vllm.errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
+from tokcap_vllm.fingerprints import message_fingerprints, normalize_message, output_fingerprint
+from tokcap_vllm.gate._host import EngineResult
+from tokcap_vllm.gate._lifecycle import COMMITTED, FAILED
+from tokcap_vllm.gate._planning import Observed, ParentIndex, PlannedRequest
+from tokcap_vllm.gate._planning._plan_text import ChatPlan, PriorCall, plan_completion
+from tokcap_vllm.gate._planning._render_ids import (
     _served_message,
     _short_call_id,
     describe,
     is_id_tokenizer,
 )
-from tokcap_vllm._planning._splice import _common_prefix, _ended, _lost, splice_cause
-from tokcap_vllm._records import GateCall, answerable, gone
-from tokcap_vllm._rollouts import CLOSING, EMPTY, OPEN, UNCAPTURED, RolloutBook
-from tokcap_vllm._routing import route_request
-from tokcap_vllm._staging import staged_call, staged_entry
-from tokcap_vllm.errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
-from tokcap_vllm.fingerprints import message_fingerprints, normalize_message, output_fingerprint
+from tokcap_vllm.gate._planning._splice import _common_prefix, _ended, _lost, splice_cause
+from tokcap_vllm.gate._records import GateCall, answerable, gone
+from tokcap_vllm.gate._rollouts import CLOSING, EMPTY, OPEN, UNCAPTURED, RolloutBook
+from tokcap_vllm.gate._routing import route_request
+from tokcap_vllm.gate._staging import staged_call, staged_entry
 
 PREFIX = "/tokcap/rollouts/"
 

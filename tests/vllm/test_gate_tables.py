@@ -1,7 +1,7 @@
 """The gate's rules alone: the rollout and call tables driven by a hypothesis state machine.
 
 No engine, no server, no event loop (as h11 tests its ``ConnectionState`` without a
-socket). The machine plays the driver (`tokcap_vllm._capture.CapturePath`): it appends
+socket). The machine plays the driver (`tokcap_vllm.gate._capture.CapturePath`): it appends
 the ledger entries the driver would and asks the `RolloutBook` for each step, while a
 plain model written here from the module docstrings says what must have happened: which
 calls hold which keys and request ids, which are live, which are parents, the rollout's
@@ -23,7 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from tests.vllm._rules import Flag, NoLock
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.ledger import Admitted, Closed, Failed, Poisoned, Witnesses
-from tokcap_vllm._lifecycle import (
+from tokcap_vllm.errors import RolloutConflict, RolloutNotFound, TooManyRollouts
+from tokcap_vllm.gate._lifecycle import (
     ABANDONED,
     ADMITTED,
     COMMITTED,
@@ -34,9 +35,9 @@ from tokcap_vllm._lifecycle import (
     RESPONDED,
     CallStateError,
 )
-from tokcap_vllm._planning import ChatPlan, PriorCall
-from tokcap_vllm._records import GateCall, answerable
-from tokcap_vllm._rollouts import (
+from tokcap_vllm.gate._planning import ChatPlan, PriorCall
+from tokcap_vllm.gate._records import GateCall, answerable
+from tokcap_vllm.gate._rollouts import (
     CLOSED,
     CLOSING,
     CLOSING_UNCAPTURED,
@@ -46,7 +47,6 @@ from tokcap_vllm._rollouts import (
     RolloutBook,
     RolloutRecord,
 )
-from tokcap_vllm.errors import RolloutConflict, RolloutNotFound, TooManyRollouts
 
 ROLLOUTS = ("ra", "rb", "rc")
 KEYS = (None, "k1", "k2")

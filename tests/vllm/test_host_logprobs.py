@@ -22,7 +22,7 @@ import pytest
 
 from tests.vllm._helpers import close_and_reassemble
 from tokcap_vllm import InProcessServer
-from tokcap_vllm._logprob_text import PATCHED_VERSIONS, install_logprob_text_switch
+from tokcap_vllm.gate._logprob_text import PATCHED_VERSIONS, install_logprob_text_switch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

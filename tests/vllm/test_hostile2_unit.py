@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokcap_vllm._weight_state import begin
 from tokcap_vllm.errors import BadRequest
 from tokcap_vllm.fingerprints import normalize_message, output_fingerprint
+from tokcap_vllm.transfer._weight_state import begin
 from tokcap_vllm.weights import WeightPhase, WeightPushError, WeightState
 
 
@@ -47,8 +47,8 @@ def test_a_weight_version_the_ledger_cannot_store_is_refused_before_the_push(ver
 def test_the_rollout_header_refuses_what_the_path_form_refuses(path: str) -> None:
     """B4/B5: a POST naming a rollout by header on an endpoint the gate does not capture is
     ``uncaptured_endpoint``, as on the rollout path; without the header it passes untouched."""
-    from tokcap_vllm._routing import route_request
     from tokcap_vllm.errors import RolloutNotFound
+    from tokcap_vllm.gate._routing import route_request
 
     prefix = "/tokcap/rollouts/"
     for raw, headers in ((path, ["r1"]), (f"{prefix}r1{path}", [])):
@@ -76,7 +76,7 @@ def test_the_rollout_header_refuses_what_the_path_form_refuses(path: str) -> Non
 def test_a_request_id_the_ledger_cannot_store_is_refused(request_id: str) -> None:
     """B1/B2: vLLM's response id is ``chatcmpl-`` + the request id; the ledger stores 1..256
     printable ASCII characters, so a chat request id is 1..247 of them."""
-    from tokcap_vllm._wire import check_request_id
+    from tokcap_vllm.gate._wire import check_request_id
 
     with pytest.raises(BadRequest) as raised:
         check_request_id(request_id, "chat")
@@ -84,7 +84,7 @@ def test_a_request_id_the_ledger_cannot_store_is_refused(request_id: str) -> Non
 
 
 def test_request_ids_up_to_the_bound_are_kept_as_given() -> None:
-    from tokcap_vllm._wire import check_request_id
+    from tokcap_vllm.gate._wire import check_request_id
 
     assert check_request_id("a" * 247, "chat") == "a" * 247
     assert check_request_id("a" * 251, "completion") == "a" * 251
@@ -99,8 +99,8 @@ def test_truncate_prompt_tokens_is_refused_not_ignored(kind: str, value: int) ->
     """Q5: vLLM would truncate the prompt the gate admitted; refused before admission."""
     import json
 
-    from tokcap_vllm._wire import decode_body
     from tokcap_vllm.errors import Unsupported
+    from tokcap_vllm.gate._wire import decode_body
 
     body = {"truncate_prompt_tokens": value}
     body |= {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}

@@ -28,7 +28,7 @@ from tokcap.compose import served_gate_options
 from tokcap_core.ledger import Staged
 from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_vllm import ControlPlaneClient
-from tokcap_vllm._shm import SHM_DIR
+from tokcap_vllm.transfer._shm import SHM_DIR
 from tokcap_vllm.weights import GateWeightClient, WeightPushError, WeightSyncError
 
 # The whole module runs last (tests/conftest.py): its last test replaces the session's TQ.

@@ -31,9 +31,9 @@ from tokcap_vllm import (
     GateFleet,
     RolloutClose,
 )
-from tokcap_vllm._owners import Owners
 from tokcap_vllm.errors import LedgerFileError, RolloutConflict, TooLarge
 from tokcap_vllm.extend import ControlPlane
+from tokcap_vllm.gate._owners import Owners
 from tokcap_vllm.persist import LedgerFile
 
 TOKEN = "hostile3-token"
@@ -194,7 +194,7 @@ async def test_b5_a_restarted_gates_rollouts_are_gate_restarted_and_their_rows_o
 def test_b6_a_second_gate_on_one_ledger_file_refuses_to_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tokcap_vllm._serve import main
+    from tokcap_vllm.server._serve import main
 
     path = tmp_path / "gate.ledger"
     first = Gate(GateConfig(ledger_path=str(path)))
@@ -235,7 +235,7 @@ async def test_q8_a_batch_close_body_over_the_bound_is_413() -> None:
 def test_q5_a_messages_structured_outputs_extension_is_bounded() -> None:
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
-    from tokcap_vllm._messages import MAX_STRUCTURED_OUTPUTS_BYTES, messages_request
+    from tokcap_vllm.gate._messages import MAX_STRUCTURED_OUTPUTS_BYTES, messages_request
 
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}
     body = {

@@ -116,7 +116,7 @@ def test_b3_the_table_names_every_route_vllms_app_builder_mounts(
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from tokcap_vllm._route_table import route_listing
+    from tokcap_vllm.control._route_table import route_listing
 
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")

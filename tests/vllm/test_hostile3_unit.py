@@ -15,23 +15,19 @@ import torch
 
 from tokcap_core import CaptureConfig
 from tokcap_vllm import Gate, GateConfig
-from tokcap_vllm._control import ControlPlane
-from tokcap_vllm._gate import GateHealth
-from tokcap_vllm._guarded_routes import (
-    MAX_PENDING_UPLOADS,
-    WEIGHTS_PATH,
-    GuardedRoutes,
-    WeightSpec,
-)
-from tokcap_vllm._served_weights import ServedWeights
-from tokcap_vllm._shm import (
+from tokcap_vllm.api import WEIGHTS_PATH, WeightSpec
+from tokcap_vllm.control._control import ControlPlane
+from tokcap_vllm.control._guarded_routes import MAX_PENDING_UPLOADS, GuardedRoutes
+from tokcap_vllm.control._served_weights import ServedWeights
+from tokcap_vllm.gate._gate import GateHealth
+from tokcap_vllm.transfer._shm import (
     PushFile,
     check_push_file,
     read_push_file,
     unchanged_since,
     write_push_file,
 )
-from tokcap_vllm._weight_state import check_version, version_of_label
+from tokcap_vllm.transfer._weight_state import check_version, version_of_label
 from tokcap_vllm.weights import GateWeightClient, WeightPhase, WeightPushError
 
 TOKEN = "secret-token"

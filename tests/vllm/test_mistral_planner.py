@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 
 from tokcap.tiny import MISTRAL_TOKENIZERS
 from tokcap_vllm import GateConfig
-from tokcap_vllm._planning import ChatPlan, PriorCall, request_renderer
-from tokcap_vllm._planning._plan_ids import plan_chat_ids, splice_cause
-from tokcap_vllm._planning._render_ids import IdRequestRenderer, MistralCodec, probe_follow_up
-from tokcap_vllm._wire import decode_body
 from tokcap_vllm.errors import Unsupported, UnsupportedTokenizer
 from tokcap_vllm.fingerprints import message_fingerprints, normalize_message
+from tokcap_vllm.gate._planning import ChatPlan, PriorCall, request_renderer
+from tokcap_vllm.gate._planning._plan_ids import plan_chat_ids, splice_cause
+from tokcap_vllm.gate._planning._render_ids import IdRequestRenderer, MistralCodec, probe_follow_up
+from tokcap_vllm.gate._wire import decode_body
 
 TOOLS = [
     {

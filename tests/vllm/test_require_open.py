@@ -10,8 +10,8 @@ import pytest
 from tokcap_core import assemble_receipt, verify_manifest
 from tokcap_core.ledger import manifest_of
 from tokcap_vllm import Gate, GateConfig
-from tokcap_vllm._rollouts import GateCall
 from tokcap_vllm.errors import RolloutNotFound
+from tokcap_vllm.gate._rollouts import GateCall
 
 
 def test_a_call_of_a_rollout_nobody_opened_is_unknown() -> None:

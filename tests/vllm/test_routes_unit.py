@@ -18,9 +18,9 @@ import numpy as np
 from tokcap_core import CaptureConfig, assemble_receipt, reassemble, verify_manifest
 from tokcap_core.ledger import manifest_of
 from tokcap_vllm import Gate, GateConfig
-from tokcap_vllm._host import CURRENT_TICKET, Ticket
-from tokcap_vllm._planning import ChatPlan, Observed, PlannedRequest
 from tokcap_vllm.extend import CaptureHost
+from tokcap_vllm.gate._host import CURRENT_TICKET, Ticket
+from tokcap_vllm.gate._planning import ChatPlan, Observed, PlannedRequest
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
 

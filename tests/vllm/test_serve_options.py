@@ -17,11 +17,11 @@ import pytest
 from tokcap_core import CaptureConfig, ConfigError
 from tokcap_tq import TQSinkConfig
 from tokcap_vllm import GateConfig
-from tokcap_vllm._config import SECRET_FIELDS, TRAINER_ONLY_FIELDS, gate_options
-from tokcap_vllm._serve import gate_environ, server_argv
-from tokcap_vllm._served import describe_sink, served_gate, served_options
+from tokcap_vllm.gate._config import SECRET_FIELDS, TRAINER_ONLY_FIELDS, gate_options
+from tokcap_vllm.gate._served import describe_sink, served_gate, served_options
+from tokcap_vllm.server._serve import gate_environ, server_argv
 
-CLI = [sys.executable, "-c", "from tokcap_vllm._serve import main; main()"]
+CLI = [sys.executable, "-c", "from tokcap_vllm.server._serve import main; main()"]
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

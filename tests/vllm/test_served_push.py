@@ -426,7 +426,7 @@ def test_vllms_own_trainer_engine_factory_pushes_through_the_registered_backend(
     the backend resolves to tokcap's, the bearer client gets through the guard."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from tokcap_vllm._plugin import register_weight_transfer
+    from tokcap_vllm.server._plugin import register_weight_transfer
     from tokcap_vllm.transfer import (
         BearerWeightSyncClient,
         StateDictSource,

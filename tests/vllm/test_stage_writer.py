@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from tokcap_core import MemorySink, SinkError, StagedCall
 from tokcap_core.ledger import Ledger
 from tokcap_core.testing import staged_calls
-from tokcap_vllm._records import GateCall, RolloutRecord
-from tokcap_vllm._stage_writer import WRITERS, StageWriter
+from tokcap_vllm.gate._records import GateCall, RolloutRecord
+from tokcap_vllm.gate._stage_writer import WRITERS, StageWriter
 
 
 class HeldSink(MemorySink):

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tokcap_vllm import Gate
-from tokcap_vllm._guarded_routes import GUARDED_PATHS, WEIGHTS_PATH, guarded_path
-from tokcap_vllm._served_weights import ServedWeights
-from tokcap_vllm._shm import PushFile, read_push_file, write_push_file
+from tokcap_vllm.api import WEIGHTS_PATH
+from tokcap_vllm.control._guarded_routes import GUARDED_PATHS, guarded_path
+from tokcap_vllm.control._served_weights import ServedWeights
 from tokcap_vllm.errors import GateError
+from tokcap_vllm.transfer._shm import PushFile, read_push_file, write_push_file
 from tokcap_vllm.weights import WeightPhase
 
 VLLM_ROUTERS = [
@@ -203,7 +204,7 @@ def test_the_backend_registers_once_however_often_the_plugin_runs() -> None:
         WeightTransferTrainerFactory,
     )
 
-    from tokcap_vllm._plugin import register_weight_transfer
+    from tokcap_vllm.server._plugin import register_weight_transfer
     from tokcap_vllm.transfer import (
         TokcapShmTrainerWeightTransferEngine,
         TokcapShmWeightTransferEngine,
@@ -219,8 +220,8 @@ def test_the_backend_registers_once_however_often_the_plugin_runs() -> None:
 def _guard() -> tuple[Any, Any]:
     from tokcap_core import CaptureConfig
     from tokcap_vllm import Gate, GateConfig
-    from tokcap_vllm._control import ControlPlane
-    from tokcap_vllm._guarded_routes import GuardedRoutes
+    from tokcap_vllm.control._control import ControlPlane
+    from tokcap_vllm.control._guarded_routes import GuardedRoutes
 
     gate = Gate(GateConfig(capture=CaptureConfig(control_token="secret-token")))
     return gate, GuardedRoutes(gate, ControlPlane(gate))

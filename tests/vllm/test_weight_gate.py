@@ -24,7 +24,7 @@ from tests.vllm._helpers import client, close_and_reassemble
 from tokcap_core.ledger import Admitted, Staged
 from tokcap_core.provenance import VersionSpan, row_staleness
 from tokcap_vllm import InProcessServer, WeightSync
-from tokcap_vllm._host import _weight_spans
+from tokcap_vllm.gate._host import _weight_spans
 from tokcap_vllm.weights import WeightPhase, WeightState
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

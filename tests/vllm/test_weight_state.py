@@ -12,10 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokcap_vllm._shm import write_push_file as _write_file
-from tokcap_vllm._weight_client import StagedPush, check_while_staging
-from tokcap_vllm._weight_state import begin, fail, succeed
-from tokcap_vllm._weights import _chunks
+from tokcap_vllm.client._weight_client import StagedPush, check_while_staging
+from tokcap_vllm.transfer._shm import write_push_file as _write_file
+from tokcap_vllm.transfer._weight_state import begin, fail, succeed
+from tokcap_vllm.transfer._weights import _chunks
 from tokcap_vllm.weights import (
     FleetWeightSync,
     WeightPhase,

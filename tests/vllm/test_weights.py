@@ -22,7 +22,7 @@ from tests.vllm._helpers import client, close_and_reassemble
 from tokcap.train import Trainer, collate, token_logprobs
 from tokcap_core import LogprobParity, TrainingRow, logprob_parity
 from tokcap_vllm import InProcessServer, WeightPushError, WeightSync
-from tokcap_vllm._weights import _chunks
+from tokcap_vllm.transfer._weights import _chunks
 from tokcap_vllm.weights import WeightPhase, WeightState
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -327,7 +327,7 @@ def test_the_worker_refuses_what_the_server_side_check_would_have(
     assert "entry_out_of_file" in on_loop(
         server, attempt, ("tokcap_stage_file", ("w", str(short), [entry]))
     )
-    other = tmp_path / "weights.bin"  # only push files are ever read (tokcap_vllm._shm)
+    other = tmp_path / "weights.bin"  # only push files are ever read (tokcap_vllm.transfer._shm)
     other.write_bytes(bytes(data))
     assert "not a tokcap push file" in on_loop(
         server, attempt, ("tokcap_stage_file", ("w", str(other), [entry]))

@@ -7,7 +7,7 @@ copied into the model folder under the name vLLM's ``--tokenizer-mode mistral`` 
 - ``"spm"``: ``mistral_instruct_tokenizer_240323.model.v3`` (SentencePiece, instruct v3,
   vocab 32,768) as ``tokenizer.model.v3``.
 Served the way Mistral's model cards ask (`mistral_vllm_args`), these exercise the gate's
-id-level planner (`tokcap_vllm._planning._render_ids`) and Mistral's tool-call format.
+id-level planner (`tokcap_vllm.gate._planning._render_ids`) and Mistral's tool-call format.
 
 Builds are deterministic and cached like `tokcap.tiny.build_tiny_model`: a finished folder
 holds a stamp with the hash of its recipe (tokenizer file digest included), and a later call

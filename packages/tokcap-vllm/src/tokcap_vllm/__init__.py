@@ -19,24 +19,41 @@ with its gates waits for them with `wait_for_gates`. With
 manifests byte-identical and poisons rollouts that were open at the crash. Trainers
 push new weights into the running engine with `WeightSync`.
 
-Named submodules hold the rest: `tokcap_vllm.api` (control-plane wire bodies),
-`tokcap_vllm.errors`, `tokcap_vllm.fingerprints` (message and output fingerprints),
-`tokcap_vllm.persist` (the ledger file), `tokcap_vllm.weights` (push states and
-checks) and `tokcap_vllm.extend` (hooks, metrics, the capture host: for extending the
-gate).
+The package is in rooms, each behind its door (a reader looking for one job finds one
+folder):
+
+- `tokcap_vllm.gate`: one captured call inside vLLM's server, from its request to its
+  commit (the driver, the rollout and call tables, planning, the four APIs, the capture
+  host, the gate's configuration);
+- `tokcap_vllm.server`: the ASGI door into vLLM's server (`GateMiddleware`),
+  ``tokcap-vllm serve``, `InProcessServer`, the plugin entry points;
+- `tokcap_vllm.control`: the control plane, the guarded routes and the route table;
+- `tokcap_vllm.transfer`: weights into an engine (push files, the weight state,
+  `WeightSync` and its worker extension, the ``tokcap_shm`` weight-transfer engine);
+- `tokcap_vllm.client`: what a trainer runs (`ControlPlaneClient`, `GateFleet`,
+  `wait_for_gates`, the weight clients); it imports without vLLM or any engine-side room;
+- `tokcap_vllm.persist`: the ledger file.
+
+Modules beside them: `tokcap_vllm.api` (the control plane's wire bodies),
+`tokcap_vllm.errors` (every error), `tokcap_vllm.fingerprints` (message and output
+fingerprints), and two doors gathering from the rooms: `tokcap_vllm.weights` (pushing
+weights: clients, states and checks) and `tokcap_vllm.extend` (hooks, metrics, the capture
+host: for extending the gate). The engine-side names here (`Gate`, `GateConfig`,
+`GateMiddleware`, `install_gate`, `InProcessServer`) load their room on first use.
 """
 
-from ._client import ControlPlaneClient
-from ._closes import CloseResult, RolloutClose
-from ._config import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, GateConfig
-from ._fleet import FleetGateReport, GateFleet
-from ._gate import Gate
-from ._inproc import InProcessServer
-from ._middleware import GateMiddleware, install_gate
-from ._ready import wait_for_gates
-from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
-from ._weights import WeightSync
-from ._worker import WeightSyncWorker
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .client import (
+    CloseResult,
+    ControlPlaneClient,
+    FleetGateReport,
+    GateFleet,
+    RolloutClose,
+    wait_for_gates,
+)
 from .errors import (
     ControlAuthError,
     ControlConflict,
@@ -45,8 +62,15 @@ from .errors import (
     ControlRequestError,
     ControlUnreachable,
     GateError,
+    LedgerFileError,
+    WeightPushError,
+    WeightSyncError,
 )
-from .persist import LedgerFileError
+from .transfer import WeightPhase, WeightState, WeightSync, WeightSyncWorker
+
+if TYPE_CHECKING:
+    from .gate import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, Gate, GateConfig
+    from .server import GateMiddleware, InProcessServer, install_gate
 
 __all__ = [
     "CONTROL_TOKEN_ENV",
@@ -77,3 +101,30 @@ __all__ = [
     "install_gate",
     "wait_for_gates",
 ]
+
+_ENGINE_SIDE = {
+    "CONTROL_TOKEN_ENV": "gate",
+    "LEDGER_PATH_ENV": "gate",
+    "Gate": "gate",
+    "GateConfig": "gate",
+    "GateMiddleware": "server",
+    "InProcessServer": "server",
+    "install_gate": "server",
+}
+"""The names of the engine-side rooms, loaded on first use: importing the trainer's room
+(`tokcap_vllm.client`) or the wire bodies loads neither the gate nor its server."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ENGINE_SIDE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import gate, server
+
+    rooms = {"gate": gate, "server": server}
+    value = getattr(rooms[_ENGINE_SIDE[name]], name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,6 @@
-"""The control plane's wire bodies (msgspec structs): the server's (`ControlPlane`), the
-client's, and for clients in any language.
+"""The control plane's wire bodies (msgspec structs), its weight routes' included: the
+server's (`ControlPlane`, the guarded weight routes), the clients', and for clients in any
+language.
 
 Request bodies refuse unknown fields, so a typo is a 422, not a silently ignored witness.
 """
@@ -16,6 +17,7 @@ __all__ = [
     "CONTROL_PREFIX",
     "MANIFEST_FAILURE_BUCKET",
     "MAX_CLOSE_BATCH",
+    "WEIGHTS_PATH",
     "CloseBody",
     "CloseManyBody",
     "CloseManyItem",
@@ -26,6 +28,7 @@ __all__ = [
     "Head",
     "HeadResponse",
     "Health",
+    "HoldBody",
     "OpenResponse",
     "ReleaseResponse",
     "RolloutItem",
@@ -33,6 +36,9 @@ __all__ = [
     "RouteItem",
     "RouteTable",
     "TerminalBody",
+    "UploadResponse",
+    "WeightInfo",
+    "WeightSpec",
     "WitnessBody",
     "error_json",
 ]
@@ -194,7 +200,7 @@ class Health(msgspec.Struct):
 
 
 class RouteItem(msgspec.Struct):
-    """One route the server mounts and how the gate answers it (`tokcap_vllm._route_table`)."""
+    """One route the server mounts and how the gate answers it (`control._route_table`)."""
 
     path: str
     methods: list[str]
@@ -208,6 +214,45 @@ class RouteTable(msgspec.Struct):
     """``GET /tokcap/v1/routes``: every route of the server's app, classified."""
 
     routes: list[RouteItem]
+
+
+WEIGHTS_PATH: Final = CONTROL_PREFIX + "weights"
+"""tokcap's weight routes (`tokcap_vllm.weights.GateWeightClient` drives them)."""
+
+
+class WeightInfo(msgspec.Struct):
+    """``GET /tokcap/v1/weights``: the gate's weight state and the engine's label."""
+
+    phase: str
+    """READY, PUSHING or FAILED as the gate admits calls (FAILED while held)."""
+    version: int
+    """The last version loaded in full."""
+    engine_phase: str
+    """The engine's own phase, the hold aside."""
+    held: str | None
+    error: str | None
+    engine_version: str
+    """The label vLLM attaches to outputs (``/weight_info``)."""
+
+
+class WeightSpec(msgspec.Struct):
+    """``GET /tokcap/v1/weights/spec``: ``{name: [dtype, shape]}`` and the tied pairs."""
+
+    tensors: dict[str, tuple[str, list[int]]]
+    tied: list[tuple[str, str]]
+
+
+class HoldBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /tokcap/v1/weights/hold``."""
+
+    reason: str
+
+
+class UploadResponse(msgspec.Struct):
+    """``PUT /tokcap/v1/weights/upload``: where the bytes now are, on the gate's host."""
+
+    path: str
+    nbytes: int
 
 
 class _ErrorDetail(msgspec.Struct):

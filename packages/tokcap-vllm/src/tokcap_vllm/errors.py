@@ -8,10 +8,6 @@ from typing import ClassVar
 
 from tokcap_core import TokcapError
 
-from ._lifecycle import CallStateError
-from ._weight_state import WeightPushError, WeightSyncError
-from .persist import LedgerFileError
-
 __all__ = [
     "BadRequest",
     "CallNotServed",
@@ -179,3 +175,41 @@ class ControlRequestError(ControlPlaneError):
 
 class ControlUnreachable(ControlPlaneError):
     """No usable answer after the retries: transport failure or 5xx."""
+
+
+# ---- the call table's, the ledger file's and the weight push's ------------------------
+
+
+class CallStateError(TokcapError, RuntimeError):
+    """The gate asked a call or a rollout for a step its phase does not allow (a gate bug,
+    contained)."""
+
+
+class LedgerFileError(TokcapError, RuntimeError):
+    """The ledger file cannot be trusted (a corrupt record before the tail, a broken chain)
+    or cannot be written (``ledger_write_failed``, ``ledger_sync_failed``); ``detail`` names
+    the OS error (``ENOSPC``, ``EFBIG``, ...) when there is one."""
+
+    def __init__(self, code: str, message: str = "", detail: str | None = None) -> None:
+        super().__init__(code, message)
+        self.args = (code, message, detail)
+        self.detail = detail
+
+
+class WeightPushError(TokcapError, ValueError):
+    """A push refused before anything was loaded: the engine serves what it served before.
+
+    Codes: ``missing_tensors`` (a partial push), ``unknown_tensors``, ``shape_mismatch``,
+    ``dtype_mismatch``, ``not_a_tensor``, ``non_finite_weights``, ``bad_version``,
+    ``version_not_increasing``, ``bad_mode``, ``push_in_progress``, ``not_pushing``; for a
+    push file (`tokcap_vllm.transfer._shm`): ``push_file_name``, ``push_file_missing``,
+    ``push_file_link``, ``push_file_not_regular``, ``push_file_linked``,
+    ``push_file_unreadable``, ``push_file_size``, ``push_file_changed``, ``bad_entry``,
+    ``duplicate_tensors``, ``entry_out_of_file``.
+    """
+
+
+class WeightSyncError(TokcapError, RuntimeError):
+    """The engine side of a push failed (``stage_failed``: nothing loaded, state unchanged;
+    ``<step>_failed`` after the pause: the state is FAILED), or the engine cannot take
+    pushes at all (``extension_missing``, ``spec_unavailable``)."""

@@ -2,14 +2,18 @@
 plane as a bare ASGI handler, and `require_vllm` (every runtime import of vLLM in this
 package goes through it)."""
 
-from ._control import ControlPlane
-from ._gate import GateHealth
-from ._hooks import GateHooks
-from ._host import CaptureHost, EngineResult
-from ._metrics import GateMetrics
-from ._middleware import default_gate
-from ._records import GateCall
-from ._vllm import INSTALL_HINT, require_vllm
+from .control import ControlPlane
+from .gate import (
+    INSTALL_HINT,
+    CaptureHost,
+    EngineResult,
+    GateCall,
+    GateHealth,
+    GateMetrics,
+    require_vllm,
+)
+from .persist import GateHooks
+from .server import default_gate
 
 __all__ = [
     "INSTALL_HINT",

@@ -13,13 +13,30 @@ process only (`InProcessServer`); it stays supported there, and is superseded by
 classes (which import vLLM) are in `tokcap_vllm.transfer`.
 """
 
-from ._fleet_weights import FleetPushError, FleetWeightSync, GateOutcome
-from ._guarded_routes import GUARDED_PATHS, WeightInfo, WeightSpec
-from ._spec import TensorSpec, expected_spec, read_checkpoint_spec
-from ._weight_client import GateWeightClient, PushTransport, StagedPush
-from ._weight_state import WeightPhase, WeightPushError, WeightState, WeightSyncError
-from ._weights import PUSH_MODES, PauseMode, PushMode, WeightSync, check_push
-from ._worker import WeightSyncWorker
+from .api import WeightInfo, WeightSpec
+from .client import (
+    FleetPushError,
+    FleetWeightSync,
+    GateOutcome,
+    GateWeightClient,
+    PushTransport,
+    StagedPush,
+)
+from .control import GUARDED_PATHS
+from .errors import WeightPushError, WeightSyncError
+from .transfer import (
+    PUSH_MODES,
+    PauseMode,
+    PushMode,
+    TensorSpec,
+    WeightPhase,
+    WeightState,
+    WeightSync,
+    WeightSyncWorker,
+    check_push,
+    expected_spec,
+    read_checkpoint_spec,
+)
 
 __all__ = [
     "GUARDED_PATHS",

@@ -1,0 +1,126 @@
+"""Batch closes on the trainer's side: what to close (`RolloutClose`) and what came back
+(`CloseResult`), one per rollout, never lost.
+
+A batch close (``POST /tokcap/v1/close``) closes a step's rollouts with one durable write
+shared by all of them, where closing them one by one waits for one fsync each. Each
+rollout's answer is its own: a rollout the gate does not know, or one already closed,
+fails alone, with the typed error (`ControlNotFound`, `ControlConflict`, ...) its single
+close would have raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import anyio
+import attrs
+
+from tokcap_core import Receipt
+
+from ..api import CloseManyItem, CloseOutcome, WitnessBody
+from ..errors import (
+    ControlAuthError,
+    ControlConflict,
+    ControlNotFound,
+    ControlPlaneError,
+    ControlRequestError,
+    ControlUnreachable,
+)
+
+__all__ = ["CloseResult", "RolloutClose", "error_of_status", "release_all"]
+
+_BY_STATUS: dict[int, type[ControlPlaneError]] = {
+    401: ControlAuthError,
+    404: ControlNotFound,
+    409: ControlConflict,
+}
+
+
+def error_of_status(status: int, code: str, message: str) -> ControlPlaneError:
+    """The typed client error for an answer of ``status`` with the gate's ``code``."""
+    kind = _BY_STATUS.get(status)
+    if kind is None:
+        kind = ControlUnreachable if status >= 500 else ControlRequestError
+    return kind(code, message, status)
+
+
+@attrs.frozen(kw_only=True)
+class RolloutClose:
+    """One rollout to close in a batch: its reward and the scorer's witnesses (as in
+    `ControlPlaneClient.close`)."""
+
+    rollout_id: str
+    reward: float | None = None
+    response_id: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    content_fingerprint: str | None = None
+
+    def wire(self) -> CloseManyItem:
+        """The body item the control plane reads."""
+        witnesses = WitnessBody(
+            response_id=self.response_id,
+            content=self.content,
+            tool_calls=self.tool_calls,
+            content_fingerprint=self.content_fingerprint,
+        )
+        return CloseManyItem(rollout_id=self.rollout_id, reward=self.reward, witnesses=witnesses)
+
+
+@attrs.frozen(kw_only=True)
+class CloseResult:
+    """One rollout's answer to a batch close: the durable ledger head, or the typed error."""
+
+    rollout_id: str
+    head: tuple[int, str] | None = None
+    error: ControlPlaneError | None = None
+    receipt: Receipt | None = None
+    """With ``close_many(receipts=…)``: the rollout's receipt, verified against ``head``."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the rollout closed and its head is durable."""
+        return self.error is None
+
+    def head_or_raise(self) -> tuple[int, str]:
+        """The head; raises the rollout's error if it did not close durably."""
+        if self.error is not None:
+            raise self.error
+        assert self.head is not None
+        return self.head
+
+    @classmethod
+    def of(cls, outcome: CloseOutcome) -> CloseResult:
+        """The result the control plane's `CloseOutcome` says."""
+        if outcome.error is not None:
+            e = outcome.error
+            return cls(
+                rollout_id=outcome.rollout_id, error=error_of_status(e.status, e.code, e.message)
+            )
+        if outcome.head is None:
+            raise ValueError("a close outcome holds a head or an error")
+        head = (outcome.head.seq, outcome.head.hash)
+        return cls(rollout_id=outcome.rollout_id, head=head)
+
+
+async def release_all(
+    release: Callable[[str], Awaitable[None]], rollout_ids: Iterable[str], limit: int
+) -> None:
+    """Run ``release`` on every id, ``limit`` at a time; the first `ControlPlaneError`
+    raises once every release has been tried (one failure never skips the others)."""
+    errors: list[ControlPlaneError] = []
+    limiter = anyio.CapacityLimiter(limit)
+
+    async def one(rollout_id: str) -> None:
+        async with limiter:
+            try:
+                await release(rollout_id)
+            except ControlPlaneError as e:
+                errors.append(e)
+
+    async with anyio.create_task_group() as tg:
+        for rollout_id in rollout_ids:
+            tg.start_soon(one, rollout_id)
+    if errors:
+        raise errors[0]
