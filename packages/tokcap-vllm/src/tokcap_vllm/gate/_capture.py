@@ -1,8 +1,8 @@
 """The capture path of the gate's driver: one call from its request to its commit.
 
 `CapturePath` waits, writes and tells; what may happen is the tables'
-(`tokcap_vllm._rollouts`, `tokcap_vllm._lifecycle`), and what a call returned and how the
-next one attaches is the rollout's `tokcap_vllm._planning.ParentIndex`.
+(`tokcap_vllm.gate._rollouts`, `tokcap_vllm.gate._lifecycle`), and what a call returned and how the
+next one attaches is the rollout's `tokcap_vllm.gate._planning.ParentIndex`.
 
 Per captured request: `enter` joins the rollout, holds the call's idempotency key and
 request id (or finds the earlier call to answer again), plans it against the parent index and

@@ -1,9 +1,9 @@
 """The gate: holds its rollouts, serves the control operations, and runs the capture path.
 
 The gate is a driver around pure rules: what may happen to a rollout and its calls is
-`tokcap_vllm._rollouts` (the rollout table and the `RolloutBook`) and
-`tokcap_vllm._lifecycle` (the call table and each step's effects); one call's way from its
-request to its commit is `tokcap_vllm._capture.CapturePath` (``Gate.capture``), which
+`tokcap_vllm.gate._rollouts` (the rollout table and the `RolloutBook`) and
+`tokcap_vllm.gate._lifecycle` (the call table and each step's effects); one call's way from its
+request to its commit is `tokcap_vllm.gate._capture.CapturePath` (``Gate.capture``), which
 keeps each failure inside its rollout. `Gate` keeps the task group (`serve`), the sink,
 the observers and the weight state the capture path reads.
 
@@ -255,7 +255,7 @@ class Gate:
         self.open(rollout_id, owner=owner)
 
     def touch_owner(self, owner: str | None) -> None:
-        """``owner`` spoke to this gate now (its lease runs from here: `tokcap_vllm._owners`)."""
+        """``owner`` spoke to this gate now (its lease runs from `tokcap_vllm.gate._owners`)."""
         self.registry.owners.touch(owner, time.monotonic())
 
     def check_owner(self, rollout_id: str, owner: str | None) -> None:

@@ -17,7 +17,7 @@ Invariants:
   and its request ended (``abandoned`` is set) so the harness never gets a completion;
 - COMMITTED, FAILED, DROPPED and ABANDONED are final: ``settled`` is set exactly once.
 What each step does to its rollout (claims, the live set, the parent index, the rollout's
-phase) is `EFFECTS`, applied by `tokcap_vllm._rollouts.RolloutBook.step`. An operation the
+phase) is `EFFECTS`, applied by `tokcap_vllm.gate._rollouts.RolloutBook.step`. An operation the
 table does not allow raises `CallStateError` and changes nothing.
 """
 

@@ -1,6 +1,6 @@
 """The rollouts one gate holds, and the rules that move them and their calls (pure).
 
-No I/O, no engine, no clock, no task group: the driver (`tokcap_vllm._gate.Gate`) tells
+No I/O, no engine, no clock, no task group: the driver (`tokcap_vllm.gate._gate.Gate`) tells
 the `RolloutBook` what happened and applies what it answers (the flags and locks the
 driver waits on are made by factories it passes in). A rollout::
 
@@ -11,7 +11,7 @@ driver waits on are made by factories it passes in). A rollout::
     CLOSING --fail--> CLOSING_UNCAPTURED
     CLOSING --reopen--> OPEN, CLOSING_UNCAPTURED --reopen--> UNCAPTURED (the close failed)
 
-Its calls move by `tokcap_vllm._lifecycle`'s table; `RolloutBook.step` applies each call
+Its calls move by `tokcap_vllm.gate._lifecycle`'s table; `RolloutBook.step` applies each call
 step's effects (`EFFECTS`: claims, the live set, the parent index, the rollout's phase).
 
 Invariants:
@@ -117,7 +117,7 @@ class RolloutBook:
     ) -> None:
         self.max_open = max_open
         self.owners = Owners(owner_lease_s)
-        """Who holds each owned rollout (`tokcap_vllm._owners`)."""
+        """Who holds each owned rollout (`tokcap_vllm.gate._owners`)."""
         self._flag = flag
         self._lock = lock
         self._open: dict[RolloutId, RolloutRecord] = {}

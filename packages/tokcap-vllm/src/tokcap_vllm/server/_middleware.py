@@ -82,7 +82,7 @@ def install_gate(
 
 def default_gate() -> Gate:
     """The installed gate, or the one the ``TOKCAP_*`` variables describe (installed on
-    first use; see `tokcap_vllm._served`: ``TOKCAP_SINK`` is required)."""
+    first use; see `tokcap_vllm.gate._served`: ``TOKCAP_SINK`` is required)."""
     if _installed is not None:
         return _installed
     served = served_gate(environ=os.environ)
