@@ -50,8 +50,7 @@ from tokcap.compose import (  # noqa: E402
     services,
     tq_sink,
 )
-from tokcap.demo import QWEN_VLLM_ARGS  # noqa: E402
-from tokcap.tiny import build_tiny_model  # noqa: E402
+from tokcap.tiny import QWEN_VLLM_ARGS, build_tiny_model  # noqa: E402
 from tokcap_core import Accept, CaptureConfig  # noqa: E402
 from tokcap_tq import TQSink, TQSinkConfig  # noqa: E402
 from tokcap_vllm import GateFleet, InProcessServer  # noqa: E402

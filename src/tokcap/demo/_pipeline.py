@@ -38,8 +38,9 @@ from ..compose import (
     run_in_process,
     tq_sink,
 )
+from ..tiny import QWEN_VLLM_ARGS
 from ._clients import run_episode
-from ._families import QWEN_VLLM_ARGS, episode_api
+from ._families import episode_api
 from ._harness import BEHAVIOURS, Episode, Task
 
 __all__ = ["DemoConfig", "DemoRun", "run_pipeline"]

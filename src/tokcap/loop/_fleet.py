@@ -29,7 +29,7 @@ from tokcap_vllm import GateFleet
 from tokcap_vllm.weights import FleetWeightSync
 
 from ..compose import FleetRun, drop_dead_gates, push_to_live_gates, run_on_fleet
-from ..demo import QWEN_VLLM_ARGS
+from ..tiny import QWEN_VLLM_ARGS
 from ._run import Training
 from ._step import Pushed
 

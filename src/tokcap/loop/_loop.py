@@ -38,7 +38,7 @@ from tokcap_vllm.weights import PushMode
 
 from .._stages import Stages
 from ..compose import Stack, run_in_process, tq_sink
-from ..demo import QWEN_VLLM_ARGS
+from ..tiny import QWEN_VLLM_ARGS
 from ._fleet import run_fleet
 from ._run import Training
 from ._step import (
