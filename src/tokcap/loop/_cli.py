@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from tokcap_core import ConfigError
 
@@ -56,7 +57,10 @@ def _checked(flags: Mapping[str, Any], out: Path, console: Console) -> int:
     try:
         return _run(loop_config(flags), out, console)
     except ConfigError as e:
-        Console(stderr=True).print(f"[red]tokcap train: {e}", highlight=False)
+        # one line, escaped (rich would take the error's ``[code]`` for markup and drop it)
+        Console(stderr=True).print(
+            f"[red]tokcap train: {escape(str(e))}", highlight=False, soft_wrap=True
+        )
         return 2
 
 
