@@ -58,6 +58,23 @@ def test_a_usage_error_is_exit_2() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "code"),
+    [
+        (("--rollouts", "1"), "bad_rollouts"),
+        (("--task", "agent", "--turns", "1"), "bad_turns"),
+        (("--gate", "http://127.0.0.1:9"), "bad_gates"),
+    ],
+)
+def test_a_train_option_the_loop_refuses_is_exit_2_before_anything_starts(
+    flags: tuple[str, ...], code: str, tmp_path: Path
+) -> None:
+    result = tokcap("train", *flags, "--out", tmp_path / "run")
+    assert result.returncode == 2
+    assert one_line(result).startswith(f"tokcap train: [{code}] ")
+    assert not (tmp_path / "run").exists()  # refused before the model, Ray or an engine
+
+
 def test_demo_sh_help_answers_without_the_set_up() -> None:
     result = subprocess.run(
         ["bash", "scripts/demo.sh", "--help"],

@@ -229,9 +229,9 @@ def _train(ns: argparse.Namespace) -> int:
     from ._startup import start_up
 
     start_up()  # before vLLM, torch or Ray is imported
-    from .loop._cli import TrainOptions, run_train
+    from .loop._cli import run_train
 
-    return run_train(_options(TrainOptions, ns))
+    return run_train(vars(ns))
 
 
 def _show(run_dir: Path) -> int:

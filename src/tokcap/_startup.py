@@ -5,7 +5,8 @@ before they are imported (`tokcap.prepare_environment` is its public door). `sta
 the one explicit call that prepares the process (the CPU engine's
 environment defaults, quiet third-party loggers); `interruptible` runs a command so that
 the first Ctrl-C interrupts it and later ones let its shutdown finish. `RunOptions` are
-the flags both commands share.
+``tokcap demo``'s run flags (``tokcap train``'s are `tokcap.loop.LoopConfig`'s; both save
+their runs under `RunOptions.run_dir`).
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ def save_and_print(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunOptions:
-    """The flags ``tokcap demo`` and ``tokcap train`` share: the seed, where the run is
-    saved, and where its services and gates run."""
+    """``tokcap demo``'s run flags: the seed, where the run is saved (``tokcap train``'s
+    default too), and where its services and gates run."""
 
     seed: int = 0
     out: Path | None = None

@@ -8,12 +8,13 @@ group policy, advantages for accepted groups) and, after its optimizer step, `fi
 
 `play_rollouts` lets a harness play rollouts through a gate, a bounded number at a time.
 
-The stack (after `tokcap.prepare_environment` at start-up): `tq_sink`, `in_process_gate`
-and `services` (Ray, TransferQueue, the gate's engine), then `open_stack` (the pool and
-the control plane) yields a `Stack`. ``examples/custom_trainer.py`` is the worked
-example; `tokcap demo` and `tokcap train` are built on this module: `run_in_process` (one
-gate in this process) and `run_on_fleet` (served gates) start a run's whole stack for a
-`Placement` and run its body on it.
+A run's stack (after `tokcap.prepare_environment` at start-up): `place` starts the
+services (Ray, TransferQueue: `services`) and the gates of a `Placement` (one in this
+process, `in_process_gate`, or a fleet of served gates) and yields a `Site`; on the run's
+event loop `Site.open` (`open_stack`: the pool and the control plane, and the weight
+sync) yields a `Run`: its `Stack`, its fleet and `Run.push`. `tokcap demo`, `tokcap train`
+and ``examples/custom_trainer.py`` (the worked example) all run this way; `services`,
+`tq_sink` and `open_stack` are the parts, for a trainer that builds its own.
 
 Gates as their own processes: `served_gates` starts N ``tokcap-vllm serve`` gates with
 `served_gate_options` (TransferQueue on the run's Ray, weight pushes from the trainer);
@@ -23,11 +24,19 @@ gates that still answer, `gate_entries` reports each gate; a gate lost mid-step 
 only its own rollouts (`play_rollouts` lets them go, `finish` clears what they staged).
 """
 
-from . import _fleet, _harness, _served, _stack, _trainer
+from . import _fleet, _harness, _run, _served, _stack, _trainer
 from ._fleet import *  # noqa: F403
 from ._harness import *  # noqa: F403
+from ._run import *  # noqa: F403
 from ._served import *  # noqa: F403
 from ._stack import *  # noqa: F403
 from ._trainer import *  # noqa: F403
 
-__all__ = [*_fleet.__all__, *_harness.__all__, *_served.__all__, *_stack.__all__, *_trainer.__all__]
+__all__ = [
+    *_fleet.__all__,
+    *_harness.__all__,
+    *_run.__all__,
+    *_served.__all__,
+    *_stack.__all__,
+    *_trainer.__all__,
+]

@@ -12,19 +12,15 @@ it stops with a typed error only when no gate answers, or when a push fails on a
 that still answers (a real push failure: every gate stays held, `FleetPushError`).
 `gate_entries` is ``summary.json``'s ``gates``; `lost_receipts` counts, per gate, the
 receipts a lost gate's rollouts got (lost with their gate, not failed verifications).
-`run_on_fleet` is the whole wiring that ``tokcap demo --gates`` and ``tokcap train
---gates`` share: the services and the gates, a `tokcap_vllm.GateFleet` and
-`tokcap_vllm.weights.FleetWeightSync` over them, what a dead run left reclaimed, and the
-`Stack`; the run's own work is a body run on it (`tokcap.compose.run_in_process` is its
-in-process twin).
+`tokcap.compose.place` wires them into a run (``tokcap demo --gates``, ``tokcap train
+--gates``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,12 +30,12 @@ import httpx
 
 from tokcap_core import CaptureConfig, ConfigError, Receipt
 from tokcap_core.reasons import GATE_UNREACHABLE, reason_bucket
-from tokcap_tq import TQSink, TQSinkConfig
+from tokcap_tq import TQSinkConfig
 from tokcap_vllm import GateFleet
-from tokcap_vllm.weights import FleetPushError, FleetWeightSync, PushMode, WeightInfo
+from tokcap_vllm.weights import FleetPushError, FleetWeightSync, WeightInfo
 
-from ._served import FleetEndpoint, reclaim_rollouts, served_gate_options, served_gates
-from ._stack import Placement, Stack, StageHook, open_stack, services
+from ._served import served_gate_options, served_gates
+from ._stack import StageHook
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "TOKEN_ENV",
     "FleetGate",
-    "FleetRun",
     "drop_dead_gates",
     "fleet_gates",
     "fleet_token",
@@ -55,7 +50,6 @@ __all__ = [
     "gate_versions",
     "lost_receipts",
     "push_to_live_gates",
-    "run_on_fleet",
     "served_model",
 ]
 
@@ -209,79 +203,3 @@ def gate_entries(
         }
         for report in fleet.report()
     ]
-
-
-@dataclass(frozen=True, slots=True)
-class FleetRun:
-    """A run's fleet, ready to play: what `run_on_fleet` hands its body."""
-
-    gates: list[FleetGate]
-    fleet: GateFleet
-    weights: FleetWeightSync
-    stack: Stack
-
-    async def entries(self, calls: Mapping[str, int]) -> list[dict[str, Any]]:
-        """`gate_entries` now, with every live gate's `gate_versions`."""
-        versions = await gate_versions(self.fleet, self.weights)
-        return gate_entries(self.fleet, self.gates, calls, versions)
-
-
-def run_on_fleet(
-    placement: Placement,
-    sink: TQSink,
-    capture: CaptureConfig,
-    body: Callable[[FleetRun], Awaitable[None]],
-    *,
-    vllm_args: Sequence[str],
-    gate_options: Sequence[str] = (),
-    push_mode: PushMode = "wait",
-    alongside: Sequence[Callable[[], Coroutine[Any, Any, object]]] = (),
-    label: str,
-    stage: StageHook,
-    log: Callable[[str], None],
-) -> None:
-    """`services` with no gate in this process (Ray + TransferQueue here, or on the cluster
-    at ``ray_address``) and `fleet_gates`, then on a new event loop: the fleet, its weight
-    sync, gates someone else started reclaimed (`reclaim_rollouts`), `open_stack` (with
-    ``alongside``, inside ``stage(label)``), and ``body`` on them; everything stopped on
-    exit."""
-    token = fleet_token(placement.gate_urls, capture)
-
-    async def drive(gates: list[FleetGate]) -> None:
-        urls = [g.url for g in gates]
-        async with (
-            GateFleet(urls, token) as fleet,
-            FleetWeightSync([(url, token) for url in urls], mode=push_mode) as weights,
-        ):
-            if placement.gate_urls:  # gates that outlive runs: take back what a dead one held
-                reclaimed = await reclaim_rollouts(urls, token, sink, owner=fleet.owner)
-                log(f"reclaimed rollouts a previous run left: {reclaimed}")
-            model = await served_model(urls[0]) if placement.gate_urls else str(placement.model)
-            async with open_stack(
-                [FleetEndpoint(fleet, model, urls)],
-                sink=sink,
-                capture=capture,
-                workers=placement.workers,
-                control=fleet,
-                alongside=alongside,
-                stage=stage,
-                label=label,
-            ) as stack:
-                await body(FleetRun(gates, fleet, weights, stack))
-
-    with (
-        services(None, workers=placement.workers, ray_address=placement.ray_address, stage=stage),
-        tempfile.TemporaryDirectory(prefix="tokcap-gates-") as logs,
-        fleet_gates(
-            placement.model,
-            count=placement.gates,
-            urls=placement.gate_urls,
-            sink=sink.config,
-            token=token,
-            vllm_args=vllm_args,
-            log_dir=Path(logs),
-            gate_options=gate_options,
-            stage=stage,
-        ) as gates,
-    ):
-        anyio.run(drive, gates)

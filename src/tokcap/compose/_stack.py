@@ -15,10 +15,9 @@ import functools
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -32,12 +31,10 @@ from ._trainer import Batch, ControlPlane, Finished, FinishTimings, collect, fin
 
 __all__ = [
     "GateEndpoint",
-    "Placement",
     "Stack",
     "StageHook",
     "in_process_gate",
     "open_stack",
-    "run_in_process",
     "services",
     "tq_sink",
 ]
@@ -210,72 +207,6 @@ async def open_stack(
     finally:
         with anyio.CancelScope(shield=True):
             pool.close()
-
-
-class Placement(Protocol):
-    """Where a run's gates and services are: what `tokcap demo`'s and `tokcap train`'s
-    configs both say (`run_in_process`, `run_on_fleet`)."""
-
-    @property
-    def model(self) -> Path:
-        """The model the started gates serve."""
-        ...
-
-    @property
-    def gates(self) -> int:
-        """How many gates to start (0: take ``gate_urls``)."""
-        ...
-
-    @property
-    def gate_urls(self) -> tuple[str, ...]:
-        """Gates someone else started."""
-        ...
-
-    @property
-    def ray_address(self) -> str | None:
-        """An existing Ray cluster (None: start one here)."""
-        ...
-
-    @property
-    def workers(self) -> int:
-        """The Ray reassembler pool's actors."""
-        ...
-
-
-def run_in_process(
-    placement: Placement,
-    sink: TQSink,
-    capture: CaptureConfig,
-    body: Callable[[InProcessServer, Stack], Awaitable[None]],
-    *,
-    vllm_args: Sequence[str],
-    alongside: Sequence[Callable[[], Coroutine[Any, Any, object]]] = (),
-    stage: StageHook,
-    label: str = "start vLLM + gate, Ray pool",
-) -> None:
-    """One gate in this process serving ``placement.model`` (`in_process_gate`) and its
-    `services`, then on a new event loop: `open_stack` on it (waiting for its engine and
-    ``alongside``, inside ``stage(label)``) and ``body(server, stack)``; everything stopped
-    on exit."""
-    server = in_process_gate(str(placement.model), capture=capture, sink=sink, vllm_args=vllm_args)
-
-    async def drive() -> None:
-        ready = functools.partial(anyio.to_thread.run_sync, server.wait_ready)
-        async with open_stack(
-            [server],
-            sink=sink,
-            capture=capture,
-            workers=placement.workers,
-            alongside=[ready, *alongside],
-            stage=stage,
-            label=label,
-        ) as stack:
-            await body(server, stack)
-
-    with services(
-        server, workers=placement.workers, ray_address=placement.ray_address, stage=stage
-    ):
-        anyio.run(drive)
 
 
 def _enter_local_tq(stack: contextlib.ExitStack, tmp: str, workers: int) -> None:

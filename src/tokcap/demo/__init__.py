@@ -1,26 +1,20 @@
 """The ``tokcap demo`` room: the black-box harness, the model families, checks and report.
 
 Public here: the harness's tool list and tool-call helpers (tests reuse them), the model
-families the demo serves, and the report's page and plots (`render_report`, `Drift`,
-`group_strips`, `histogram`; `fleet_table` and `print_fleet`, a run's served gates, the
-train report's and summary's too).
+families the demo serves (the tiny Qwen model's engine options are `tokcap.tiny`'s,
+re-exported here), and the report's page and plots (`render_report`, `Drift`,
+`group_strips`, `histogram`; `fleet_table` and `print_fleet`, a run's served gates, shared
+with ``tokcap train``'s report and summary).
 The command itself is ``tokcap demo`` (`tokcap.__main__`).
 """
 
+from .._fleet_view import fleet_table, print_fleet
+from ..tiny import CHATML_TOOLS_TEMPLATE, ENGINE_ARGS, QWEN_VLLM_ARGS, chatml_tool_args
 from ._checks import Drift
-from ._families import (
-    CHATML_TOOLS_TEMPLATE,
-    ENGINE_ARGS,
-    FAMILIES,
-    QWEN_VLLM_ARGS,
-    ModelFamily,
-    chatml_tool_args,
-    model_family,
-)
+from ._families import FAMILIES, ModelFamily, model_family
 from ._harness import TOOLS, forced_tool_calls, tool_result
 from ._plots import group_strips, histogram
-from ._report import fleet_table, render_report
-from ._summary import print_fleet
+from ._report import render_report
 
 __all__ = [
     "CHATML_TOOLS_TEMPLATE",

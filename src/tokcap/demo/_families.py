@@ -1,8 +1,9 @@
 """The model families ``tokcap demo --model-family`` serves, each the way its users serve it.
 
 - ``qwen`` (default): the tiny Qwen3 model of `tokcap.tiny` with a ChatML template that
-  renders tools, vLLM's ``hermes`` tool parser; tool calls forced with an xgrammar
-  structural tag (`tokcap.demo._harness.forced_tool_calls`). The gate plans prompts in text.
+  renders tools, vLLM's ``hermes`` tool parser (`tokcap.tiny.QWEN_VLLM_ARGS`); tool calls
+  forced with an xgrammar structural tag (`tokcap.demo._harness.forced_tool_calls`). The
+  gate plans prompts in text.
 - ``mistral``: a tiny ``MistralForCausalLM`` next to the real Tekken tokenizer that
   ``mistral_common`` ships (`tokcap.tiny`), served with ``--tokenizer-mode
   mistral`` and the ``mistral`` tool parser, as Mistral's model cards ask; tool calls forced
@@ -20,94 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from ..tiny import CHATML_TOOLS_TEMPLATE, ENGINE_ARGS, QWEN_VLLM_ARGS
 from ._harness import TOOLS, Api, forced_tool_calls
 
-__all__ = [
-    "CHATML_TOOLS_TEMPLATE",
-    "ENGINE_ARGS",
-    "FAMILIES",
-    "QWEN_VLLM_ARGS",
-    "ModelFamily",
-    "chatml_tool_args",
-    "episode_api",
-    "model_family",
-]
+__all__ = ["FAMILIES", "ModelFamily", "episode_api", "model_family"]
 
 FAMILIES: Final = ("qwen", "mistral")
 """The names ``--model-family`` accepts (the first is the default)."""
-
-ENGINE_ARGS: Final = (
-    "--enforce-eager",
-    "--distributed-executor-backend", "uni",
-    "--max-model-len", "4096",
-    "--dtype", "float32",
-    "--disable-log-stats",
-    "--max-num-seqs", "64",
-    # vLLM 0.32 CPU: a seeded request whose prefill is chunked kills the engine core
-    "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
-    "--no-use-tqdm-on-load",
-)  # fmt: skip
-"""The CPU engine's options, the same for every family."""
-
-
-CHATML_TOOLS_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
-    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- elif messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and loop.first %}"
-    "{%- elif message['role'] == 'assistant' and not message.get('tool_calls') %}"
-    "{{- '<|im_start|>assistant\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant' }}"
-    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
-    "{%- for call in message['tool_calls'] %}"
-    "{%- set fn = call['function'] if call['function'] is defined else call %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
-    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
-    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-"""The qwen family's chat template: Qwen2.5-style ChatML with tools (the tool list in the
-system turn, each call as one ``<tool_call>`` JSON object with arguments re-serialised by
-``tojson``, consecutive tool results grouped in one user turn as ``<tool_response>``
-blocks). vLLM serves it as ``--chat-template``; the tokenizer keeps
-`tokcap.tiny.CHATML_TEMPLATE`."""
-
-
-def chatml_tool_args(template: str) -> tuple[str, ...]:
-    """vLLM options for the tiny Qwen model's tool calls: ``hermes`` parser, ``template``."""
-    return (
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--chat-template", template,
-    )  # fmt: skip
-
-
-QWEN_VLLM_ARGS: Final = (*ENGINE_ARGS, *chatml_tool_args(CHATML_TOOLS_TEMPLATE))
-"""The engine options of the default (``qwen``) family: `tokcap demo` and `tokcap train`."""
-
 
 _API_SLOTS: Final[dict[int, Api]] = {0: "responses", 2: "messages"}
 

@@ -2,7 +2,11 @@
 
 1. a TransferQueue sink on a local (loopback) Ray and vLLM's OpenAI server with the
    tokcap gate, started concurrently (the engine builds while Ray and TransferQueue start:
-   `tokcap.compose.services`);
+   `tokcap.compose.place`), or ``tokcap-vllm serve`` gates (``--gates N``, started with
+   ``--tokcap-return-token-ids`` for the check against the engine's own ids) or gates
+   someone else started (``--gate URL``: their token in ``TOKCAP_CONTROL_TOKEN``; what a
+   dead run left on them is reclaimed first), each rollout opened through a
+   `tokcap_vllm.GateFleet` and ``summary.json`` gaining ``gates``;
 2. a black-box harness (the real ``openai`` client) plays G groups x N rollouts;
 3. the trainer's side is `tokcap.compose`, as `examples/custom_trainer.py` uses it: close
    with rewards and witnesses, verified receipts, the Ray pool, the group policy,
@@ -21,11 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import openai
 
 from tokcap_core import CaptureConfig, FinalizedGroup, Manifest, Receipt, TrainingRow
 from tokcap_tq import TQSink, TQSinkConfig
-from tokcap_vllm import GateFleet, InProcessServer
+from tokcap_vllm import GateFleet
 
 from .._stages import Stages
 from ..compose import (
@@ -33,13 +38,15 @@ from ..compose import (
     ControlPlane,
     Finished,
     GateEndpoint,
+    Site,
     Stack,
+    place,
     play_rollouts,
-    run_in_process,
     tq_sink,
 )
+from ..tiny import QWEN_VLLM_ARGS
 from ._clients import run_episode
-from ._families import QWEN_VLLM_ARGS, episode_api
+from ._families import episode_api
 from ._harness import BEHAVIOURS, Episode, Task
 
 __all__ = ["DemoConfig", "DemoRun", "run_pipeline"]
@@ -122,17 +129,28 @@ def run_pipeline(
     capture = capture_config(config)
     # gates someone else started stage into their default partitions (--tokcap-*-partition)
     sink = TQSink(TQSinkConfig()) if config.gate_urls else tq_sink(config.tag)
-    if config.gates or config.gate_urls:
-        from ._fleet import run_fleet
-
-        run_fleet(run, sink, capture, stages, vllm_args, functools.partial(play, harness))
-        return run
-
-    async def body(server: InProcessServer, stack: Stack) -> None:
-        await play(harness, run, stack, stages)
-
-    run_in_process(config, sink, capture, body, vllm_args=vllm_args, stage=stages.stage)
+    # a served gate returns the engine's ids too: the demo checks every row against them
+    served = ["--tokcap-return-token-ids"]
+    with place(
+        config,
+        sink,
+        capture,
+        vllm_args=vllm_args,
+        gate_options=served,
+        stage=stages.stage,
+        log=stages.log,
+    ) as site:
+        anyio.run(_play_on, site, harness, run, stages)
     return run
+
+
+async def _play_on(
+    site: Site, harness: Callable[..., Awaitable[Episode]], run: DemoRun, stages: Stages
+) -> None:
+    """`play` on the site's gates, then (served gates) each gate's figures."""
+    async with site.open() as on:
+        await play(harness, run, on.stack, stages, on.fleet)
+        run.gates = await on.gate_entries(run.gate_calls)
 
 
 async def play(

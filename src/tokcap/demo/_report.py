@@ -22,6 +22,7 @@ from typing import Any
 from tokcap_core import Receipt, TrainingRow
 from tokcap_core.receipts import ReceiptCall
 
+from .._fleet_view import fleet_table
 from ._checks import Drift
 from ._plots import group_strips, histogram
 
@@ -292,25 +293,6 @@ def _plots(
             histogram("logprob", "logprob of each generated token", logprobs),
         )
     ) + "</div>"  # fmt: skip
-
-
-def fleet_table(gates: Sequence[Mapping[str, Any]]) -> str:
-    """The served gates of a run (``--gates`` / ``--gate``), one row each, under a heading;
-    nothing without them (`tokcap demo` and `tokcap train` reports)."""
-    if not gates:
-        return ""
-    rows = "".join(
-        f"<tr><td>{_e(g['url'])}</td><td class=n>{_e(g['pid'] or '-')}</td>"
-        f"<td class=n>{g['rollouts']}</td><td class=n>{g['calls']}</td>"
-        f"<td class=n>{_e(g['weight_version'])}</td>"
-        f"<td>{'yes' if g.get('alive', True) else 'lost'}</td></tr>"
-        for g in gates
-    )
-    return (
-        f"<h2>Fleet: {len(gates)} gates, each its own tokcap-vllm serve</h2><table><tr>"
-        "<th>gate</th><th>pid</th><th>rollouts</th><th>calls</th><th>weight version</th>"
-        f"<th>answering</th></tr>{rows}</table>\n"
-    )
 
 
 def render_report(

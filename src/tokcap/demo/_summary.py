@@ -19,11 +19,13 @@ from tokcap_core.metrics import (
 )
 from tokcap_core.receipts import TERMINAL_SELECTIONS
 
+from .._fleet_view import print_fleet
+
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
     from ._checks import Drift, Parity
     from ._pipeline import DemoRun
 
-__all__ = ["SUMMARY_VERSION", "build_summary", "print_fleet", "print_summary", "summary_console"]
+__all__ = ["SUMMARY_VERSION", "build_summary", "print_summary", "summary_console"]
 
 SUMMARY_VERSION = 2
 BEHAVIOUR_NOTES = {
@@ -207,21 +209,6 @@ def summary_console() -> Console:
     """A console for the summary: the terminal's width, or 120 columns in logs and pipes."""
     console = Console()
     return console if console.is_terminal else Console(width=120)
-
-
-def print_fleet(gates: list[dict[str, Any]], console: Console) -> None:
-    """The served gates of a run (``--gates`` / ``--gate``) as a table; nothing without."""
-    if not gates:
-        return
-    fleet = Table(title="gates (tokcap-vllm serve)", box=box.SIMPLE_HEAVY)
-    for name in ("gate", "pid", "rollouts", "calls", "weight version", "answering"):
-        fleet.add_column(name, justify="right")
-    for g in gates:
-        fleet.add_row(
-            g["url"], str(g["pid"] or "-"), str(g["rollouts"]), str(g["calls"]),
-            str(g["weight_version"]), "yes" if g.get("alive", True) else "lost",
-        )  # fmt: skip
-    console.print(fleet)
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:

@@ -1,14 +1,19 @@
 """The ``tokcap train`` room: a closed GRPO loop through the whole product, step by step.
 
 Not to be confused with `tokcap.train` (the torch trainer this loop drives): this room
-holds the task the harness plays, the step (generate, capture + verify, reassemble, train,
-push), its summary and report. The command itself is ``tokcap train``.
+holds the loop itself (`run_loop`, which runs `train`: one function, each step generate,
+capture + verify, reassemble, train, push), the task its harness plays, the lock-step and
+asynchronous feeds of its steps, its summary and report. The command itself is ``tokcap
+train``.
 """
 
-from ._loop import LoopConfig, StepRecord, TrainRun, load_policy, run_loop
+from ._config import LoopConfig
+from ._loop import run_loop, train
 from ._meters import BusyMeter, CpuMeter
+from ._policy import load_policy
 from ._report import render_train_report
 from ._staleness import STALE, LoopError, Provenance, SkipCount, StalenessPolicy, provenance
+from ._step import StepRecord, TrainRun
 from ._summary import build_train_summary, print_train_summary, tokcap_share, train_problems
 from ._sync import StepTail
 from ._task import (
@@ -52,5 +57,6 @@ __all__ = [
     "run_loop",
     "tokcap_share",
     "tool_response",
+    "train",
     "train_problems",
 ]

@@ -2,19 +2,23 @@
 
 The process is prepared by `tokcap._startup.start_up` before this module is imported
 (``tokcap train`` calls it first: the CPU engine's environment defaults, quiet loggers).
+Its flags are `LoopConfig`'s fields (`loop_config`) and ``--out``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from tokcap_core import ConfigError
 
 from .._startup import RunOptions, interruptible, save_and_print
+from ._config import LoopConfig
 from ._summary import (
     build_train_summary,
     print_train_summary,
@@ -22,69 +26,54 @@ from ._summary import (
     train_problems,
 )
 
-__all__ = ["TrainOptions", "run_train"]
+__all__ = ["TINY_MODEL", "loop_config", "run_train"]
+
+TINY_MODEL = RunOptions().cache / "tiny" / "dense"
+"""Where ``tokcap train`` builds (once, then reuses) the tiny model it trains."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainOptions(RunOptions):
-    """The ``tokcap train`` flags."""
-
-    steps: int = 40
-    groups: int = 4
-    rollouts: int = 8
-    turns: int | None = None
-    """None: 2 for the agent task, 1 for digits."""
-    task: Literal["agent", "digits", "long-tail"] = "agent"
-    harness_api: Literal["chat", "responses", "messages"] = "chat"
-    max_tokens: int = 16
-    lr: float = 1e-2
-    mode: Literal["sync", "async"] = "sync"
-    max_staleness: int = 2
-    importance: bool | None = None
+def loop_config(flags: Mapping[str, Any]) -> LoopConfig:
+    """The loop's config from ``tokcap train``'s ``flags`` (those naming a `LoopConfig`
+    field): the tiny model, ``turns`` (None) 2 for the agent task and 1 for the others.
+    Raises `ConfigError` for a bad value (`LoopConfig`)."""
+    names = {field.name for field in dataclasses.fields(LoopConfig)}
+    given = {name: value for name, value in flags.items() if name in names}
+    turns = given.get("turns") or (2 if given.get("task", "agent") == "agent" else 1)
+    gate_urls = tuple(given.get("gate_urls", ()))
+    return LoopConfig(**{**given, "model": TINY_MODEL, "turns": turns, "gate_urls": gate_urls})
 
 
-def run_train(options: TrainOptions, console: Console | None = None) -> int:
-    """Run the loop; 0 when every invariant held, 1 when one failed, 2 for a bad option,
-    130 on Ctrl-C."""
+def run_train(flags: Mapping[str, Any], console: Console | None = None) -> int:
+    """Run the loop of ``flags`` (`loop_config`; ``out``: the run folder, default
+    ``.tokcap/runs/train-<time>``); 0 when every invariant held, 1 when one failed, 2 for a
+    bad option, 130 on Ctrl-C."""
     console = console or summary_console()
-    out = options.run_dir("train-")
-    return interruptible(lambda: _checked(options, out, console), "the loop")
+    out = flags.get("out") or RunOptions().run_dir("train-")
+    return interruptible(lambda: _checked(flags, out, console), "the loop")
 
 
-def _checked(options: TrainOptions, out: Path, console: Console) -> int:
+def _checked(flags: Mapping[str, Any], out: Path, console: Console) -> int:
     """`_run`; 2 for a bad option."""
     try:
-        return _run(options, out, console)
+        return _run(loop_config(flags), out, console)
     except ConfigError as e:
-        Console(stderr=True).print(f"[red]tokcap train: {e}", highlight=False)
+        # one line, escaped (rich would take the error's ``[code]`` for markup and drop it)
+        Console(stderr=True).print(
+            f"[red]tokcap train: {escape(str(e))}", highlight=False, soft_wrap=True
+        )
         return 2
 
 
-def _run(options: TrainOptions, out: Path, console: Console) -> int:
+def _run(config: LoopConfig, out: Path, console: Console) -> int:
     from .._stages import Stages
 
     with Stages(Console(stderr=True)) as stages:
         with stages.stage("build tiny model (cached)"):
             from ..tiny import build_tiny_model
 
-            model = build_tiny_model(options.cache / "tiny" / "dense", kind="dense")
-            from ._loop import LoopConfig, StepRecord, run_loop
-
-        config = LoopConfig(
-            model=model,
-            steps=options.steps,
-            groups=options.groups,
-            rollouts=options.rollouts,
-            turns=options.turns or (2 if options.task == "agent" else 1),
-            task=options.task,
-            harness_api=options.harness_api,
-            max_tokens=options.max_tokens,
-            lr=options.lr,
-            mode=options.mode,
-            max_staleness=options.max_staleness,
-            importance=options.importance,
-            **options.placement(),
-        )
+            model = build_tiny_model(config.model, kind="dense")
+            from ._loop import run_loop
+            from ._step import StepRecord
 
         def progress(record: StepRecord) -> None:
             stages.log(
@@ -94,7 +83,7 @@ def _run(options: TrainOptions, out: Path, console: Console) -> int:
                 f"{record.seconds['total']:.1f} s"
             )
 
-        run = run_loop(config, stages, progress)
+        run = run_loop(dataclasses.replace(config, model=model), stages, progress)
         with stages.stage("summary, report"):
             from ._report import render_train_report
 

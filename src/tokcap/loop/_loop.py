@@ -1,21 +1,27 @@
-"""``tokcap train``'s loop: a closed GRPO loop through the whole product, every step.
+"""``tokcap train``'s loop: a closed GRPO loop through the whole product, in one function.
 
-Each step:
+`run_loop` places the run (`tokcap.compose.place`: Ray and TransferQueue, and one gate in
+this process or a fleet of served gates) and runs `train` on its event loop. `train` is
+the loop; each step:
 
-1. **generate**: the harness (`tokcap.loop._task`, the real ``openai`` client) plays G
-   groups x N rollouts of a short chat through the gate; the gate stages every call's
+1. **generate**: the harness (`tokcap.loop._harness`, the real ``openai`` client) plays
+   G groups x N rollouts of a short chat through the gate; the gate stages every call's
    exact ids and logprobs into TransferQueue;
-2. **capture + verify**: declared terminals, then `tokcap.compose.collect` closes every
-   rollout with its reward and witness and fetches receipts verified against the returned
-   ledger heads over the control plane;
+2. **capture + verify**: `tokcap.compose.Stack.collect` closes every rollout with its
+   reward and witness and verifies each receipt against the returned ledger head;
 3. **reassemble**: in the same `collect`, metadata-only requests to the Ray pool, the
    group policy, the accepted rows read from TransferQueue and GRPO advantages;
 4. **train**: one `tokcap.train.Trainer` step, whose parity report compares the trainer's
    pre-update logprobs with the engine's on exactly these rows;
-5. **push**: the full state dict into the running engine (`tokcap_vllm.WeightSync`)
-   under the next version; the gate watches the push and would refuse captured calls if
-   it failed. `finish` (free the rows, release the rollouts) runs while the next step
-   generates, outside the step's time. The step itself is `tokcap.loop._step.run_step`.
+5. **push**: the full state dict into every engine (`tokcap.compose.Run.push`) under the
+   next version; the gate watches the push and would refuse captured calls if it failed;
+   then the step's rows are freed and its rollouts released while the next step runs.
+
+Steps 1-3 are the feed's (`Feed.take`): lock-step (``sync``, `tokcap.loop._sync`: play the
+step's groups, then collect them at once; staleness 0) or two pumps (``async``,
+`tokcap.loop._async`: groups play all the time, each collected as soon as it has played,
+pushes landing in flight, at most ``max_staleness`` versions stale). Both collect with the
+same `Stack.collect`.
 
 The engine samples at temperature 1 and reports raw logprobs, so an fp32 trainer that
 holds the engine's weights agrees to ~1e-14 (K3): a step whose K3 exceeds
@@ -24,47 +30,38 @@ holds the engine's weights agrees to ~1e-14 (K3): a step whose K3 exceeds
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable
 
 import anyio
+from anyio.abc import TaskGroup
+from rich.markup import escape
 
 from tokcap_core import CaptureConfig
 from tokcap_tq import TQSink, TQSinkConfig
-from tokcap_vllm import InProcessServer, WeightSync
-from tokcap_vllm.weights import PushMode
 
 from .._stages import Stages
-from ..compose import Stack, run_in_process, tq_sink
-from ..demo import QWEN_VLLM_ARGS
-from ._fleet import run_fleet
-from ._run import Training
-from ._step import (
-    LoopConfig,
-    Observer,
-    Pushed,
-    StepRecord,
-    TrainRun,
-    load_policy,
-    preload_policy_imports,
-)
+from ..compose import Policy, Site, place, tq_sink
+from ..tiny import QWEN_VLLM_ARGS
+from ._async import pumping
+from ._config import LoopConfig
+from ._harness import Harness, harness_on
+from ._meters import Meters
+from ._policy import PolicyLoad, new_trainer, preload_policy_imports
+from ._step import Feed, Observer, StepRecord, TrainRun, step_record
+from ._sync import LockStep
 
-__all__ = ["LoopConfig", "Observer", "StepRecord", "TrainRun", "load_policy", "run_loop"]
+__all__ = ["run_loop", "train"]
 
-TRAIN_VLLM_ARGS = (
-    *QWEN_VLLM_ARGS,
-    "--worker-extension-cls", "tokcap_vllm.WeightSyncWorker",
-)  # fmt: skip
-# QWEN_VLLM_ARGS already turns chunked prefill off: the loop's seeded requests (32 chats of
-# ~80 prompt tokens a step) would otherwise crash vLLM 0.32's CPU engine core.
+OnStep = Callable[[StepRecord], None]
 
 
 def run_loop(
     config: LoopConfig,
     stages: Stages | None = None,
-    on_step: Callable[[StepRecord], None] | None = None,
+    on_step: OnStep | None = None,
     observe: Observer | None = None,
 ) -> TrainRun:
     """Start everything, train ``config.steps`` steps, and shut everything down again.
@@ -82,45 +79,82 @@ def run_loop(
     ).with_derived(environ=os.environ)
     # gates someone else started stage into their default partitions (--tokcap-*-partition)
     sink = TQSink(TQSinkConfig()) if config.gate_urls else tq_sink(config.tag)
-    training = Training(run, stages, on_step, observe)
     preload_policy_imports()
-    if config.gates or config.gate_urls:
-        run_fleet(training, sink, capture)
-        return run
-
-    async def body(server: InProcessServer, stack: Stack) -> None:
-        sync = await anyio.to_thread.run_sync(server.call, _watched_sync, server)
-
-        async def push(trainer: Any) -> Pushed:
-            return Pushed(
-                await anyio.to_thread.run_sync(_push, server, sync, trainer, config.push_mode)
-            )
-
-        await training.train(stack, sync.state.version, push, None)
-
-    run_in_process(
+    # QWEN_VLLM_ARGS turn chunked prefill off: the loop's seeded requests (32 chats of ~80
+    # prompt tokens a step) would otherwise crash vLLM 0.32's CPU engine core.
+    with place(
         config,
         sink,
         capture,
-        body,
-        vllm_args=TRAIN_VLLM_ARGS,
-        alongside=[training.load_policy],
+        vllm_args=QWEN_VLLM_ARGS,
+        push_mode=config.push_mode,
         stage=stages.stage,
-        label="start vLLM + gate, Ray pool, trainer",
-    )
+        log=stages.log,
+    ) as site:
+        anyio.run(train, site, run, stages, on_step, observe)
     return run
 
 
-async def _watched_sync(server: InProcessServer) -> WeightSync:
-    """On the server's loop: a `WeightSync` for its engine, watched by its gate."""
-    sync = await WeightSync.connect(server.engine_client)
-    server.gate.watch_weights(sync)
-    return sync
+async def train(
+    site: Site,
+    run: TrainRun,
+    stages: Stages,
+    on_step: OnStep | None = None,
+    observe: Observer | None = None,
+) -> None:
+    """Open ``site`` and train ``run.config.steps`` steps on it, each recorded in ``run``."""
+    config = run.config
+    policy = PolicyLoad(config.model, config.seed)  # loads while the stack starts
+    async with site.open(alongside=[policy.load], label=f"{site.label}, trainer") as placed:
+        trainer = new_trainer(policy.policy, config.lr, placed.version, decoupled=config.decoupled)
+        run.params = sum(p.numel() for p in policy.policy.parameters())
+        meters = Meters(log=lambda line: stages.log(escape(f"[tokcap] {line}")))
+        async with (
+            anyio.create_task_group() as background,  # where each step's freeing runs
+            meters.watching(),
+            harness_on(config, placed, meters.busy) as harness,
+            _feed(harness, trainer, background, stages) as (feed, advance),
+        ):
+            for step in range(config.steps):
+                started = time.perf_counter()
+                taken = await feed.take(step)  # played, collected: verified, reassembled
+                if observe is not None:
+                    observed = time.perf_counter()
+                    observe(step, taken.episodes, taken.batch, trainer)
+                    started += time.perf_counter() - observed
+                version, seconds = trainer.version, taken.seconds
+                start = time.perf_counter()
+                rows, advantages = taken.batch.rows, taken.batch.advantages
+                report = await anyio.to_thread.run_sync(trainer.step, rows, advantages)
+                seconds["train"] = time.perf_counter() - start
+                pushed = await placed.push(trainer)
+                seconds["push"] = time.perf_counter() - start - seconds["train"]
+                seconds["total"] = time.perf_counter() - started
+                feed.trained(taken)  # its rows freed, its rollouts released, in the background
+                record = step_record(
+                    run, placed.fleet, step, taken, report=report, trained_version=version,
+                    pushed=pushed, loop_lag_ms_max=meters.lag.take(),
+                )  # fmt: skip
+                record.seconds.update(await meters.take())
+                run.steps.append(record)
+                if on_step is not None:
+                    on_step(record)
+                advance(1)
+        run.loop_lag_ms_max = meters.lag.run_ms
+        run.gates = await placed.gate_entries(run.gate_calls)
 
 
-def _push(server: InProcessServer, sync: WeightSync, trainer: Any, mode: PushMode) -> str:
-    """Push the trainer's weights if its version moved; the engine's version label after."""
-    if trainer.version > sync.state.version:
-        push = functools.partial(sync.push, mode=mode)
-        server.call(push, trainer.weights(), trainer.version, timeout=600)
-    return str(server.call(server.engine_client.get_weight_version))
+@contextlib.asynccontextmanager
+async def _feed(
+    harness: Harness, trainer: Policy, background: TaskGroup, stages: Stages
+) -> AsyncIterator[tuple[Feed, Callable[[int], None]]]:
+    """The run's feed, inside the train stage (and how to advance it): the two pumps
+    (``async``: the stage ends once the groups still in flight are collected) or lock-step."""
+    config = harness.config
+    label = f"train ({config.steps} steps{', async' if config.mode == 'async' else ''})"
+    with stages.stage(label, total=config.steps) as advance:
+        if config.mode != "async":
+            yield LockStep(harness, background), advance
+            return
+        async with pumping(harness, trainer, background) as pumps:
+            yield pumps, advance

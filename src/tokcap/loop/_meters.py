@@ -8,17 +8,24 @@
   (the engine core, Ray's raylet and workers, TransferQueue's actors), read between steps
   in a worker thread: on a 2-core box the CPU per trained sample, and how close a run comes
   to 2 CPU-seconds per second, bound what overlapping generation and training can gain.
+
+`Meters` holds both, and the event loop's `tokcap.loop._watchdog.LagWatch`, for the loop:
+`Meters.watching` runs them around the steps and `Meters.take` reads a step's window.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
 
-__all__ = ["BusyMeter", "CpuMeter"]
+from ._watchdog import LagWatch
+
+__all__ = ["BusyMeter", "CpuMeter", "Meters"]
 
 
 class BusyMeter:
@@ -93,6 +100,35 @@ class CpuMeter:
         """Since the last take (or `start`): ``cpu`` (the whole tree), ``cpu_engine`` (vLLM's
         engine core), ``cpu_driver`` (this process: trainer, gate, API server, pumps)."""
         return await anyio.to_thread.run_sync(self._read)
+
+
+class Meters:
+    """A run's meters: the event loop's lag (``lag``, its stalls sent to ``log``), the
+    engine's calls in flight (``busy``, counted by the harness) and the CPU (``cpu``)."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.lag = LagWatch(log=log)
+        self.busy = BusyMeter()
+        self.cpu = CpuMeter()
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[Meters]:
+        """Watch the loop's lag and start each meter's first window; at the end, log the
+        lag's summary over the run."""
+        async with anyio.create_task_group() as watch:
+            watch.start_soon(self.lag.run)
+            await self.cpu.start()
+            self.busy.take()
+            yield self
+            watch.cancel_scope.cancel()
+        if self.lag.log is not None:
+            self.lag.log(self.lag.summary())
+
+    async def take(self) -> dict[str, float]:
+        """Since the last take: the engine's busy figures (`BusyMeter.take`) and the CPU's
+        (`CpuMeter.take`), a step's ``seconds`` beside its stages."""
+        busy = self.busy.take()
+        return {**busy, **(await self.cpu.take())}
 
 
 def _cpu_seconds(pid: int) -> float:

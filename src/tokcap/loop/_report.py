@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..demo import fleet_table
+from .._fleet_view import fleet_table
 
 __all__ = ["render_train_report", "svg_chart"]
 

@@ -1,43 +1,27 @@
-"""What every step of ``tokcap train``'s loop shares: its records, its context, the harness's
-play (`play_group`) and the step's record (`step_record`); the lock-step step itself is
-`tokcap.loop._sync.run_step`, the two pumps `tokcap.loop._async`.
+"""A step of ``tokcap train``'s loop: what it trains on (`Taken`, from a `Feed`) and its
+record (`StepRecord`, in the run's `TrainRun`).
+
+A feed hands the loop each step's collected batch: the lock-step one
+(`tokcap.loop._sync.LockStep`) or the two pumps (`tokcap.loop._async`); both collect with
+`tokcap.compose.Stack.collect`. `step_record` is the step's figures once it has trained
+and pushed.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import openai
-from anyio.abc import TaskGroup
-
-from tokcap_core import Receipt, TrainingRow
 from tokcap_vllm import GateFleet
 
-from ..compose import Stack, lost_receipts, play_rollouts
+from ..compose import Batch, Pushed, lost_receipts
 from ._config import LoopConfig
-from ._meters import BusyMeter
 from ._staleness import provenance
-from ._task import DigitsEpisode, play_digits
+from ._task import DigitsEpisode
 
-__all__ = [
-    "LoopConfig",
-    "Observer",
-    "Pushed",
-    "StepContext",
-    "StepRecord",
-    "TrainRun",
-    "load_policy",
-    "new_trainer",
-    "play_group",
-    "preload_policy_imports",
-    "step_record",
-]
+__all__ = ["Feed", "Observer", "StepRecord", "Taken", "TrainRun", "step_record"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,132 +130,60 @@ class TrainRun:
     """The driver's largest event-loop lag over the run (ms)."""
 
 
-Observer = Callable[[int, list[DigitsEpisode], Any, Any], None]
+Observer = Callable[[int, list[DigitsEpisode], Batch, Any], None]
 """``observe(step, episodes, batch, trainer)``: called after a step's rows are collected,
 before its optimizer step (the trainer still holds the weights that sampled them)."""
 
 
-class _Clock:
-    """Seconds per named part of one step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    @contextmanager
-    def time(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - start)
-
-
-@dataclass(frozen=True, slots=True)
-class Pushed:
-    """After a push: the engine's version label, and each served gate's version."""
-
-    label: str
-    gate_versions: tuple[int, ...] = ()
-
-
 @dataclass(slots=True, kw_only=True)
-class StepContext:
-    """What every step uses."""
+class Taken:
+    """What a step trains on: its episodes, their collected batch (the accepted groups'
+    rows and advantages), and the seconds it took to get them."""
 
-    run: TrainRun
-    stack: Stack
-    trainer: Any
-    push: Callable[[Any], Awaitable[Pushed]]
-    """``push(trainer)``: its weights into every engine if its version moved."""
-    fleet: GateFleet | None
-    """Served gates: each rollout is opened through the fleet before it plays."""
-    background: TaskGroup
-    """Where each step's `finish` runs, overlapping the next step."""
-    observe: Observer | None = None
-    http: Any = None
-    """The harness's shared HTTP client (``httpx.AsyncClient``; set by ``train_steps``)."""
-    busy: BusyMeter = field(default_factory=BusyMeter)
-    """Rollouts playing at once, over time (`tokcap.loop._meters`)."""
+    episodes: list[DigitsEpisode]
+    batch: Batch
+    seconds: dict[str, float]
+    """The step's ``seconds`` so far (the loop adds ``train``, ``push``, ``total``)."""
+    dropped_stale: int = 0
+    """Groups discarded for staleness while taking these (async)."""
+    skipped: Mapping[str, int] = field(default_factory=dict)
+    """Groups discarded so far in the run, by reason (async: read when the step is recorded)."""
 
 
-async def play_group(
-    loop: StepContext,
-    episodes: list[DigitsEpisode],
-    index: int,
-    *,
-    played: Callable[[DigitsEpisode, float], None] | None = None,
-) -> None:
-    """Play ``episodes``; ``index`` (step or group) seeds them.
+class Feed(Protocol):
+    """Where the loop's steps get their rows: `take` a step's, and say when they trained."""
 
-    Served gates: every rollout is opened first (its URL is its gate's). A ``declared``
-    rollout names its terminal call as soon as it ends, as a harness would, while the
-    others still play. ``played(episode, answered)`` is called once each rollout is done
-    (also when it failed), ``answered`` being when its last answer came back.
-    """
-    config = loop.run.config
-    control = loop.stack.control
+    async def take(self, step: int) -> Taken:
+        """Step ``step``'s rows, played and collected."""
+        ...
 
-    async def play(client: openai.AsyncOpenAI, model: str, episode: DigitsEpisode, n: int) -> None:
-        seed = (config.seed * 10_000 + index) * 1_000 + n
-        answered = time.perf_counter()
-        try:
-            loop.busy.enter()
-            try:
-                await play_digits(
-                    client,
-                    model,
-                    episode,
-                    turns=config.turns,
-                    max_tokens=config.max_tokens,
-                    seed=seed,
-                    task=config.task,
-                    api=config.harness_api,
-                )
-            finally:
-                loop.busy.leave()
-            answered = time.perf_counter()
-            if episode.witness == "declared" and episode.response_ids:
-                await control.declare_terminal(
-                    episode.rollout_id, response_id=episode.response_ids[-1]
-                )
-        finally:
-            if played is not None:
-                played(episode, answered)
-
-    if loop.fleet is not None:  # before playing: a rollout's URL is its gate's, set at open
-        for episode in episodes:
-            await loop.fleet.open(episode.rollout_id)
-    await play_rollouts(
-        loop.stack.gate, episodes, play, concurrency=config.concurrency, http_client=loop.http
-    )
+    def trained(self, taken: Taken) -> None:
+        """``taken`` has trained and its weights are pushed: free its rows, release its
+        rollouts (in the background, while the next step runs)."""
+        ...
 
 
 def step_record(
-    loop: StepContext,
+    run: TrainRun,
+    fleet: GateFleet | None,
     step: int,
+    taken: Taken,
     *,
-    episodes: list[DigitsEpisode],
-    rows: Sequence[TrainingRow],
-    receipts: Sequence[Receipt],
     report: Any,
-    pushed: Pushed,
     trained_version: int,
-    seconds: dict[str, float],
-    groups_accepted: int,
-    dropped_stale: int = 0,
-    skipped: dict[str, int] | None = None,
-    loop_lag_ms_max: float = 0.0,
+    pushed: Pushed,
+    loop_lag_ms_max: float,
 ) -> StepRecord:
-    """A step's record from what it trained (``report``: a `tokcap.train.StepReport`)."""
-    run = loop.run
+    """Step ``step``'s record from what it trained (``report``: a `tokcap.train.StepReport`
+    of a step against ``trained_version``), its sampled answers and (``fleet``: served
+    gates) calls per gate noted in ``run``."""
+    episodes, rows = taken.episodes, taken.batch.rows
+    receipts = list(taken.batch.receipts.values())
     if step % 5 == 0 or step == run.config.steps - 1:
         run.samples.append((step, " | ".join(episodes[0].contents), episodes[0].reward))
-    if loop.fleet is not None:
+    if fleet is not None:
         for receipt in receipts:
-            url = loop.fleet.gate_url(receipt.rollout_id)
+            url = fleet.gate_url(receipt.rollout_id)
             run.gate_calls[url] = run.gate_calls.get(url, 0) + len(receipt.sink_keys)
     versions = [
         r.weight_version_max for r in rows if r.sample_mask and r.weight_version_max is not None
@@ -292,20 +204,20 @@ def step_record(
         receipts_verified=sum(r.ok for r in receipts),
         receipts_total=len(receipts),
         gate_versions=pushed.gate_versions,
-        groups_accepted=groups_accepted,
+        groups_accepted=len(taken.batch.accepted),
         tokens=report.tokens,
         loss=report.loss,
         clip_fraction=report.clip_fraction,
         grad_norm=report.grad_norm,
-        seconds=seconds,
+        seconds=taken.seconds,
         calls_spanning_versions=origin.calls_spanning_versions,
         tokens_stale=origin.tokens_stale,
         tokens_stale_kv=origin.tokens_stale_kv,
-        dropped_stale=dropped_stale,
-        skipped=skipped or {},
+        dropped_stale=taken.dropped_stale,
+        skipped=dict(taken.skipped),
         loop_lag_ms_max=loop_lag_ms_max,
         placeholders=dict(Counter(r.reason_bucket for r in rows if r.reason_bucket)),
-        receipts_lost=lost_receipts(loop.fleet, receipts) if loop.fleet is not None else {},
+        receipts_lost=lost_receipts(fleet, receipts) if fleet is not None else {},
         calls_per_rollout={
             str(k): v for k, v in sorted(Counter(len(e.response_ids) for e in episodes).items())
         },
@@ -323,42 +235,3 @@ def _parity_json(parity: Any) -> dict[str, float]:
         "max_abs": parity.max_abs,
         "k3": parity.k3,
     }
-
-
-def preload_policy_imports() -> None:
-    """Import what `load_policy` needs, on this thread, before a run starts its threads.
-
-    With ``accelerate`` installed (TRL brings it), transformers' generation module imports
-    it, and two threads importing accelerate's circular package at once fail ("partially
-    initialized module 'accelerate.hooks'"): the policy loads in a worker thread while the
-    in-process engine starts in another.
-    """
-    from transformers import AutoModelForCausalLM  # noqa: F401
-
-
-def load_policy(model: Path, seed: int) -> Any:
-    """The trainer's copy of the engine's model: fp32, eval mode (no dropout)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    policy = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    policy.train(False)  # eval mode: no dropout
-    return policy
-
-
-def new_trainer(model: Any, lr: float, version: int, *, decoupled: bool = False) -> Any:
-    """A `tokcap.train.Trainer` of ``model`` (AdamW at ``lr``, temperature 1) at ``version``;
-    ``decoupled``: decoupled PPO with TIS/MIS (`tokcap.train.TrainConfig.decoupled`)."""
-    import torch
-
-    from ..train import TrainConfig, Trainer
-
-    return Trainer(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=lr),
-        config=TrainConfig(
-            temperature=1.0, pad_token_id=model.config.pad_token_id or 0, decoupled=decoupled
-        ),
-        version=version,
-    )

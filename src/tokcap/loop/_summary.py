@@ -20,10 +20,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..demo import print_fleet
+from .._fleet_view import print_fleet
 
 if TYPE_CHECKING:  # `tokcap show` must not import Ray, vLLM or TransferQueue
-    from ._loop import TrainRun
+    from ._step import TrainRun
 
 __all__ = ["build_train_summary", "print_train_summary", "tokcap_share", "train_problems"]
 

@@ -1,10 +1,11 @@
-"""The lock-step ``tokcap train`` step: generate, collect, train, push (see `tokcap.loop`).
+"""``tokcap train``'s lock-step feed: a step plays its chats, then collects them all at once.
 
-`run_step` plays the step's chats, then collects every group in one collection
-(`tokcap.compose.collect`: one batch close whose answer carries the manifests, receipts
-verified, one reassembly bundle per reassembler actor, one read of the rows), trains,
-pushes, and leaves `_finish` (free the rows, release the rollouts) to run while the next
-step generates.
+`LockStep.take` plays the step's G x N chats, then collects every group in one collection
+(`tokcap.compose.Stack.collect`: one batch close whose answer carries the manifests,
+receipts verified, one reassembly bundle per reassembler actor, one read of the rows);
+once the step has trained and pushed, `LockStep.trained` leaves `finish` (free the rows,
+release the rollouts) to run while the next step generates. Nothing is pushed before a
+step trains, so every row is sampled by the version being trained (staleness 0).
 
 Why one collection after the last answer rather than each group as soon as it has
 played: a sync step trains on every group at once, so collecting early can only hide
@@ -15,70 +16,53 @@ staged), reassembly and read, all at once on the same cores. `bench/bench_train.
 measured the work left after the last answer at 0.18 s collecting group by group (four
 collections at once, quiet box; and one at a time in a group commit, loaded box) against
 0.12-0.14 s in one collection (quiet box). An asynchronous run (`tokcap.loop._async`)
-collects each group as soon as it has played.
+collects each group as soon as it has played, with the same `Stack.collect`.
 """
 
 from __future__ import annotations
 
 import time
 
-import anyio
+from anyio.abc import TaskGroup
 
-from ..compose import Batch, CollectTimings, Finished, Stack
-from ._step import StepContext, StepRecord, _Clock, play_group, step_record
+from ..compose import Batch, CollectTimings, Stack
+from ._harness import Harness, finished
+from ._step import Taken
 from ._task import WITNESSES, DigitsEpisode, group_prompt
 
-__all__ = ["run_step"]
+__all__ = ["LockStep", "StepTail"]
 
 
-async def run_step(loop: StepContext, step: int) -> StepRecord:
-    """Play, collect, train and push one step; its record (``finish`` left running).
+class LockStep:
+    """The lock-step feed: ``harness`` plays each step's chats on its run's gates; each
+    step's `finish` runs in ``background``."""
 
-    Once every rollout has played, all groups are collected in one collection
-    (`StepTail.collect`): what blocks the step is the work left once the last answer came
-    back. Nothing is pushed before the step trains, so every row is still sampled by the
-    version being trained.
-    """
-    config = loop.run.config
-    clock = _Clock()
-    started = time.perf_counter()
-    episodes = [
-        DigitsEpisode(
-            rollout_id=f"{config.tag}-s{step:04d}-g{g:02d}-r{i:02d}",
-            group_id=f"{config.tag}-s{step:04d}-g{g:02d}",
-            witness=WITNESSES[i % len(WITNESSES)],
-            prompt=group_prompt(config.seed, g),
-        )
-        for g in range(config.groups)
-        for i in range(config.rollouts)
-    ]
-    tail = StepTail(started, episodes)
-    await play_group(loop, episodes, step, played=tail.played)
-    batch = await tail.collect(loop.stack)
-    clock.seconds.update(tail.seconds(time.perf_counter()))
-    if loop.observe is not None:
-        observed = time.perf_counter()
-        loop.observe(step, episodes, batch, loop.trainer)
-        started += time.perf_counter() - observed
-    trained_version = loop.trainer.version
-    with clock.time("train"):
-        report = await anyio.to_thread.run_sync(loop.trainer.step, batch.rows, batch.advantages)
-    with clock.time("push"):
-        pushed = await loop.push(loop.trainer)
-    clock.seconds["total"] = time.perf_counter() - started
-    loop.background.start_soon(_finish, loop, batch, clock)
-    return step_record(
-        loop,
-        step,
-        episodes=episodes,
-        rows=batch.rows,
-        receipts=list(batch.receipts.values()),
-        report=report,
-        pushed=pushed,
-        trained_version=trained_version,
-        seconds=clock.seconds,
-        groups_accepted=len(batch.accepted),
-    )
+    def __init__(self, harness: Harness, background: TaskGroup) -> None:
+        self.harness, self.background = harness, background
+
+    async def take(self, step: int) -> Taken:
+        """Play step ``step``'s chats, then collect them all in one collection (`StepTail`):
+        what blocks the step is the work left once the last answer came back."""
+        config = self.harness.config
+        started = time.perf_counter()
+        episodes = [
+            DigitsEpisode(
+                rollout_id=f"{config.tag}-s{step:04d}-g{g:02d}-r{i:02d}",
+                group_id=f"{config.tag}-s{step:04d}-g{g:02d}",
+                witness=WITNESSES[i % len(WITNESSES)],
+                prompt=group_prompt(config.seed, g),
+            )
+            for g in range(config.groups)
+            for i in range(config.rollouts)
+        ]
+        tail = StepTail(started, episodes)
+        await self.harness.play(episodes, step, played=tail.played)
+        batch = await tail.collect(self.harness.stack)
+        return Taken(episodes=episodes, batch=batch, seconds=tail.seconds(time.perf_counter()))
+
+    def trained(self, taken: Taken) -> None:
+        """Free the step's rows and release its rollouts while the next step generates."""
+        self.background.start_soon(_finish, self.harness.stack, taken.batch, taken.seconds)
 
 
 class StepTail:
@@ -110,7 +94,7 @@ class StepTail:
         """Every group in one collection (`tokcap.compose.collect`), its rows in group order
         (each group's advantages against its own baseline, as GRPO's are)."""
         self.collect_started = time.perf_counter()
-        batch = await stack.collect([_finished(e) for e in self.episodes])
+        batch = await stack.collect([finished(e) for e in self.episodes])
         assert batch.timings is not None
         self.timings = batch.timings
         return batch
@@ -132,24 +116,10 @@ class StepTail:
         }
 
 
-def _finished(e: DigitsEpisode) -> Finished:
-    """What the scorer hands over for ``e``: its reward and witness. A rollout whose gate was
-    lost mid-play has no answer: it closes without a witness (its receipt is poisoned
-    ``gate_unreachable``) and trains no row."""
-    return Finished(
-        rollout_id=e.rollout_id,
-        group_id=e.group_id,
-        reward=e.reward,
-        response_id=_last(e.response_ids) if e.scored == "response_id" else None,
-        content=_last(e.contents) if e.scored == "content" else None,
-    )
-
-
-def _last(answers: list[str]) -> str | None:
-    return answers[-1] if answers else None
-
-
-async def _finish(loop: StepContext, batch: Batch, clock: _Clock) -> None:
-    """Free the step's rows and release its rollouts (while the next step generates)."""
-    with clock.time("finish"):
-        await loop.stack.finish(batch)
+async def _finish(stack: Stack, batch: Batch, seconds: dict[str, float]) -> None:
+    """`Stack.finish` on ``batch``, its time added to the step's ``seconds`` (``finish``)."""
+    start = time.perf_counter()
+    try:
+        await stack.finish(batch)
+    finally:
+        seconds["finish"] = seconds.get("finish", 0.0) + time.perf_counter() - start

@@ -4,11 +4,14 @@
   random-weight Qwen3 (dense or MoE), hidden 64, 2 layers;
 - `build_small_model`: a ~100M Qwen3 of the same family (for benchmarks);
 - `tiny_mistral` / `build_tiny_mistral`: a tiny ``MistralForCausalLM`` next to a real
-  ``mistral_common`` tokenizer, with the vLLM options and tool forcing Mistral's cards ask for.
+  ``mistral_common`` tokenizer, with the vLLM options and tool forcing Mistral's cards ask for;
+- `ENGINE_ARGS` / `QWEN_VLLM_ARGS`: the CPU engine's options, and the tiny Qwen model's
+  (its tool calls: `CHATML_TOOLS_TEMPLATE`, vLLM's ``hermes`` parser, `chatml_tool_args`).
 
 Every build is deterministic and cached under the folder it is given.
 """
 
+from ._engine import CHATML_TOOLS_TEMPLATE, ENGINE_ARGS, QWEN_VLLM_ARGS, chatml_tool_args
 from ._mistral import (
     MISTRAL_TOKENIZERS,
     MistralTokenizerKind,
@@ -28,7 +31,10 @@ from ._small import SMALL_SHAPE, build_small_model, parameter_count
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "CHATML_TOOLS_TEMPLATE",
+    "ENGINE_ARGS",
     "MISTRAL_TOKENIZERS",
+    "QWEN_VLLM_ARGS",
     "SMALL_SHAPE",
     "SPECIAL_TOKENS",
     "MistralTokenizerKind",
@@ -36,6 +42,7 @@ __all__ = [
     "build_tiny_mistral",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "chatml_tool_args",
     "force_tool_calls",
     "mistral_vllm_args",
     "parameter_count",
