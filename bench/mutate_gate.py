@@ -89,6 +89,8 @@ _ROUTES = "tests/vllm/test_routes_unit.py"
 _ADMISSION = "tests/vllm/test_admission_unit.py"
 _MISTRAL = "tests/vllm/test_mistral_planner.py"
 _APIS = "tests/vllm/test_apis_unit.py"
+_PLANNING = "tests/vllm/test_planning_unit.py"
+_RENDER = "tests/vllm/test_render_unit.py"
 EXERCISING: dict[str, tuple[str, ...]] = {
     "_rollouts.py": (*_RULES, _ROUTES),
     "_lifecycle.py": (*_RULES, _ROUTES),
@@ -107,13 +109,13 @@ EXERCISING: dict[str, tuple[str, ...]] = {
     "_wire.py": (*_RULES, _APIS, "tests/vllm/test_hostile2_unit.py"),
     "_answers.py": (_APIS,),
     "_responses.py": (_APIS,),
-    "fingerprints.py": (*_RULES, _ADMISSION),
-    "_planning/_index.py": (*_RULES, _ROUTES),
-    "_planning/_plan_text.py": (*_RULES, _ADMISSION),
-    "_planning/_plan_ids.py": (*_RULES, _MISTRAL),
-    "_planning/_splice.py": (*_RULES, _ADMISSION),
-    "_planning/_render_text.py": (*_RULES, _ADMISSION, _MISTRAL),
-    "_planning/_render_ids.py": (*_RULES, _MISTRAL),
+    "fingerprints.py": (*_RULES, _PLANNING, _ADMISSION),
+    "_planning/_index.py": (_PLANNING, *_RULES, _ROUTES),
+    "_planning/_plan_text.py": (_PLANNING, *_RULES, _ADMISSION),
+    "_planning/_plan_ids.py": (_PLANNING, *_RULES, _MISTRAL),
+    "_planning/_splice.py": (_PLANNING, *_RULES, _ADMISSION),
+    "_planning/_render_text.py": (_RENDER, _PLANNING, *_RULES, _ADMISSION, _MISTRAL),
+    "_planning/_render_ids.py": (_RENDER, _PLANNING, *_RULES, _MISTRAL),
     "_direct_plan.py": ("tests/vllm/test_direct_plan_unit.py",),
     "_options.py": ("tests/vllm/test_serve_options.py",),
     "_metrics.py": (),
