@@ -91,11 +91,13 @@ _MISTRAL = "tests/vllm/test_mistral_planner.py"
 _APIS = "tests/vllm/test_apis_unit.py"
 _PLANNING = "tests/vllm/test_planning_unit.py"
 _RENDER = "tests/vllm/test_render_unit.py"
+_ACCESS = "tests/vllm/test_access_unit.py"
 EXERCISING: dict[str, tuple[str, ...]] = {
     "_rollouts.py": (*_RULES, _ROUTES),
     "_lifecycle.py": (*_RULES, _ROUTES),
     "_records.py": (*_RULES, "tests/vllm/test_stage_writer.py"),
     "_owners.py": (
+        _ACCESS,
         "tests/vllm/test_hostile3_fleet.py"
         "::test_q1_an_owner_silent_past_the_lease_is_taken_from_a_talking_one_never",
     ),
@@ -103,6 +105,7 @@ EXERCISING: dict[str, tuple[str, ...]] = {
     "_staging.py": (*_RULES, _ROUTES),
     "_routing.py": (*_RULES, "tests/vllm/test_hostile2_unit.py"),
     "_route_table.py": (
+        _ACCESS,
         "tests/vllm/test_hostile3_routes.py"
         "::test_b3_the_table_names_every_route_vllms_app_builder_mounts",
     ),
@@ -118,7 +121,7 @@ EXERCISING: dict[str, tuple[str, ...]] = {
     "_planning/_render_ids.py": (_RENDER, _PLANNING, *_RULES, _MISTRAL),
     "_direct_plan.py": ("tests/vllm/test_direct_plan_unit.py",),
     "_options.py": ("tests/vllm/test_serve_options.py",),
-    "_metrics.py": (),
+    "_metrics.py": ("tests/vllm/test_metrics_unit.py",),
 }
 """The engine-free tests (files, or one test of a file that also starts engines) that exercise
 each module; a module none exercises keeps every mutant (``--all-tests``: every one)."""
