@@ -527,3 +527,58 @@ def test_an_id_level_prior_that_does_not_say_what_it_generated_is_never_a_parent
     rollout.index.snapshot()[0][0].gen_len = 0
     plan = rollout.plan(messages)
     assert (plan.parent_id, plan.break_cause) == (None, "no_parent_match")
+
+
+def _spelled(mistral: Any, text: str) -> list[int]:
+    """``text`` one SentencePiece piece per character (decodes to ``text``, not its ids)."""
+    return [mistral.convert_tokens_to_ids(ch) for ch in "▁" + text.replace(" ", "▁")]
+
+
+@pytest.mark.parametrize(
+    ("style", "cause"),
+    [
+        ("stray_control", "special_tokens"),
+        ("partial_character", "invalid_utf8"),
+        ("trailing_space", "whitespace"),
+        ("spelled", "other"),
+    ],
+)
+def test_an_id_level_turn_the_tokenizer_encodes_otherwise_is_a_splice_by_cause(
+    mistral: Any, style: str, cause: str
+) -> None:
+    """The model's ids are kept; the cause says how they differ from the tokenizer's turn."""
+    rollout, eos = Rollout(mistral, None), mistral.eos_token_id
+    words = list(mistral.encode("hello there", add_special_tokens=False))
+    generated, content = {
+        "stray_control": ([*words, mistral.convert_tokens_to_ids("[INST]"), eos], None),
+        "partial_character": (
+            [*words, *mistral.convert_tokens_to_ids(["<0xF0>", "<0x9F>"]), eos],
+            "hello there",
+        ),
+        "trailing_space": ([*mistral.encode("hello there ", add_special_tokens=False), eos], None),
+        "spelled": ([*_spelled(mistral, "hello there"), eos], None),
+    }[style]
+    messages = [_user("hi")]
+    reply = rollout.call(messages, generated, **({} if content is None else {"content": content}))
+    child = rollout.plan([*messages, reply, _user("bye")])
+    _on_parent(rollout, child, 1)
+    assert (child.formation, child.splice_cause) == ("splice", cause)
+    assert (
+        child.prompt_ids[child.prefix_len :]
+        == mistral.apply_chat_template([*messages, reply, _user("bye")])[
+            -len(child.prompt_ids) + child.prefix_len :
+        ]
+    )
+
+
+def test_an_id_level_new_user_turn_after_a_system_prompt_is_template_unstable(
+    mistral: Any,
+) -> None:
+    """Mistral's v3 tokenizers write the system prompt before the *last* user message."""
+    rollout = Rollout(mistral, None)
+    messages = [{"role": "system", "content": "be brief"}, _user("hi")]
+    answer = {"role": "assistant", "content": "hello"}
+    messages += [rollout.call(messages, _turn(mistral, messages, answer)), _user("bye")]
+    plan = rollout.plan(messages)
+    assert (plan.parent_id, plan.break_cause) == (None, "template_unstable")
+    assert plan.prompt_ids == mistral.apply_chat_template(messages)
