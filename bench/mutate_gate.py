@@ -109,9 +109,14 @@ EXERCISING: dict[str, tuple[str, ...]] = {
         "tests/vllm/test_hostile3_routes.py"
         "::test_b3_the_table_names_every_route_vllms_app_builder_mounts",
     ),
-    "_wire.py": (*_RULES, _APIS, "tests/vllm/test_hostile2_unit.py"),
+    "_wire.py": (
+        "tests/vllm/test_wire_unit.py",
+        *_RULES,
+        _APIS,
+        "tests/vllm/test_hostile2_unit.py",
+    ),
     "_answers.py": (_APIS,),
-    "_responses.py": (_APIS,),
+    "_responses.py": ("tests/vllm/test_previous_response_unit.py", _APIS),
     "fingerprints.py": (*_RULES, _PLANNING, _ADMISSION),
     "_planning/_index.py": (_PLANNING, *_RULES, _ROUTES),
     "_planning/_plan_text.py": (_PLANNING, *_RULES, _ADMISSION),
