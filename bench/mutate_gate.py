@@ -115,7 +115,7 @@ EXERCISING: dict[str, tuple[str, ...]] = {
         _APIS,
         "tests/vllm/test_hostile2_unit.py",
     ),
-    "_answers.py": (_APIS,),
+    "_answers.py": ("tests/vllm/test_answers_unit.py", _APIS),
     "_responses.py": ("tests/vllm/test_previous_response_unit.py", _APIS),
     "fingerprints.py": (*_RULES, _PLANNING, _ADMISSION),
     "_planning/_index.py": (_PLANNING, *_RULES, _ROUTES),
