@@ -102,7 +102,7 @@ EXERCISING: dict[str, tuple[str, ...]] = {
         "::test_q1_an_owner_silent_past_the_lease_is_taken_from_a_talking_one_never",
     ),
     "_weight_state.py": (*_RULES, "tests/vllm/test_weight_state.py"),
-    "_staging.py": (*_RULES, _ROUTES),
+    "_staging.py": ("tests/vllm/test_staging_unit.py", *_RULES, _ROUTES),
     "_routing.py": (*_RULES, "tests/vllm/test_hostile2_unit.py"),
     "_route_table.py": (
         _ACCESS,
