@@ -92,10 +92,16 @@ _APIS = "tests/vllm/test_apis_unit.py"
 _PLANNING = "tests/vllm/test_planning_unit.py"
 _RENDER = "tests/vllm/test_render_unit.py"
 _ACCESS = "tests/vllm/test_access_unit.py"
+_CLAIMS = "tests/vllm/test_claims_unit.py"
 EXERCISING: dict[str, tuple[str, ...]] = {
-    "_rollouts.py": (*_RULES, _ROUTES),
+    "_rollouts.py": (_CLAIMS, *_RULES, _ROUTES),
     "_lifecycle.py": (*_RULES, _ROUTES),
-    "_records.py": (*_RULES, "tests/vllm/test_stage_writer.py"),
+    "_records.py": (
+        _CLAIMS,
+        "tests/vllm/test_previous_response_unit.py",
+        *_RULES,
+        "tests/vllm/test_stage_writer.py",
+    ),
     "_owners.py": (
         _ACCESS,
         "tests/vllm/test_hostile3_fleet.py"
