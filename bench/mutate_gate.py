@@ -109,7 +109,7 @@ EXERCISING: dict[str, tuple[str, ...]] = {
     ),
     "_weight_state.py": (*_RULES, "tests/vllm/test_weight_state.py"),
     "_staging.py": ("tests/vllm/test_staging_unit.py", *_RULES, _ROUTES),
-    "_routing.py": (*_RULES, "tests/vllm/test_hostile2_unit.py"),
+    "_routing.py": (_ACCESS, *_RULES, "tests/vllm/test_hostile2_unit.py"),
     "_route_table.py": (
         _ACCESS,
         "tests/vllm/test_hostile3_routes.py"

@@ -1,5 +1,6 @@
-"""Who may reach what, with no engine: the route table and the owners of rollouts.
+"""Who may reach what, with no engine: the rollout a request names, the route table, owners.
 
+A rollout id the core does not accept is refused (``bad_rollout_id``) with the core's reason.
 The route table (`tokcap_vllm._route_table`) answers every path vLLM mounts as public,
 guarded (the control token) or refused (403 even with it); a path it does not name is
 guarded. Paths are compared after the server's root path, doubled slashes and a trailing
@@ -19,7 +20,8 @@ import pytest
 
 from tokcap_vllm._owners import Owners
 from tokcap_vllm._route_table import normalized_path, route_listing, rule_of
-from tokcap_vllm.errors import RolloutConflict
+from tokcap_vllm._routing import parse_rollout_id
+from tokcap_vllm.errors import BadRequest, RolloutConflict
 
 # ---- the route table ---------------------------------------------------------------------------
 
@@ -84,6 +86,19 @@ def test_a_listing_gives_each_route_its_methods_and_rule() -> None:
         ("/v1/models/", ["GET", "HEAD"], "public"),
         ("/metrics", [], "public"),
     ]
+
+
+# ---- the rollout a request names ---------------------------------------------------------------
+
+
+def test_a_malformed_rollout_id_is_refused_with_the_cores_reason() -> None:
+    assert parse_rollout_id("r-1") == "r-1"
+    with pytest.raises(BadRequest) as refused:
+        parse_rollout_id("../x")
+    assert (refused.value.code, refused.value.message) == (
+        "bad_rollout_id",
+        "not a rollout id: '../x'",
+    )
 
 
 # ---- owners ------------------------------------------------------------------------------------
