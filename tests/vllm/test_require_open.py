@@ -19,7 +19,7 @@ def test_a_call_of_a_rollout_nobody_opened_is_unknown() -> None:
     with pytest.raises(RolloutNotFound) as refused:
         _begin(gate, "never-opened")
     assert refused.value.code == "unknown_rollout"
-    assert gate.registry.records() == []  # the refusal made nothing
+    assert gate.book.records() == []  # the refusal made nothing
 
 
 def test_an_opened_rollout_is_captured_and_opening_again_changes_nothing() -> None:
@@ -28,7 +28,7 @@ def test_an_opened_rollout_is_captured_and_opening_again_changes_nothing() -> No
     gate.open("r1")
     call = _begin(gate, "r1")
     assert call is not None
-    gate.registry.step(call, "drop")  # a refused request does not forget an opened rollout
+    gate.book.step(call, "drop")  # a refused request does not forget an opened rollout
     assert _begin(gate, "r1") is not None
 
 
@@ -49,5 +49,5 @@ def test_an_opened_rollout_without_calls_closes_with_nothing_to_train() -> None:
 
 def _begin(gate: Gate, rollout_id: str) -> GateCall | None:
     """What `CapturePath.enter` does first: join the rollout, then begin a live call."""
-    record = gate.registry.join(rollout_id, require_open=gate.config.require_open)
-    return gate.registry.begin(record, kind="chat")
+    record = gate.book.join(rollout_id, require_open=gate.config.require_open)
+    return gate.book.begin(record, kind="chat")

@@ -103,7 +103,7 @@ class Gate:
     def __init__(self, config: GateConfig | None = None, *, sink: TokenSink | None = None) -> None:
         self.config = config or GateConfig()
         self.sink: TokenSink = sink if sink is not None else MemorySink()
-        self.registry = RolloutBook(
+        self.book = RolloutBook(
             max_open=self.config.max_open_rollouts,
             flag=anyio.Event,
             lock=anyio.Lock,
@@ -112,10 +112,10 @@ class Gate:
         self.instance = secrets.token_hex(8)
         """This gate's instance id: a restarted gate (a new process) has a new one, which is
         how a fleet tells a restart from a rollout it never opened."""
-        self.telemetry = GateMetrics(self.registry.counts)
+        self.telemetry = GateMetrics(self.book.counts)
         self._observers: list[GateHooks] = [self.telemetry]
         self.capture = CapturePath(
-            self.config, self.sink, self.registry, self.telemetry, self._observers
+            self.config, self.sink, self.book, self.telemetry, self._observers
         )
         self.ledger_file: LedgerFile | None = None
         if self.config.ledger_path is not None:
@@ -188,11 +188,11 @@ class Gate:
 
     def ledger(self, rollout_id: str) -> Ledger:
         """The ledger of an open or closed rollout; `RolloutNotFound` otherwise."""
-        return self.registry.ledger(rollout_id)
+        return self.book.ledger(rollout_id)
 
     def rollouts(self) -> dict[RolloutId, str]:
         """Every rollout held, ``{rollout_id: "open" | "closed"}``."""
-        return self.registry.states()
+        return self.book.states()
 
     def metrics(self) -> dict[str, float]:
         """Every counter of `GateMetrics`, ready for any logger."""
@@ -202,7 +202,7 @@ class Gate:
         """Whether the gate serves, what it holds, and what would stop or stall a captured
         call: the ledger file, the sink, the weights; ``engine`` is the engine's own state,
         as the caller found it."""
-        held_open, held_closed = self.registry.counts()
+        held_open, held_closed = self.book.counts()
         state = self.capture.weights
         weights = "READY" if state is None else state.phase.name
         if state is not None and state.error is not None:
@@ -219,7 +219,7 @@ class Gate:
 
     def held_ledgers(self) -> list[Ledger]:
         """Every ledger held, open and closed (what a ledger-file compaction keeps)."""
-        return self.registry.held_ledgers()
+        return self.book.held_ledgers()
 
     def _append(self, record: RolloutRecord, event: Event) -> Entry:
         return self.capture.append(record, event)
@@ -229,7 +229,7 @@ class Gate:
     def open(self, rollout_id: str, *, owner: str | None = None) -> None:
         """Open a rollout before its first call (what ``GateConfig.require_open`` asks for),
         held by ``owner`` if given; opening an open rollout again changes nothing."""
-        self.registry.open(rollout_id, owner=owner, now=time.monotonic())
+        self.book.open(rollout_id, owner=owner, now=time.monotonic())
 
     async def open_fresh(self, rollout_id: str, *, owner: str | None = None) -> None:
         """`open`, refusing an id the sink still holds staged rows of when this gate does not
@@ -238,7 +238,7 @@ class Gate:
         (``conflicting_put``) or be read as its own: clear them first
         (`GateFleet.orphaned_keys`). `ControlUnavailable` ``sink_unavailable`` if the sink
         cannot list its rows."""
-        if rollout_id not in self.registry.states():
+        if rollout_id not in self.book.states():
             prefix = validate_rollout_id(rollout_id) + "/"
             try:
                 keys = await self.sink.staged_keys()
@@ -257,11 +257,11 @@ class Gate:
 
     def touch_owner(self, owner: str | None) -> None:
         """``owner`` spoke to this gate now (its lease runs from here: `tokcap_vllm._owners`)."""
-        self.registry.owners.touch(owner, time.monotonic())
+        self.book.owners.touch(owner, time.monotonic())
 
     def check_owner(self, rollout_id: str, owner: str | None) -> None:
         """`RolloutConflict` ``rollout_owned`` unless ``owner`` may act on ``rollout_id``."""
-        self.registry.check_owner(rollout_id, owner, time.monotonic())
+        self.book.check_owner(rollout_id, owner, time.monotonic())
 
     def declare_terminal(
         self,
@@ -279,7 +279,7 @@ class Gate:
         """
         if (call_id is None) == (response_id is None):
             raise ValueError("give exactly one of call_id, response_id")
-        record = self.registry.open_record(rollout_id)
+        record = self.book.open_record(rollout_id)
         self.check_owner(rollout_id, owner)
         if call_id is not None:
             event = TerminalDeclared(by="call_id", value=call_id)
@@ -359,9 +359,9 @@ class Gate:
         witnesses: Witnesses | None,
         owner: str | None = None,
     ) -> tuple[int, str]:
-        record = self.registry.open_record(rollout_id)
+        record = self.book.open_record(rollout_id)
         self.check_owner(rollout_id, owner)
-        self.registry.advance(record, "close")
+        self.book.advance(record, "close")
         try:
             for call in list(record.live):
                 if call.in_flight:
@@ -375,7 +375,7 @@ class Gate:
                 self._append(record, Closed(reward=reward, witnesses=witnesses or Witnesses()))
         except BaseException:
             if record.ledger.status is OPEN:
-                self.registry.advance(record, "reopen")
+                self.book.advance(record, "reopen")
             raise
         return record.ledger.head
 
@@ -400,7 +400,7 @@ class Gate:
     def release(self, rollout_id: str, *, owner: str | None = None) -> None:
         """Forget a closed rollout (its manifest is no longer served); `RolloutConflict`
         ``rollout_owned`` if another live owner holds it."""
-        self.registry.release(rollout_id, owner=owner, now=time.monotonic())
+        self.book.release(rollout_id, owner=owner, now=time.monotonic())
         for hook in self._observers:
             try:
                 hook.on_release(rollout_id)
@@ -410,9 +410,9 @@ class Gate:
     async def drain(self, rollout_id: str | None = None) -> None:
         """Wait until every call that finished on the engine is committed or failed."""
         if rollout_id is not None:
-            records = [self.registry.open_record(rollout_id)]
+            records = [self.book.open_record(rollout_id)]
         else:
-            records = self.registry.records()
+            records = self.book.records()
         for record in records:
             for call in list(record.live):
                 if call.phase is FINISHED or call.phase is RESPONDED:
@@ -426,8 +426,8 @@ class Gate:
         closed: its in-flight calls are gone, so it is never resumed.
         """
         poisoned = []
-        for record in self.registry.adopt(ledgers):
-            self.registry.advance(record, "close")
+        for record in self.book.adopt(ledgers):
+            self.book.advance(record, "close")
             self._append(record, Poisoned(reason=make_reason(GATE_RESTARTED)))
             poisoned.append(record.rollout_id)
         return poisoned

@@ -172,7 +172,7 @@ class GateMiddleware:
                 kind,
                 body,
                 app_state=scope["app"].state,
-                book=self.gate.registry,
+                book=self.gate.book,
                 rollout_id=rollout_id,
                 token_ids_allowed=self.gate.config.capture.return_token_ids,
                 header_request_id=_one_header(scope, "x-request-id"),
