@@ -8,7 +8,6 @@ from typing import ClassVar
 
 from tokcap_core import TokcapError
 
-from ._lifecycle import CallStateError
 from ._weight_state import WeightPushError, WeightSyncError
 from .persist import LedgerFileError
 
@@ -40,6 +39,11 @@ __all__ = [
     "WeightSyncError",
     "WeightsUnavailable",
 ]
+
+
+class CallStateError(TokcapError, RuntimeError):
+    """The gate asked a call or a rollout for a step its phase does not allow (a gate bug,
+    contained)."""
 
 
 class GateError(TokcapError):
