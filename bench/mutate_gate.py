@@ -32,6 +32,7 @@ PACKAGE = ROOT / "packages" / "tokcap-vllm" / "src" / "tokcap_vllm"
 MODULES = (
     "_rollouts.py",
     "_lifecycle.py",
+    "_records.py",
     "_planning/_index.py",
     "_staging.py",
     "fingerprints.py",
@@ -54,6 +55,7 @@ _RULES = ("tests/vllm/test_gate_rules.py", "tests/vllm/test_gate_tables.py")
 EXERCISING: dict[str, tuple[str, ...]] = {
     "_rollouts.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
     "_lifecycle.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
+    "_records.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
     "_planning/_index.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
     "_staging.py": (*_RULES, "tests/vllm/test_routes_unit.py"),
     "_weight_state.py": (*_RULES, "tests/vllm/test_weight_state.py"),
