@@ -31,7 +31,7 @@ from tokcap_vllm import (
     GateFleet,
     RolloutClose,
 )
-from tokcap_vllm._owners import Owners
+from tokcap_vllm._rollouts import Owners
 from tokcap_vllm.errors import LedgerFileError, RolloutConflict, TooLarge
 from tokcap_vllm.extend import ControlPlane
 from tokcap_vllm.persist import LedgerFile

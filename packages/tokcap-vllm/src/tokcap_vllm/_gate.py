@@ -258,7 +258,7 @@ class Gate:
         self.open(rollout_id, owner=owner)
 
     def touch_owner(self, owner: str | None) -> None:
-        """``owner`` spoke to this gate now (its lease runs from here: `tokcap_vllm._owners`)."""
+        """``owner`` spoke to this gate now (its lease runs from here: `_rollouts.Owners`)."""
         self.book.owners.touch(owner, time.monotonic())
 
     def check_owner(self, rollout_id: str, owner: str | None) -> None:

@@ -23,7 +23,6 @@ from tokcap_core.ledger import Admitted, Closed, Event, Failed, Poisoned, Staged
 from tokcap_core.reasons import LEDGER_REFUSED, STAGE_FAILED, UNCOMMITTED_CALL, make_reason
 
 from ._host import EngineResult
-from ._owners import Owners
 from ._planning import ChatPlan, Learned, Observed, PlannedRequest
 from ._records import (
     ABANDONED,
@@ -83,11 +82,8 @@ class CallEvents:
         max_open: int,
         flag: Callable[[], Flag],
         lock: Callable[[], AbstractAsyncContextManager[Any]],
-        owner_lease_s: float = 600.0,
     ) -> None:
         self.max_open = max_open
-        self.owners = Owners(owner_lease_s)
-        """Who holds each owned rollout (`tokcap_vllm._owners`)."""
         self._flag = flag
         self._lock = lock
         self._open: dict[RolloutId, RolloutRecord] = {}
