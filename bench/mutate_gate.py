@@ -16,7 +16,7 @@ and does no I/O (no socket or ASGI ``send``/``receive``, no file, no engine or v
 server handler, no thread, task or ``await``, no clock or environment read of its own):
 
 - the tables and their records: ``_rollouts`` (the rollout table, the ``RolloutBook``),
-  ``_lifecycle`` (the call table), ``_records``, ``_owners`` (who holds a rollout; the
+  ``_lifecycle`` (the call table), ``_records``, who holds a rollout (``_rollouts.Owners``; the
   time comes in as ``now``), ``_weight_state`` (the push's phases), ``_staging``;
 - the request's way in: ``_routing`` (paths and headers to a rollout), ``_route_table``
   (every vLLM route classified), ``_wire`` (the bodies read, the response watched),
@@ -65,7 +65,6 @@ MODULES = (
     "gate/_rollouts.py",
     "gate/_lifecycle.py",
     "gate/_records.py",
-    "gate/_owners.py",
     "transfer/_weight_state.py",
     "gate/_staging.py",
     "gate/_routing.py",
@@ -94,18 +93,20 @@ _RENDER = "tests/vllm/test_render_unit.py"
 _ACCESS = "tests/vllm/test_access_unit.py"
 _CLAIMS = "tests/vllm/test_claims_unit.py"
 EXERCISING: dict[str, tuple[str, ...]] = {
-    "gate/_rollouts.py": (_CLAIMS, *_RULES, _ROUTES),
-    "gate/_lifecycle.py": (*_RULES, _ROUTES),
+    "gate/_rollouts.py": (
+        _CLAIMS,
+        *_RULES,
+        _ROUTES,
+        _ACCESS,
+        "tests/vllm/test_hostile3_fleet.py"
+        "::test_q1_an_owner_silent_past_the_lease_is_taken_from_a_talking_one_never",
+    ),
+    "gate/_lifecycle.py": (_CLAIMS, *_RULES, _ROUTES),
     "gate/_records.py": (
         _CLAIMS,
         "tests/vllm/test_previous_response_unit.py",
         *_RULES,
         "tests/vllm/test_stage_writer.py",
-    ),
-    "gate/_owners.py": (
-        _ACCESS,
-        "tests/vllm/test_hostile3_fleet.py"
-        "::test_q1_an_owner_silent_past_the_lease_is_taken_from_a_talking_one_never",
     ),
     "transfer/_weight_state.py": (*_RULES, "tests/vllm/test_weight_state.py"),
     "gate/_staging.py": ("tests/vllm/test_staging_unit.py", *_RULES, _ROUTES),

@@ -21,7 +21,7 @@ warm-up batch) the run records the resident memory (VmRSS) of this process (gate
 server, harness, trainer) and of each process it started, by role (vLLM's engine core,
 Ray's GCS and raylet, TransferQueue's controller and storage unit, the pool's actors),
 plus what is held: keys in both TransferQueue partitions, rollouts held by the gate
-(``Gate.rollouts()``, open and closed records of its registry), the ledger file's size.
+(``Gate.rollouts()``, open and closed records of its book), the ledger file's size.
 At the end nothing may be held: 0 staged keys, 0 row keys, 0 rollouts on the gate.
 
     .venv/bin/python bench/soak_pipeline.py [--rollouts 10000] [--group-size 4]
@@ -87,10 +87,10 @@ async def _held(server: Any, sink: Any, ledger_path: Path) -> dict[str, Any]:
     gate = server.gate
 
     async def on_gate() -> dict[str, int]:
-        open_held, closed_held = gate.registry.counts()
+        open_held, closed_held = gate.book.counts()
         return {
             "gate_rollouts": len(gate.rollouts()),
-            "gate_open_records": len(gate.registry.records()),
+            "gate_open_records": len(gate.book.records()),
             "gate_open_with_entries": open_held,
             "gate_closed_ledgers": closed_held,
         }

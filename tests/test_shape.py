@@ -214,18 +214,7 @@ def test_a_private_module_reached_from_outside_its_room_is_found(tmp_path: Path)
 
 @pytest.mark.parametrize(
     "package",
-    [
-        pytest.param(
-            p,
-            marks=pytest.mark.xfail(
-                reason="tokcap/__main__.py takes the CLIs from tokcap.demo._cli, "
-                "tokcap.demo._summary, tokcap.loop._cli and tokcap.loop._summary"
-            ),
-        )
-        if p == "tokcap"
-        else p
-        for p in sorted(PACKAGES)
-    ],
+    sorted(PACKAGES),
 )
 def test_rooms_import_each_other_only_through_their_doors(package: str) -> None:
     """A private module is imported only from inside the package that holds it: a room's

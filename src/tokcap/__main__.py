@@ -220,7 +220,7 @@ def _demo(ns: argparse.Namespace) -> int:
     from ._startup import start_up
 
     start_up()  # before vLLM, torch or Ray is imported
-    from .demo._cli import DemoOptions, run_demo
+    from .demo import DemoOptions, run_demo
 
     return run_demo(_options(DemoOptions, ns))
 
@@ -229,14 +229,14 @@ def _train(ns: argparse.Namespace) -> int:
     from ._startup import start_up
 
     start_up()  # before vLLM, torch or Ray is imported
-    from .loop._cli import run_train
+    from .loop import run_train
 
     return run_train(vars(ns))
 
 
 def _show(run_dir: Path) -> int:
-    from .demo._summary import print_summary, summary_console
-    from .loop._summary import print_train_summary
+    from .demo import print_summary, summary_console
+    from .loop import print_train_summary
 
     path = run_dir / "summary.json" if run_dir.is_dir() else run_dir
     try:

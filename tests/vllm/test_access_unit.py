@@ -6,7 +6,8 @@ guarded (the control token) or refused (403 even with it); a path it does not na
 guarded. Paths are compared after the server's root path, doubled slashes and a trailing
 slash are taken off; a template's ``{name}`` matches one non-empty segment.
 
-The owners (`tokcap_vllm.gate._owners`): a rollout opened with an owner token is that owner's;
+The owners (`tokcap_vllm.gate._rollouts.Owners`): a rollout opened with an owner token is
+that owner's;
 anyone else is refused (``rollout_owned``) while the owner keeps talking, and takes it over
 once the owner has been silent for longer than the lease.
 """
@@ -20,7 +21,7 @@ import pytest
 
 from tokcap_vllm.control._route_table import normalized_path, route_listing, rule_of
 from tokcap_vllm.errors import BadRequest, RolloutConflict
-from tokcap_vllm.gate._owners import Owners
+from tokcap_vllm.gate._rollouts import Owners
 from tokcap_vllm.gate._routing import parse_rollout_id
 
 # ---- the route table ---------------------------------------------------------------------------

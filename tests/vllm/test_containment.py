@@ -150,7 +150,7 @@ def test_a_ledger_refusing_a_commit_poisons_that_rollout_alone(server: InProcess
     others = ["ct-ref-a", "ct-ref-b", "ct-ref-c"]
 
     async def swap() -> None:
-        record = gate.registry.join("ct-ref-victim")
+        record = gate.book.join("ct-ref-victim")
         record.ledger = _RefusingLedger("ct-ref-victim")
 
     async def victim_turns() -> None:  # its first commit is refused, so its next call is

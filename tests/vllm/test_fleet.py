@@ -92,9 +92,9 @@ async def test_rollouts_go_to_the_least_loaded_gate_and_stay_there(two: Fleet) -
     await fleet.open("r4")  # gate-a has one open rollout now, gate-b two
     assert fleet.gate_url("r4") == URLS[0]
     # opened there (where a captured call joins its rollout), and nowhere else
-    assert gates[URLS[1]].registry.join("r1", require_open=True) is not None
+    assert gates[URLS[1]].book.join("r1", require_open=True) is not None
     with pytest.raises(RolloutNotFound):
-        gates[URLS[0]].registry.join("r1", require_open=True)
+        gates[URLS[0]].book.join("r1", require_open=True)
     with pytest.raises(ControlNotFound):
         fleet.base_url("never-opened")
 

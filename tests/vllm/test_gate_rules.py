@@ -13,14 +13,21 @@ from typing import Any
 
 import pytest
 
-from tests.vllm._rules import Flag, NoLock
-from tokcap_core import TokcapError
+from tests.vllm._rules import REQUEST, Flag, NoLock, admitted, result
+from tokcap_core import Entry, TokcapError
+from tokcap_core.ledger import Closed, Staged
 from tokcap_core.provenance import VersionSpan
-from tokcap_vllm.errors import BadRequest, RolloutConflict, RolloutNotFound, TooManyRollouts
+from tokcap_vllm.errors import (
+    BadRequest,
+    CallStateError,
+    RolloutConflict,
+    RolloutNotFound,
+    TooManyRollouts,
+)
 from tokcap_vllm.fingerprints import message_fingerprints, normalize_message, output_fingerprint
 from tokcap_vllm.gate._host import EngineResult
-from tokcap_vllm.gate._lifecycle import COMMITTED, FAILED
-from tokcap_vllm.gate._planning import Observed, ParentIndex, PlannedRequest
+from tokcap_vllm.gate._lifecycle import Holder
+from tokcap_vllm.gate._planning import Learned, Observed, ParentIndex, PlannedRequest
 from tokcap_vllm.gate._planning._plan_text import ChatPlan, PriorCall, plan_completion
 from tokcap_vllm.gate._planning._render_ids import (
     _served_message,
@@ -29,10 +36,25 @@ from tokcap_vllm.gate._planning._render_ids import (
     is_id_tokenizer,
 )
 from tokcap_vllm.gate._planning._splice import _common_prefix, _ended, _lost, splice_cause
-from tokcap_vllm.gate._records import GateCall, answerable, gone
-from tokcap_vllm.gate._rollouts import CLOSING, EMPTY, OPEN, UNCAPTURED, RolloutBook
+from tokcap_vllm.gate._records import (
+    ABANDONED,
+    ADMITTED,
+    CLOSED,
+    CLOSING,
+    COMMITTED,
+    CONTAINED,
+    EMPTY,
+    FAILED,
+    OPEN,
+    PLANNING,
+    UNCAPTURED,
+    GateCall,
+    answerable,
+    gone,
+)
+from tokcap_vllm.gate._rollouts import Abandon, RolloutBook, Settle
 from tokcap_vllm.gate._routing import route_request
-from tokcap_vllm.gate._staging import staged_call, staged_entry
+from tokcap_vllm.gate._staging import staged_call
 
 PREFIX = "/tokcap/rollouts/"
 
@@ -220,11 +242,8 @@ def test_splice_causes_in_their_order() -> None:
 
 
 def _admitted_call(book: RolloutBook) -> GateCall:
-    record = book.join("st-1")
-    call = book.begin(record, kind="completion")
-    assert call is not None
-    call.call_id = "c000001"  # type: ignore[assignment]
-    call.plan = ChatPlan(None, 0, [1, 2], "")
+    call = admitted(book, "st-1", kind="completion")
+    assert call.call_id == "c000001"
     return call
 
 
@@ -266,7 +285,7 @@ def test_a_finished_call_is_staged_and_its_entry_commits_it(reason: str) -> None
     call = _admitted_call(_book())
     staged = staged_call(call, _result(finish_reason=reason), False)
     assert (staged.call_id, staged.gen_len, staged.finish_reason) == ("c000001", 2, reason)
-    entry = staged_entry(staged, "resp-1", "fp")
+    entry = Staged.for_call(staged, response_id="resp-1", output_fingerprint="fp")
     assert (entry.call_digest, entry.chain_hash) == (staged.digest, staged.chain_hash)
     assert (entry.response_id, entry.output_fingerprint) == ("resp-1", "fp")
 
@@ -340,81 +359,151 @@ def test_the_index_plans_over_the_parents_it_held_when_asked() -> None:
 
 def test_the_open_bound_counts_only_open_records_and_a_dropped_request_leaves_none() -> None:
     book = _book(max_open=1)
-    record = book.join("a")
-    call = book.begin(record, kind="chat")
-    assert call is not None
+    call = book.call_received("a", kind="chat")
     with pytest.raises(TooManyRollouts):
-        book.join("b")
-    book.step(call, "drop")
+        book.call_received("b", kind="chat")
+    book.call_dropped(call)
     assert book.records() == []
     assert book.join("b").phase is EMPTY
 
 
 def test_a_key_holder_is_answered_again_waited_for_or_taken_over() -> None:
     book = _book()
-    record = book.join("k")
-    first = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="b")
-    assert first is not None
-    assert book.claim(first) is None
-    retry = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="b")
-    assert retry is not None
-    assert book.claim(retry) is first  # still running: wait for it
-    other = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="c")
-    assert other is not None
+    first = book.call_received("k", kind="chat", idempotency_key="key", body_fingerprint="b")
+    assert book.call_claimed(first) is None
+    retry = book.call_received("k", kind="chat", idempotency_key="key", body_fingerprint="b")
+    assert book.call_claimed(retry) == Holder(first, None)  # still running: wait for it
     with pytest.raises(RolloutConflict) as e:
-        book.claim(other)
+        book.call_claimed(retry, waited=first)  # waited, and it is still running
+    assert e.value.code == "retry_in_flight"
+    other = book.call_received("k", kind="chat", idempotency_key="key", body_fingerprint="c")
+    with pytest.raises(RolloutConflict) as e:
+        book.call_claimed(other)
     assert e.value.code == "idempotency_key_reused"
     first.phase = COMMITTED
-    assert book.claim(retry) is None  # settled without an answer to send again: taken over
-    assert record.keys["key"] is retry
+    assert book.call_claimed(retry, waited=first) is None  # settled without an answer: taken over
+    assert retry.rollout.keys["key"] is retry
     retry.phase, retry.answer = FAILED, ({}, [])
     assert answerable(retry)
-    late = book.begin(record, kind="chat", idempotency_key="key", body_fingerprint="b")
-    assert late is not None
-    assert book.claim(late) is retry
+    late = book.call_received("k", kind="chat", idempotency_key="key", body_fingerprint="b")
+    assert book.call_claimed(late) == Holder(retry, ({}, []))  # its answer, sent again
     assert not gone(retry)
 
 
 def test_a_request_id_names_one_call_of_a_rollout() -> None:
     book = _book()
-    record = book.join("q")
-    first = book.begin(record, kind="chat", request_id="id-1")
-    second = book.begin(record, kind="chat", request_id="id-1")
-    assert first is not None
-    assert second is not None
-    assert book.claim(first) is None
-    assert book.claim(first) is None  # the same call again holds what it held
+    first = book.call_received("q", kind="chat", request_id="id-1")
+    second = book.call_received("q", kind="chat", request_id="id-1")
+    assert book.call_claimed(first) is None
+    assert book.call_claimed(first) is None  # the same call again holds what it held
     with pytest.raises(RolloutConflict) as e:
-        book.claim(second)
+        book.call_claimed(second)
     assert e.value.code == "duplicate_request_id"
-    book.step(first, "drop")
-    assert book.claim(second) is None
+    book.call_dropped(first)
+    assert book.call_claimed(second) is None
 
 
 def test_what_a_rollout_phase_lets_through() -> None:
     book = _book()
     record = book.join("p")
     assert (record.accepting, record.held) == (True, False)
-    book.advance(record, "append")
+    first = admitted(book, "p")
     assert (record.phase, record.held) == (OPEN, True)
-    book.advance(record, "fail", poison="gate_failed:x")
-    book.advance(record, "fail", poison="gate_failed:y")
-    assert (record.phase, record.poison) == (UNCAPTURED, "gate_failed:x")
+    book.call_contained(first, "gate_failed:x")
+    assert book.unpersisted(record, "ledger_write_failed:y") is False  # the first poison stays
+    assert (first.phase, record.phase, record.poison) == (CONTAINED, UNCAPTURED, "gate_failed:x")
     with pytest.raises(RolloutConflict) as refused:  # a poisoned rollout refuses calls
-        book.begin(record, kind="chat")
+        book.call_received("p", kind="chat")
     assert refused.value.code == "rollout_poisoned"
-    book.advance(record, "close")
+    assert book.close_requested("p") is record
     assert not record.accepting
     with pytest.raises(RolloutConflict):
         book.open_record("p")
-    book.advance(record, "reopen")
+    book.close_failed(record)
     assert (record.phase, book.open_record("p")) == (UNCAPTURED, record)
-    fresh = book.join("p2")
-    book.advance(fresh, "append")
-    book.advance(fresh, "close")
+    fresh = admitted(book, "p2").rollout
+    book.close_requested("p2")
     assert fresh.phase is CLOSING
-    book.advance(fresh, "reopen")
+    book.close_failed(fresh)
     assert fresh.phase is OPEN
+
+
+def test_a_call_planned_on_a_parent_not_committed_waits_for_it() -> None:
+    book = _book()
+    parent = admitted(book, "w")
+    assert book.call_finished(parent, result())
+    parent.staged = staged_call(parent, result(), False)
+    child = book.call_received("w", kind="chat")
+    assert book.call_claimed(child) is None
+    book.call_planning(child, REQUEST)
+    cum = [1, 2, 3, 4, 5]
+    on_parent = ChatPlan(
+        "c000001", 5, [*cum, 6], "p+", request_fingerprint="fp", formation="extend"
+    )
+    entries = len(parent.rollout.ledger.entries)
+    assert book.call_planned(child, on_parent, admitted_at=2, unserved=None) is parent
+    assert (child.phase, len(parent.rollout.ledger.entries)) == (PLANNING, entries)
+    with pytest.raises(RolloutConflict) as e:
+        book.parent_waited(parent)
+    assert e.value.code == "parent_not_committed"
+    assert book.call_responded(parent, Observed("resp-1", None, None), None)
+    assert book.call_committed(parent)[1] is None
+    book.parent_waited(parent)  # committed: plan again
+    admitted_entry = book.call_planned(child, on_parent, admitted_at=2, unserved=None)
+    assert isinstance(admitted_entry, Entry)
+    assert (child.phase, child.parent) == (ADMITTED, parent)
+
+
+def test_a_close_abandons_the_calls_in_flight_then_waits_for_the_responded_ones() -> None:
+    book = _book()
+    generating, writing, responded = (admitted(book, "c") for _ in range(3))
+    for call in (writing, responded):
+        assert book.call_finished(call, result())
+        call.staged = staged_call(call, result(), False)
+    assert book.call_responded(responded, Observed("resp-3", None, None), None)
+    record = book.close_requested("c")
+    steps = []
+    while (step := book.close_next(record)) is not None:
+        steps.append(step)
+        if isinstance(step, Abandon):
+            abandoned = book.call_abandoned(step.call, "closed_in_flight")
+            assert abandoned is not None
+            assert abandoned.clear_row is (step.call is writing)  # its row was written
+            assert abandoned.entry is not None
+            assert abandoned.entry.event.reason == "uncommitted_call:closed_in_flight"  # type: ignore[attr-defined]
+        else:
+            assert book.call_committed(step.call)[1] is None
+    assert {type(s) for s in steps[:2]} == {Abandon}
+    assert {s.call for s in steps[:2]} == {generating, writing}
+    assert steps[2:] == [Settle(responded)]
+    entry = book.closed(record, reward=1.0, witnesses=None)
+    assert isinstance(entry.event, Closed)
+    assert (record.phase, generating.phase, responded.phase) == (CLOSED, ABANDONED, COMMITTED)
+    assert generating.abandoned is not None
+    assert generating.abandoned.is_set()  # its request is ended: vLLM stops generating it
+
+
+def test_a_contained_call_is_never_answered_nor_committed_and_poisons_its_rollout() -> None:
+    book = _book()
+    call = admitted(book, "x", idempotency_key="key")
+    assert book.call_finished(call, result())
+    call.staged = staged_call(call, result(), False)
+    book.call_contained(call, "gate_failed:Boom")
+    assert (call.phase, call.final, call.settled.count) == (CONTAINED, True, 1)  # type: ignore[attr-defined]
+    assert (call.rollout.phase, call.rollout.poison) == (UNCAPTURED, "gate_failed:Boom")
+    refusal = book.call_completing(call)
+    assert refusal is not None
+    assert refusal.code == "rollout_poisoned"
+    assert book.call_responded(call, Observed("r", None, None), None) is False  # ignored
+    with pytest.raises(CallStateError):
+        book.call_committed(call)
+    book.call_contained(call, "gate_failed:again")  # settled: nothing more changes
+    assert (call.phase, call.settled.count, call.rollout.poison) == (  # type: ignore[attr-defined]
+        CONTAINED,
+        1,
+        "gate_failed:Boom",
+    )
+    assert call.rollout.keys["key"] is call  # kept: a retry under it takes it over
 
 
 # ---- the id-level planner's small helpers -------------------------------------------------
@@ -460,22 +549,20 @@ def test_a_tokenizer_is_named_and_recognised_by_what_vllm_marks_it_with() -> Non
 
 def test_a_parent_whose_call_fails_after_responding_is_a_parent_no_more() -> None:
     book = _book()
-    record = book.join("pf")
-    calls = []
-    for n in (1, 2):
-        call = book.begin(record, kind="completion")
-        assert call is not None
-        book.advance(record, "append")
-        call.call_id = f"c00000{n}"  # type: ignore[assignment]
-        call.plan = ChatPlan(None, 0, [1], "ab")
-        book.step(call, "admit")
-        book.step(call, "finish")
-        call.prior = _prior(call.call_id, "abx", [1, 2])
-        book.step(call, "respond")
-        calls.append(call)
+    calls = [admitted(book, "pf", kind="completion") for _ in (1, 2)]
+    record = calls[0].rollout
+    for call in calls:
+        assert call.call_id is not None
+        assert book.call_finished(call, result())
+        call.staged = staged_call(call, result(), False)
+        learned = Learned("fp", _prior(call.call_id, "abx", [1, 2]))
+        assert book.call_responded(call, Observed(f"resp-{call.call_id}", None, None), learned)
     assert [p.call_id for p in record.parents.snapshot()[0]] == ["c000001", "c000002"]
-    assert record.parents.snapshot()[1] == {"c000001": 2, "c000002": 2}
-    book.step(calls[0], "fail")
-    book.step(calls[1], "commit")
+    assert record.parents.snapshot()[1] == {"c000001": 6, "c000002": 6}  # len("prompt")
+    calls[0].stage_error = "injected_put_failure"  # its sink write failed
+    entry, refused = book.call_committed(calls[0])
+    assert entry is not None
+    assert (entry.event.served, refused) == (True, None)  # type: ignore[attr-defined]
+    assert book.call_committed(calls[1])[1] is None
     assert [p.call_id for p in record.parents.snapshot()[0]] == ["c000002"]
     assert (record.phase, record.live) == (UNCAPTURED, set())

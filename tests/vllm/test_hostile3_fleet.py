@@ -33,7 +33,7 @@ from tokcap_vllm import (
 )
 from tokcap_vllm.errors import LedgerFileError, RolloutConflict, TooLarge
 from tokcap_vllm.extend import ControlPlane
-from tokcap_vllm.gate._owners import Owners
+from tokcap_vllm.gate._rollouts import Owners
 from tokcap_vllm.persist import LedgerFile
 
 TOKEN = "hostile3-token"

@@ -45,7 +45,7 @@ def _gate(path: Path, **config: object) -> Gate:
 def _feed(gate: Gate, rollout_id: str, *, seed: int, close: bool) -> bytes | None:
     """Replay a simulated rollout's events into the gate (closing it through `Gate.close`)."""
     sim = simulate_rollout(rollout_id, seed=seed, turns=3)
-    record = gate.registry.join(rollout_id)
+    record = gate.book.join(rollout_id)
     *body, last = sim.ledger.entries
     for entry in body:
         gate._append(record, entry.event)  # what the capture path appends, without an engine
@@ -71,7 +71,7 @@ def test_closed_manifests_come_back_byte_identical_and_open_ones_poisoned(tmp_pa
     assert state.poisoned == Poisoned(reason="gate_restarted")
     assert assemble_receipt(state).failure_reason == "gate_restarted"
     with pytest.raises(Exception, match="rollout_closed"):
-        restarted.registry.join("open-1")  # never silently resumed
+        restarted.book.join("open-1")  # never silently resumed
 
     third = _gate(path)  # the poisoning was persisted: it is not applied twice
     assert encode_manifest(manifest_of(third.ledger("open-1"))) == encode_manifest(
@@ -159,7 +159,7 @@ def test_released_rollouts_are_compacted_away(tmp_path: Path) -> None:
 
 
 def _feed_events(gate: Gate, rollout_id: str, *, seed: int) -> None:
-    record = gate.registry.join(rollout_id)
+    record = gate.book.join(rollout_id)
     for entry in simulate_rollout(rollout_id, seed=seed, turns=2).ledger.entries[:-1]:
         gate._append(record, entry.event)  # what the capture path appends, without an engine
 

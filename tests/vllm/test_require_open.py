@@ -1,6 +1,6 @@
 """A gate run with ``require_open`` captures only rollouts opened on it (no engine needed:
-`RolloutBook.join` is where a captured request joins its rollout, `CapturePath.enter`
-asks it with the gate's ``require_open``)."""
+`RolloutBook.call_received` is where a captured request joins its rollout,
+`CapturePath.enter` tells it with the gate's ``require_open``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tokcap_core import assemble_receipt, verify_manifest
 from tokcap_core.ledger import manifest_of
 from tokcap_vllm import Gate, GateConfig
 from tokcap_vllm.errors import RolloutNotFound
-from tokcap_vllm.gate._rollouts import GateCall
+from tokcap_vllm.gate._records import GateCall
 
 
 def test_a_call_of_a_rollout_nobody_opened_is_unknown() -> None:
@@ -19,7 +19,7 @@ def test_a_call_of_a_rollout_nobody_opened_is_unknown() -> None:
     with pytest.raises(RolloutNotFound) as refused:
         _begin(gate, "never-opened")
     assert refused.value.code == "unknown_rollout"
-    assert gate.registry.records() == []  # the refusal made nothing
+    assert gate.book.records() == []  # the refusal made nothing
 
 
 def test_an_opened_rollout_is_captured_and_opening_again_changes_nothing() -> None:
@@ -28,7 +28,7 @@ def test_an_opened_rollout_is_captured_and_opening_again_changes_nothing() -> No
     gate.open("r1")
     call = _begin(gate, "r1")
     assert call is not None
-    gate.registry.step(call, "drop")  # a refused request does not forget an opened rollout
+    gate.book.call_dropped(call)  # a refused request does not forget an opened rollout
     assert _begin(gate, "r1") is not None
 
 
@@ -48,6 +48,5 @@ def test_an_opened_rollout_without_calls_closes_with_nothing_to_train() -> None:
 
 
 def _begin(gate: Gate, rollout_id: str) -> GateCall | None:
-    """What `CapturePath.enter` does first: join the rollout, then begin a live call."""
-    record = gate.registry.join(rollout_id, require_open=gate.config.require_open)
-    return gate.registry.begin(record, kind="chat")
+    """What `CapturePath.enter` does first: the book receives the call."""
+    return gate.book.call_received(rollout_id, kind="chat", require_open=gate.config.require_open)

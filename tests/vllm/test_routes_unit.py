@@ -19,7 +19,8 @@ from tokcap_core import CaptureConfig, assemble_receipt, reassemble, verify_mani
 from tokcap_core.ledger import manifest_of
 from tokcap_vllm import Gate, GateConfig
 from tokcap_vllm.extend import CaptureHost
-from tokcap_vllm.gate._host import CURRENT_TICKET, Ticket
+from tokcap_vllm.gate._capture import Serve
+from tokcap_vllm.gate._host import CURRENT_TICKET
 from tokcap_vllm.gate._planning import ChatPlan, Observed, PlannedRequest
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
@@ -89,14 +90,12 @@ def test_routes_are_aligned_and_backfilled_across_a_chain() -> None:
                     formation="extend" if turn else "root",
                 )
                 request = PlannedRequest(None, lambda *_, plan=plan: plan, lambda ids: "")
-                call = await gate.capture.enter(
+                served = await gate.capture.enter(
                     "moe-1", kind="completion", request=lambda request=request: request
                 )
-                assert call is not None
-                ticket = Ticket(
-                    prompt_ids=plan.prompt_ids,
-                    on_finish=lambda r, call=call: gate.capture.engine_finished(call, r),
-                )
+                assert isinstance(served, Serve)
+                call, ticket = served.call, served.ticket
+                assert ticket.prompt_ids == plan.prompt_ids
                 token = CURRENT_TICKET.set(ticket)
                 try:
                     params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)

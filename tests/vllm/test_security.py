@@ -337,7 +337,7 @@ def test_the_gate_refuses_to_serve_a_manifest_over_its_bound() -> None:
     gate = Gate(
         GateConfig(capture=CaptureConfig(control_token=CONTROL_TOKEN), max_manifest_bytes=600)
     )
-    record = gate.registry.join("sec-big")
+    record = gate.book.join("sec-big")
     for entry in simulate_rollout("sec-big", seed=1, turns=3).ledger.entries[:-1]:
         gate._append(record, entry.event)  # what the capture path appends, without an engine
 

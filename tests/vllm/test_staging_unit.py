@@ -12,25 +12,34 @@ from array import array
 
 import pytest
 
-from tests.vllm._rules import Flag, NoLock
+from tests.vllm._rules import REQUEST, Flag, NoLock
+from tokcap_core import Entry
 from tokcap_core.ledger import chain_hash
 from tokcap_core.provenance import VersionSpan
 from tokcap_vllm.extend import EngineResult
-from tokcap_vllm.gate._planning import ChatPlan
+from tokcap_vllm.gate._planning import ChatPlan, Observed
 from tokcap_vllm.gate._records import GateCall
 from tokcap_vllm.gate._rollouts import RolloutBook
 from tokcap_vllm.gate._staging import staged_call
 
 
 def _call(book: RolloutBook, prompt: list[int], parent: GateCall | None = None) -> GateCall:
-    record = book.join("kv-1")
-    call = book.begin(record, kind="completion")
-    assert call is not None
-    call.call_id = record.ledger.next_call_id()  # type: ignore[assignment]
-    book.advance(record, "append")
+    """A call of ``kv-1`` admitted with the engine prompt ``prompt``: a root, or a child of
+    ``parent`` (committed by then: a child is admitted only on a committed parent)."""
+    call = book.call_received("kv-1", kind="completion")
+    assert book.call_claimed(call) is None
+    book.call_planning(call, REQUEST)
     prefix = 0 if parent is None or parent.staged is None else len(parent.staged.tokens)
-    call.plan = ChatPlan(None if parent is None else parent.call_id, prefix, prompt, "")
-    call.parent = parent
+    plan = ChatPlan(
+        None if parent is None else parent.call_id,
+        prefix,
+        prompt,
+        "",
+        request_fingerprint="fp",
+        formation="root" if parent is None else "extend",
+    )
+    assert isinstance(book.call_planned(call, plan, admitted_at=1, unserved=None), Entry)
+    assert call.parent is parent
     return call
 
 
@@ -82,8 +91,12 @@ def test_a_child_row_chains_on_its_staged_parent_and_a_root_on_none() -> None:
     book = RolloutBook(max_open=4, flag=Flag, lock=NoLock)
     spans = (VersionSpan(version=0, start=0, end=2),)
     parent = _call(book, [1, 2, 3])
-    parent.staged = staged_call(parent, _result([1, 2, 3], spans, salt=0), False)
+    done = _result([1, 2, 3], spans, salt=0)
+    assert book.call_finished(parent, done)
+    parent.staged = staged_call(parent, done, False)
     assert parent.staged.chain_hash == chain_hash(None, parent.staged.digest)
+    assert book.call_responded(parent, Observed(None, None, None), None)
+    assert book.call_committed(parent)[1] is None
     child = _call(book, [1, 2, 3, 7, 8, 9], parent)
     staged = staged_call(child, _result([1, 2, 3, 7, 8, 9], spans, salt=0), False)
     assert staged.parent_id == parent.call_id

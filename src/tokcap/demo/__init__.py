@@ -5,16 +5,19 @@ families the demo serves (the tiny Qwen model's engine options are `tokcap.tiny`
 re-exported here), and the report's page and plots (`render_report`, `Drift`,
 `group_strips`, `histogram`; `fleet_table` and `print_fleet`, a run's served gates, shared
 with ``tokcap train``'s report and summary).
-The command itself is ``tokcap demo`` (`tokcap.__main__`).
+The command: `run_demo` on `DemoOptions` (what ``tokcap demo`` runs, from `tokcap.__main__`),
+its summary printed by `print_summary` (``tokcap show``).
 """
 
 from .._fleet_view import fleet_table, print_fleet
 from ..tiny import CHATML_TOOLS_TEMPLATE, ENGINE_ARGS, QWEN_VLLM_ARGS, chatml_tool_args
 from ._checks import Drift
+from ._cli import DemoOptions, run_demo
 from ._families import FAMILIES, ModelFamily, model_family
 from ._harness import TOOLS, forced_tool_calls, tool_result
 from ._plots import group_strips, histogram
 from ._report import render_report
+from ._summary import print_summary, summary_console
 
 __all__ = [
     "CHATML_TOOLS_TEMPLATE",
@@ -22,6 +25,7 @@ __all__ = [
     "FAMILIES",
     "QWEN_VLLM_ARGS",
     "TOOLS",
+    "DemoOptions",
     "Drift",
     "ModelFamily",
     "chatml_tool_args",
@@ -31,6 +35,9 @@ __all__ = [
     "histogram",
     "model_family",
     "print_fleet",
+    "print_summary",
     "render_report",
+    "run_demo",
+    "summary_console",
     "tool_result",
 ]

@@ -3,10 +3,11 @@
 Not to be confused with `tokcap.train` (the torch trainer this loop drives): this room
 holds the loop itself (`run_loop`, which runs `train`: one function, each step generate,
 capture + verify, reassemble, train, push), the task its harness plays, the lock-step and
-asynchronous feeds of its steps, its summary and report. The command itself is ``tokcap
-train``.
+asynchronous feeds of its steps, its summary and report. The command: `run_train` (what ``tokcap
+train`` runs, from `tokcap.__main__`).
 """
 
+from ._cli import run_train
 from ._config import LoopConfig
 from ._loop import run_loop, train
 from ._meters import BusyMeter, CpuMeter
@@ -55,6 +56,7 @@ __all__ = [
     "provenance",
     "render_train_report",
     "run_loop",
+    "run_train",
     "tokcap_share",
     "tool_response",
     "train",

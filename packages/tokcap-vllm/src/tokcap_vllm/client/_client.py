@@ -76,7 +76,7 @@ class ControlPlaneClient(AsyncClosing):
     ``max_manifest_bytes`` is enforced on the wire, before any parsing. ``owner`` (sent as
     ``X-Tokcap-Owner`` on every request) makes the rollouts this client opens its own: the
     gate refuses other owners' opens, closes and releases of them (``rollout_owned``,
-    `tokcap_vllm.gate._owners`).
+    `tokcap_vllm.gate._rollouts.Owners`).
     """
 
     def __init__(

@@ -21,7 +21,8 @@ those rollouts are lost ``gate_restarted`` (genesis head, poisoned receipt, thei
 `orphaned_keys`), never ``unknown_rollout`` or a failed manifest. Opening such an id again
 is refused by the gate (``stale_rows``) until its rows are cleared.
 
-The fleet is one owner (``owner``, a random token unless given; `tokcap_vllm.gate._owners`):
+The fleet is one owner (``owner``, a random token unless given; see
+`tokcap_vllm.gate._rollouts.Owners`):
 every request carries it, so another trainer on the same gates can neither close, release
 nor reclaim this fleet's rollouts while it is active, nor open one of its ids. Opens of one
 id that race share the first one's placement.

@@ -202,7 +202,7 @@ class ControlPlane:
                 await read_body(receive, _MAX_BODY)
                 with _ledger_errors():
                     await self.gate.open_fresh(rollout_id, owner=owner)
-                held = self.gate.registry.owners.of(rollout_id)
+                held = self.gate.book.owners.of(rollout_id)
                 return _json(OpenResponse(rollout_id, True, held, self.gate.instance))
             if action == "close":
                 _allow(method, "POST")
@@ -251,7 +251,7 @@ class ControlPlane:
         )
         page = ids[:limit]
         next_cursor = page[-1][0] if len(ids) > limit else None
-        owners = self.gate.registry.holders()
+        owners = self.gate.book.holders()
         items = [RolloutItem(rid, s, owners.get(rid)) for rid, s in page]  # type: ignore[arg-type]
         return _json(RolloutPage(rollouts=items, next_cursor=next_cursor))
 

@@ -2,10 +2,10 @@
 
 - the driver: `Gate` (``_gate``: holds the rollouts, serves the control operations, runs
   the capture path) and `CapturePath` (``_capture``: one call, waits, writes and tells);
-- the rules, pure: the rollout table and `RolloutBook` (``_rollouts``), the call table
-  (``_lifecycle``), the records they move (``_records``), who holds a rollout
-  (``_owners``); the staged row and ledger entry of a finished call (``_staging``) and
-  their batched writes into the sink (``_stage_writer``);
+- the one owner of a rollout's events, pure: `RolloutBook` (``_rollouts``: the rollout's
+  events and who holds it), its call events (``_lifecycle``), the records and the tables
+  of their phases (``_records``); the staged row and ledger entry of a finished call
+  (``_staging``) and their batched writes into the sink (``_stage_writer``);
 - planning the next prompt on the parent's exact ids (``_planning``, a room of its own);
 - the four APIs a rollout may speak: chat and completions (``_wire``, with the response
   fields the gate watches), Responses (``_responses``) and Messages (``_messages``),
@@ -23,16 +23,15 @@ gate itself this door names what those two rooms use of it.
 
 from ._answers import ResponsesAnswer
 from ._apis import decode_request, planned_on, stream_error_event
-from ._capture import CapturePath
+from ._capture import AnswerAgain, CapturePath, Serve
 from ._config import CONTROL_TOKEN_ENV, LEDGER_PATH_ENV, GateConfig
 from ._gate import Gate, GateHealth
 from ._host import CURRENT_TICKET, CaptureHost, EngineResult, Ticket
-from ._lifecycle import ABANDONED
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ._metrics import GateMetrics
 from ._options import FLAG_PREFIX, from_environ, split_argv
 from ._planning import Observed, RequestRenderer, request_renderer
-from ._records import Flag, GateCall
+from ._records import ABANDONED, Flag, GateCall
 from ._routing import parse_rollout_id, route_request
 from ._served import describe_sink, gate_help, served_gate, served_options
 from ._vllm import INSTALL_HINT, require_vllm
@@ -46,6 +45,7 @@ __all__ = [
     "INSTALL_HINT",
     "LEDGER_PATH_ENV",
     "METRICS_CONTENT_TYPE",
+    "AnswerAgain",
     "CaptureHost",
     "CapturePath",
     "EngineResult",
@@ -59,6 +59,7 @@ __all__ = [
     "RequestRenderer",
     "ResponseObserver",
     "ResponsesAnswer",
+    "Serve",
     "Ticket",
     "decode_json",
     "decode_request",

@@ -1,74 +1,82 @@
 """The capture path of the gate's driver: one call from its request to its commit.
 
-`CapturePath` waits, writes and tells; what may happen is the tables'
-(`tokcap_vllm.gate._rollouts`, `tokcap_vllm.gate._lifecycle`), and what a call returned and how the
-next one attaches is the rollout's `tokcap_vllm.gate._planning.ParentIndex`.
+`CapturePath` waits, writes and tells; what each event of a call means is the rollout
+book's (`tokcap_vllm.gate._rollouts.RolloutBook`, its call events in
+`tokcap_vllm.gate._lifecycle`): the driver tells it each event once and does what it answers.
+The ASGI door (`tokcap_vllm.GateMiddleware`) hands the driver what it saw, once per
+event, and reads nothing of the call.
 
-Per captured request: `enter` joins the rollout, holds the call's idempotency key and
-request id (or finds the earlier call to answer again), plans it against the parent index and
-appends ``Admitted``; the engine runs on the admitted ids (`CaptureHost`);
-`engine_finished` starts the sink write at once (`StageWriter` batches the writes of calls
-that finish together); `respond` (just before the response's last byte) makes the call a
-parent and schedules its commit, which appends ``Staged`` once the sink acknowledged, or
-``Failed(served=True)`` if it did not. A call whose response never completed is
-`abandon`-ed (``Failed(served=False)``, its staged row cleared).
+Per captured request: `enter` has the book receive the call and claim its idempotency key
+and request id (or answer again the earlier call that holds the key), plans it against its
+rollout's parent index and has the book admit it (``Admitted``), with the `Ticket` the
+engine runs it on (`CaptureHost`); `engine_finished` starts the sink write at once
+(`StageWriter` batches the writes of calls that finish together); `response_complete`
+(just before the response's last byte) has the book say whether it may complete, makes
+the call a parent and schedules its commit (``Staged`` once the sink acknowledged, or
+``Failed(served=True)`` if it did not); a call whose response never completed is
+abandoned (``Failed(served=False)``, its staged row cleared: `response_ended`).
 
 Containment: nothing that goes wrong with one call reaches the task group the gate
 serves. A sink failure, a ledger refusal (``ledger_refused``) or an unexpected error
-(``gate_failed``) fails that call and poisons its rollout; a ledger-file write failure
-(``ledger_write_failed``) poisons its rollout (``Poisoned`` at close); each is logged with
-its code and counted. Every other rollout goes on capturing.
+(``gate_failed``: the call is CONTAINED) fails that call and poisons its rollout; a
+ledger-file write failure (``ledger_write_failed``) poisons its rollout (``Poisoned`` at
+close); each is logged with its code and counted. Every other rollout goes on capturing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 
-from tokcap_core import Entry, LedgerProtocolError, TokcapError
-from tokcap_core.ids import CallId
-from tokcap_core.ledger import OPEN, Admitted, Closed, Event, Failed, Poisoned
-from tokcap_core.reasons import (
-    GATE_FAILED,
-    LEDGER_REFUSED,
-    LEDGER_WRITE_FAILED,
-    STAGE_FAILED,
-    UNCOMMITTED_CALL,
-    make_reason,
-)
+from tokcap_core import Entry, TokcapError
+from tokcap_core.reasons import GATE_FAILED, LEDGER_WRITE_FAILED, make_reason
 from tokcap_core.sink import SinkHealth, TokenSink
 
-from ..errors import (
-    CallNotServed,
-    GateError,
-    RolloutConflict,
-    SinkUnavailable,
-    WeightsUnavailable,
-)
+from ..errors import CallNotServed, GateError, SinkUnavailable, WeightsUnavailable
 from ..persist import GateHooks, LedgerFileError
 from ..transfer import WeightPhase, WeightState
+from ._answers import ResponsesAnswer
 from ._config import GateConfig
-from ._host import EngineResult
-from ._lifecycle import ABANDONED, COMMITTED, FINISHED, PLANNING
+from ._host import EngineResult, Ticket
+from ._lifecycle import Abandoned
 from ._metrics import GateMetrics
-from ._planning import ChatPlan, Observed, ParentIndex, PlannedRequest
-from ._records import GateCall, answerable
-from ._responses import ResponsesTurn
-from ._rollouts import UNCAPTURED, RolloutBook, RolloutRecord, check_not_poisoned
+from ._planning import Learned, Observed, ParentIndex, PlannedRequest
+from ._records import GateCall, ResponsesTurn, RolloutRecord
+from ._rollouts import RolloutBook
 from ._stage_writer import StageWriter
-from ._staging import staged_call, staged_entry
+from ._staging import staged_call
+from ._wire import ResponseObserver
 
-__all__ = ["CapturePath", "check_accepting"]
+__all__ = ["AnswerAgain", "CapturePath", "Serve"]
 
 _log = logging.getLogger("tokcap_vllm.gate")
 
 
+@dataclass(frozen=True, slots=True)
+class Serve:
+    """An admitted call: hand its request to vLLM's handler with ``ticket`` in context."""
+
+    call: GateCall
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerAgain:
+    """A retry under the key of a call that settled: send its recorded answer again."""
+
+    start: dict[str, Any]
+    chunks: list[bytes]
+
+
 class CapturePath:
-    """The gate's calls: admitted against the book, staged into the sink, committed."""
+    """The gate's calls: each event told to the book, staged into the sink, committed."""
 
     def __init__(
         self,
@@ -102,131 +110,100 @@ class CapturePath:
         body_fingerprint: str = "",
         request_id: str | None = None,
         thread: ResponsesTurn | None = None,
-    ) -> GateCall:
-        """Admit a captured request: the ADMITTED call, or the earlier call to answer again.
+        structured_outputs: object = None,
+    ) -> Serve | AnswerAgain:
+        """Admit a captured request: the call to serve, or an earlier answer to send again.
 
         A rollout that already failed refuses it (``rollout_poisoned``). A settled call: a
         retry under its idempotency key (its answer is sent again). One key is one call: a
         retry waits for the holder (bounded) and takes the key over if it never completed;
         a different body is refused (``idempotency_key_reused``), a request id another call
         of the rollout used too (``duplicate_request_id``). ``request`` binds the body to
-        the tokenizer (after the claim, so a retry is answered again without re-planning). A request
-        refused on the way leaves nothing behind. ``thread``: a Responses call's items.
+        the tokenizer (after the claim, so a retry is answered again without re-planning).
+        A request refused on the way leaves nothing behind. ``thread``: a Responses call's
+        items; ``structured_outputs``: what the engine call's sampling params take of it.
         """
-        record = self.book.join(rollout_id, require_open=self.config.require_open)
-        call = self.book.begin(
-            record,
+        call = self.book.call_received(
+            rollout_id,
             kind=kind,
+            require_open=self.config.require_open,
             idempotency_key=idempotency_key,
             body_fingerprint=body_fingerprint,
             request_id=request_id,
+            thread=thread,
         )
-        call.thread = thread
-        try:
-            earlier = await self._claim(call)
-            if earlier is not None:
-                self.book.step(call, "drop")
-                return earlier
-            await self._admit(call, request())
-        except Exception:
-            if call.phase is PLANNING:
-                self.book.step(call, "drop")
-            raise
-        return call
-
-    async def _claim(self, call: GateCall) -> GateCall | None:
-        while True:
-            holder = self.book.claim(call)
-            if holder is None or answerable(holder):
-                return holder
-            with anyio.move_on_after(self.config.parent_commit_timeout_s):
-                await holder.settled.wait()
-            if not holder.final:
-                raise RolloutConflict(
-                    "retry_in_flight", "the call holding this Idempotency-Key is still running"
-                )
-            check_accepting(call.rollout)
-
-    async def _admit(self, call: GateCall, request: PlannedRequest) -> None:
-        """Plan in a worker thread under the rollout's lock; if the parent has not committed
-        yet, release the lock, await it (bounded) and plan again. If the ledger file could
-        not record the admission, the call is abandoned and refused (`CallNotServed`
-        ``ledger_write_failed``): it would be served into a rollout that cannot verify."""
         record = call.rollout
-        call.request = request
-        while True:
-            async with record.lock:
-                check_accepting(record)
-                made = await anyio.to_thread.run_sync(record.parents.planner(request))
-                check_accepting(record)
-                self._check_serving()
-                parent = record.calls.get(CallId(made.parent_id)) if made.parent_id else None
-                if parent is None or parent.phase is COMMITTED:
-                    self._admitted(call, made, parent)
-                    break
-            with anyio.move_on_after(self.config.parent_commit_timeout_s):
-                await parent.settled.wait()
-            if parent.phase is not COMMITTED:
-                raise RolloutConflict(
-                    "parent_not_committed", f"parent {parent.call_id} did not commit"
+        try:
+            held = self.book.call_claimed(call)
+            while held is not None and held.answer is None:  # a retry of a call running
+                with anyio.move_on_after(self.config.parent_commit_timeout_s):
+                    await held.call.settled.wait()
+                held = self.book.call_claimed(call, waited=held.call)
+            if held is not None and held.answer is not None:
+                self.book.call_dropped(call)
+                return AnswerAgain(*held.answer)
+            bound = request()
+            while True:  # planned under the rollout's lock; a parent not committed is awaited
+                async with record.lock:
+                    self.book.call_planning(call, bound)
+                    plan = await anyio.to_thread.run_sync(record.parents.planner(bound))
+                    admitted = self.book.call_planned(
+                        call, plan, admitted_at=time.time_ns(), unserved=self.serving_refusal()
+                    )
+                    if isinstance(admitted, Entry):
+                        persisted = self.tell(record, admitted)
+                        break
+                with anyio.move_on_after(self.config.parent_commit_timeout_s):
+                    await admitted.settled.wait()
+                self.book.parent_waited(admitted)
+            if not persisted:  # it would be served into a rollout that cannot verify
+                await self.abandon(call, "ledger_write_failed")
+                raise CallNotServed(
+                    "ledger_write_failed",
+                    f"the gate's ledger file could not record this call ({record.poison})",
                 )
-        if record.phase is UNCAPTURED:  # its Admitted could not be written to the file
-            await self.abandon(call, "ledger_write_failed")
-            raise CallNotServed(
-                "ledger_write_failed",
-                f"the gate's ledger file could not record this call ({record.poison})",
-            )
+        except Exception:
+            self.book.call_refused(call)
+            raise
+        assert call.plan is not None
+        ticket = Ticket(
+            prompt_ids=call.plan.prompt_ids,
+            structured_outputs=structured_outputs,
+            on_finish=functools.partial(self.engine_finished, call),
+            salt_version=self.weights.version if self.weights is not None else None,
+        )
+        return Serve(call, ticket)
 
-    def _check_serving(self) -> None:
-        """Refuse a call the gate could not vouch for: a sink that cannot stage it
-        (`tokcap_core.sink.SinkHealth`), weights FAILED (or an engine asleep)."""
+    def serving_refusal(self) -> GateError | None:
+        """Why no captured call can be served now: a sink that cannot stage it
+        (`tokcap_core.sink.SinkHealth`), weights FAILED (or an engine asleep); None: none."""
         problem = self.sink.problem if isinstance(self.sink, SinkHealth) else None
         if problem is not None:
-            raise SinkUnavailable(
+            return SinkUnavailable(
                 "sink_unavailable",
                 f"the sink cannot take staged calls ({problem}): captured calls are refused "
                 "until it can",
             )
         state = self.weights
         if state is not None and state.phase is WeightPhase.FAILED and state.error == "asleep":
-            raise WeightsUnavailable(
+            return WeightsUnavailable(
                 "weights_unavailable",
                 "the engine is asleep (/sleep): captured calls are refused until /wake_up",
             )
         if state is not None and state.phase is WeightPhase.FAILED:
-            raise WeightsUnavailable(
+            return WeightsUnavailable(
                 "weights_unavailable",
                 f"a weight push to version {state.target} failed ({state.error}); the engine "
                 "may hold half-updated weights: captured calls are refused until a full push "
                 "succeeds",
             )
-
-    def _admitted(self, call: GateCall, plan: ChatPlan, parent: GateCall | None) -> None:
-        record = call.rollout
-        call_id = CallId(record.ledger.next_call_id())
-        event = Admitted(
-            call_id=call_id,
-            parent_id=plan.parent_id,
-            prefix_len=plan.prefix_len,
-            admitted_at=time.time_ns(),
-            request_fingerprint=plan.request_fingerprint,
-            formation=plan.formation,
-            break_cause=plan.break_cause,
-            splice_cause=plan.splice_cause,
-        )
-        try:
-            self.append(record, event)
-        except LedgerProtocolError as e:
-            raise RolloutConflict(e.code, e.message) from e
-        call.call_id, call.plan, call.parent = call_id, plan, parent
-        self.book.step(call, "admit")
+        return None
 
     def engine_finished(self, call: GateCall, result: EngineResult) -> None:
         """The engine produced the final output: build the staged call and start the sink write."""
         try:
-            if self.book.step(call, "finish") is ABANDONED:
+            if not self.book.call_finished(call, result):
                 return  # the harness left (or the rollout closed) while it generated
-            call.result = result
             call.staged = staged_call(
                 call, result, self.config.capture.capture_routes, kv_kept=self.kv_kept
             )
@@ -252,19 +229,60 @@ class CapturePath:
         for call in calls:
             await self._guarded(tell, call)
 
+    async def response_complete(
+        self, call: GateCall, observer: ResponseObserver
+    ) -> GateError | None:
+        """The response's last byte (or a stream's ``[DONE]``) is about to go out, as
+        ``observer`` saw it: the error to end it with instead (the call is abandoned), or
+        None. A 200 the book lets complete makes the call a parent and schedules its
+        commit; vLLM's own error answer abandons the call and goes out as it is."""
+        why = _why_unserved(call, observer)
+        if observer.status != 200:
+            await self._abandoned(call, self.book.call_abandoned(call, why), observer.status)
+            return None
+        answer = None
+        if observer.chunks is not None and observer.start is not None:
+            answer = (observer.start, observer.chunks)
+        seen = Observed(observer.response_id, observer.content, observer.tool_calls(), answer)
+        learned = self._learned(call, seen) if call.staged is not None else None
+        refusal = self.book.call_completing(call)
+        if refusal is not None:
+            await self._abandoned(call, self.book.call_abandoned(call, why), observer.status)
+            return refusal
+        if call.thread is not None and isinstance(observer.api, ResponsesAnswer):
+            call.thread.output_items = observer.api.output  # what a previous_response_id names
+        self._responded(call, self.book.call_responded(call, seen, learned))
+        return None
+
+    async def response_ended(self, call: GateCall, observer: ResponseObserver) -> GateError | None:
+        """vLLM's handler returned: the error to end a response it left unfinished with (the
+        call was abandoned while it generated), or None; a call still in flight (the client
+        left, or no final output came) is abandoned."""
+        refusal, abandoned = self.book.call_ended(call, _why_unserved(call, observer))
+        await self._abandoned(call, abandoned, observer.status)
+        return refusal
+
     def respond(self, call: GateCall, seen: Observed) -> None:
         """The harness got the whole response (``seen``): index the call as a parent, commit
         it later. Indexing that fails is logged; the call still commits, as no parent."""
-        if call.phase is not FINISHED:
-            self.book.step(call, "respond")  # ignored once abandoned; refused otherwise
+        self._responded(call, self.book.call_responded(call, seen, self._learned(call, seen)))
+
+    def _responded(self, call: GateCall, commits: bool) -> None:
+        if not commits:
             return
-        call.response_id = seen.response_id
+        if self.tg is None:
+            call.stage_error = call.stage_error or "gate_not_serving"
+            self._settle(call)
+            return
+        self.tg.start_soon(self._guarded, self._commit, call)
+
+    def _learned(self, call: GateCall, seen: Observed) -> Learned | None:
         try:
             assert call.request is not None
             assert call.plan is not None
             assert call.result is not None
             assert call.call_id is not None
-            learned = ParentIndex.learn(
+            return ParentIndex.learn(
                 call.request,
                 call_id=call.call_id,
                 kind=call.kind,
@@ -274,50 +292,26 @@ class CapturePath:
             )
         except Exception:  # containment: the harness still gets its answer
             _log.exception("tokcap gate: indexing call %s failed", call.call_id)
-        else:
-            call.output_fp, call.answer = learned.output_fp, seen.answer
-            call.prior = learned.prior if call.staged is not None else None
-        self.book.step(call, "respond")
-        if self.tg is None:
-            call.stage_error = call.stage_error or "gate_not_serving"
-            self._settle(call)
-            return
-        self.tg.start_soon(self._guarded, self._commit, call)
-
-    def completion_refusal(self, call: GateCall) -> GateError | None:
-        """Why ``call``'s response must not complete (None: the ledger will hold it as served).
-
-        Asked just before the response's last byte (or a stream's ``[DONE]``): a call
-        abandoned while it generated (its rollout closed) is ``rollout_closed``; one whose
-        engine output cannot be staged (aborted by a weight push or vLLM's ``/pause``, or a
-        capture failure) is `CallNotServed`. The harness then gets that error and the call
-        is abandoned (``Failed(served=False)``, off-chain). A sink write that fails once the
-        staged call is built does not refuse: the call is served, ``Failed(served=True)``.
-        """
-        if call.phase is ABANDONED:
-            return RolloutConflict(
-                "rollout_closed", f"{call.rollout_id} was closed while this call was generating"
-            )
-        if call.phase is FINISHED and call.staged is not None:
             return None
-        if call.result is not None and call.result.finish_reason == "abort":
-            return CallNotServed(
-                "call_aborted", "the engine aborted this call (a weight push or a pause); retry it"
-            )
-        return CallNotServed(
-            "capture_failed", f"this call could not be captured ({call.stage_error}); retry it"
-        )
 
-    def forget_if_unserved(self, call: GateCall) -> None:
-        """After vLLM refused ``call`` itself (its own 4xx): forget the rollout if none of its
-        calls was served, so requests vLLM refuses leave no rollout behind, like those the
-        gate refuses (the observers hear a release: the ledger file records one)."""
-        record = call.rollout
-        if not self.book.forget_unserved(record):
+    async def _abandoned(self, call: GateCall, abandoned: Abandoned | None, status: int) -> None:
+        """Tell an abandonment, clear its staged row; forget the rollout if vLLM refused the
+        call itself (its own 4xx) and none of its calls was served."""
+        if abandoned is None:
+            return
+        await self._after_abandon(call, abandoned)
+        if 400 <= status < 500:
+            self._forget_if_unserved(call)
+
+    def _forget_if_unserved(self, call: GateCall) -> None:
+        """Forget the rollout if none of its calls was served, so requests vLLM refuses
+        leave no rollout behind, like those the gate refuses (the observers hear a release:
+        the ledger file records one)."""
+        if not self.book.call_unserved(call):
             return
         for hook in self.observers:
             try:
-                hook.on_release(record.rollout_id)
+                hook.on_release(call.rollout_id)
             except Exception as e:  # memory holds; the file keeps the stale entries
                 _log.warning("tokcap gate: forgetting %s was not persisted: %s", call.rollout_id, e)
 
@@ -327,44 +321,31 @@ class CapturePath:
 
     def _settle(self, call: GateCall) -> None:
         """Commit a responded call, or fail it (served) with the reason it could not commit."""
-        record = call.rollout
-        if call.stage_error is None and call.staged is not None:
-            try:
-                self.append(record, staged_entry(call.staged, call.response_id, call.output_fp))
-            except LedgerProtocolError as e:
-                _log.warning(
-                    "tokcap gate: the ledger refused call %s of %s (%s); the rollout is poisoned",
-                    call.call_id,
-                    record.rollout_id,
-                    e.code,
-                )
-                self.telemetry.contained.labels(e.code).inc()
-                self._fail_served(call, make_reason(LEDGER_REFUSED, e.code))
-                return
-            self.book.step(call, "commit")
-            return
-        self._fail_served(call, make_reason(STAGE_FAILED, call.stage_error))
+        entry, refused = self.book.call_committed(call)
+        if refused is not None:
+            _log.warning(
+                "tokcap gate: the ledger refused call %s of %s (%s); the rollout is poisoned",
+                call.call_id,
+                call.rollout_id,
+                refused,
+            )
+            self.telemetry.contained.labels(refused).inc()
+        if entry is not None:
+            self.tell(call.rollout, entry)
 
-    def _fail_served(self, call: GateCall, reason: str) -> None:
-        self.book.step(call, "fail")
-        assert call.call_id is not None
-        if call.rollout.ledger.status is OPEN:
-            self.append(call.rollout, Failed(call_id=call.call_id, reason=reason, served=True))
+    async def abandon(self, call: GateCall, detail: str) -> bool:
+        """The response never completed: ``Failed(served=False)``, and clear any staged row.
+        False if there was nothing to abandon (the call was not in flight)."""
+        abandoned = self.book.call_abandoned(call, detail)
+        if abandoned is None:
+            return False
+        await self._after_abandon(call, abandoned)
+        return True
 
-    async def abandon(self, call: GateCall, detail: str) -> None:
-        """The response never completed: ``Failed(served=False)``, and clear any staged row."""
-        if call.phase is PLANNING:
-            self.book.step(call, "drop")
-            return
-        if not call.in_flight:
-            return
-        was_finished = call.phase is FINISHED
-        self.book.step(call, "abandon")
-        assert call.call_id is not None
-        if call.rollout.ledger.status is OPEN:
-            reason = make_reason(UNCOMMITTED_CALL, detail)
-            self.append(call.rollout, Failed(call_id=call.call_id, reason=reason, served=False))
-        if was_finished:
+    async def _after_abandon(self, call: GateCall, abandoned: Abandoned) -> None:
+        if abandoned.entry is not None:
+            self.tell(call.rollout, abandoned.entry)
+        if abandoned.clear_row:
             with anyio.CancelScope(shield=True):
                 await self._clear_orphan(call)
 
@@ -395,38 +376,34 @@ class CapturePath:
                 exc_info=e,
             )
             self.telemetry.contained.labels(code).inc()
-            self.book.contain(call, make_reason(GATE_FAILED, code))
+            self.book.call_contained(call, make_reason(GATE_FAILED, code))
 
-    # ---- ledger entries and their observers -------------------------------------------
-
-    def append(self, record: RolloutRecord, event: Event) -> Entry:
-        """Append to a rollout's ledger, move the rollout on and tell the observers.
-
-        `LedgerProtocolError` (the ledger refused the event) propagates and changes nothing.
-        An observer's failure (the ledger file could not write) poisons the rollout.
-        """
-        entry = record.ledger.append(event)
-        closing = isinstance(event, (Closed, Poisoned))
-        self.book.advance(record, "closed" if closing else "append")
+    def tell(self, record: RolloutRecord, entry: Entry) -> bool:
+        """Tell the observers an entry of ``record``'s ledger; False if one could not (the
+        ledger file could not write it): the rollout is then poisoned."""
+        told = True
         for hook in self.observers:
             try:
                 hook.on_entry(record.rollout_id, entry)
             except Exception as e:  # a LedgerFileError above all; never the caller's problem
+                told = False
                 detail = e.detail if isinstance(e, LedgerFileError) else type(e).__name__
-                if record.poison is None:
+                if self.book.unpersisted(record, make_reason(LEDGER_WRITE_FAILED, detail)):
                     _log.warning(
                         "tokcap gate: %s could not be persisted (%s); the rollout is poisoned",
                         record.rollout_id,
                         e,
                     )
                     self.telemetry.ledger_write_failures.inc()
-                self.book.advance(record, "fail", poison=make_reason(LEDGER_WRITE_FAILED, detail))
-        return entry
+        return told
 
 
-def check_accepting(record: RolloutRecord) -> None:
-    """`RolloutConflict` (``rollout_closed``, ``rollout_poisoned``) unless ``record`` admits
-    new calls."""
-    if not record.accepting:
-        raise RolloutConflict("rollout_closed", f"{record.rollout_id} is closed")
-    check_not_poisoned(record)
+def _why_unserved(call: GateCall, observer: ResponseObserver) -> str:
+    """Why a call's response ended without being served (the detail of its ``Failed``)."""
+    if observer.status not in (0, 200):
+        return f"http_{observer.status}"
+    if not observer.done:
+        return "client_disconnected"
+    if call.result is not None and call.result.finish_reason == "abort":
+        return "engine_aborted"
+    return call.stage_error or "no_final_output"

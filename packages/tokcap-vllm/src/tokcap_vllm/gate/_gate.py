@@ -1,11 +1,11 @@
 """The gate: holds its rollouts, serves the control operations, and runs the capture path.
 
-The gate is a driver around pure rules: what may happen to a rollout and its calls is
-`tokcap_vllm.gate._rollouts` (the rollout table and the `RolloutBook`) and
-`tokcap_vllm.gate._lifecycle` (the call table and each step's effects); one call's way from its
-request to its commit is `tokcap_vllm.gate._capture.CapturePath` (``Gate.capture``), which
-keeps each failure inside its rollout. `Gate` keeps the task group (`serve`), the sink,
-the observers and the weight state the capture path reads.
+The gate is a driver around one owner of its rollouts' events, the `RolloutBook`
+(`tokcap_vllm.gate._rollouts`, ``Gate.book``): each control operation tells the book its event
+and does what it answers (a close: abandon this call, wait for that one, then the entry);
+one call's way from its request to its commit is `tokcap_vllm.gate._capture.CapturePath`
+(``Gate.capture``), which keeps each failure inside its rollout. `Gate` keeps the task
+group (`serve`), the sink, the observers and the weight state the capture path reads.
 
 The control operations (`declare_terminal`, `close`, `release`) are what the control
 plane (`ControlPlane`) serves over HTTP. With ``GateConfig.ledger_path`` the gate
@@ -25,18 +25,16 @@ import anyio
 
 from tokcap_core import Entry, Ledger, MemorySink
 from tokcap_core.ids import RolloutId, validate_rollout_id
-from tokcap_core.ledger import OPEN, Closed, Event, Poisoned, TerminalDeclared, Witnesses
-from tokcap_core.reasons import GATE_RESTARTED, make_reason
+from tokcap_core.ledger import Event, Witnesses
 from tokcap_core.sink import SinkHealth, TokenSink
 
-from ..errors import ControlUnavailable, InvalidBody, RolloutConflict
+from ..errors import ControlUnavailable, RolloutConflict
 from ..persist import GateHooks, LedgerFile
 from ..transfer import WeightState
 from ._capture import CapturePath
 from ._config import GateConfig
-from ._lifecycle import COMMITTED, FAILED, FINISHED, RESPONDED
 from ._metrics import GateMetrics
-from ._rollouts import RolloutBook, RolloutRecord
+from ._rollouts import Abandon, RolloutBook, RolloutRecord
 
 if TYPE_CHECKING:
     from ..transfer import WeightSync
@@ -102,7 +100,7 @@ class Gate:
     def __init__(self, config: GateConfig | None = None, *, sink: TokenSink | None = None) -> None:
         self.config = config or GateConfig()
         self.sink: TokenSink = sink if sink is not None else MemorySink()
-        self.registry = RolloutBook(
+        self.book = RolloutBook(
             max_open=self.config.max_open_rollouts,
             flag=anyio.Event,
             lock=anyio.Lock,
@@ -111,10 +109,10 @@ class Gate:
         self.instance = secrets.token_hex(8)
         """This gate's instance id: a restarted gate (a new process) has a new one, which is
         how a fleet tells a restart from a rollout it never opened."""
-        self.telemetry = GateMetrics(self.registry.counts)
+        self.telemetry = GateMetrics(self.book.counts)
         self._observers: list[GateHooks] = [self.telemetry]
         self.capture = CapturePath(
-            self.config, self.sink, self.registry, self.telemetry, self._observers
+            self.config, self.sink, self.book, self.telemetry, self._observers
         )
         self.ledger_file: LedgerFile | None = None
         if self.config.ledger_path is not None:
@@ -187,11 +185,11 @@ class Gate:
 
     def ledger(self, rollout_id: str) -> Ledger:
         """The ledger of an open or closed rollout; `RolloutNotFound` otherwise."""
-        return self.registry.ledger(rollout_id)
+        return self.book.ledger(rollout_id)
 
     def rollouts(self) -> dict[RolloutId, str]:
         """Every rollout held, ``{rollout_id: "open" | "closed"}``."""
-        return self.registry.states()
+        return self.book.states()
 
     def metrics(self) -> dict[str, float]:
         """Every counter of `GateMetrics`, ready for any logger."""
@@ -201,7 +199,7 @@ class Gate:
         """Whether the gate serves, what it holds, and what would stop or stall a captured
         call: the ledger file, the sink, the weights; ``engine`` is the engine's own state,
         as the caller found it."""
-        held_open, held_closed = self.registry.counts()
+        held_open, held_closed = self.book.counts()
         state = self.capture.weights
         weights = "READY" if state is None else state.phase.name
         if state is not None and state.error is not None:
@@ -218,17 +216,21 @@ class Gate:
 
     def held_ledgers(self) -> list[Ledger]:
         """Every ledger held, open and closed (what a ledger-file compaction keeps)."""
-        return self.registry.held_ledgers()
+        return self.book.held_ledgers()
 
     def _append(self, record: RolloutRecord, event: Event) -> Entry:
-        return self.capture.append(record, event)
+        """Append an entry as it is, telling the observers (what tests feed a gate's ledger
+        with, a stored rollout's entries, without an engine)."""
+        entry = self.book.append(record, event)
+        self.capture.tell(record, entry)
+        return entry
 
     # ---- control operations ------------------------------------------------------------
 
     def open(self, rollout_id: str, *, owner: str | None = None) -> None:
         """Open a rollout before its first call (what ``GateConfig.require_open`` asks for),
         held by ``owner`` if given; opening an open rollout again changes nothing."""
-        self.registry.open(rollout_id, owner=owner, now=time.monotonic())
+        self.book.opened(rollout_id, owner=owner, now=time.monotonic())
 
     async def open_fresh(self, rollout_id: str, *, owner: str | None = None) -> None:
         """`open`, refusing an id the sink still holds staged rows of when this gate does not
@@ -237,7 +239,7 @@ class Gate:
         (``conflicting_put``) or be read as its own: clear them first
         (`GateFleet.orphaned_keys`). `ControlUnavailable` ``sink_unavailable`` if the sink
         cannot list its rows."""
-        if rollout_id not in self.registry.states():
+        if rollout_id not in self.book.states():
             prefix = validate_rollout_id(rollout_id) + "/"
             try:
                 keys = await self.sink.staged_keys()
@@ -255,12 +257,12 @@ class Gate:
         self.open(rollout_id, owner=owner)
 
     def touch_owner(self, owner: str | None) -> None:
-        """``owner`` spoke to this gate now (its lease runs from `tokcap_vllm.gate._owners`)."""
-        self.registry.owners.touch(owner, time.monotonic())
+        """``owner`` spoke to this gate now (its lease runs from here: `_rollouts.Owners`)."""
+        self.book.owners.touch(owner, time.monotonic())
 
     def check_owner(self, rollout_id: str, owner: str | None) -> None:
         """`RolloutConflict` ``rollout_owned`` unless ``owner`` may act on ``rollout_id``."""
-        self.registry.check_owner(rollout_id, owner, time.monotonic())
+        self.book.check_owner(rollout_id, owner, time.monotonic())
 
     def declare_terminal(
         self,
@@ -276,23 +278,15 @@ class Gate:
         ``unknown_terminal`` otherwise, and the rollout is left as it was): a declared
         terminal that names nothing would poison the rollout for good at its receipt.
         """
-        if (call_id is None) == (response_id is None):
-            raise ValueError("give exactly one of call_id, response_id")
-        record = self.registry.open_record(rollout_id)
-        self.check_owner(rollout_id, owner)
-        if call_id is not None:
-            event = TerminalDeclared(by="call_id", value=call_id)
-        else:
-            event = TerminalDeclared(by="response_id", value=response_id or "")
-        if not any(
-            c.phase in (RESPONDED, COMMITTED, FAILED)
-            and (c.call_id == call_id if call_id is not None else c.response_id == response_id)
-            for c in record.calls.values()
-        ):
-            raise InvalidBody(
-                "unknown_terminal", f"{rollout_id} has no answered call {event.value!r}"
-            )
-        return self._append(record, event)
+        record, entry = self.book.terminal_declared(
+            rollout_id,
+            call_id=call_id,
+            response_id=response_id,
+            owner=owner,
+            now=time.monotonic(),
+        )
+        self.capture.tell(record, entry)
+        return entry
 
     async def close(
         self,
@@ -358,24 +352,18 @@ class Gate:
         witnesses: Witnesses | None,
         owner: str | None = None,
     ) -> tuple[int, str]:
-        record = self.registry.open_record(rollout_id)
-        self.check_owner(rollout_id, owner)
-        self.registry.advance(record, "close")
+        record = self.book.close_requested(rollout_id, owner=owner, now=time.monotonic())
         try:
-            for call in list(record.live):
-                if call.in_flight:
-                    await self.capture.abandon(call, "closed_in_flight")
-            for call in list(record.live):
-                if call.phase is RESPONDED:
-                    await call.settled.wait()
-            if record.poison is not None:
-                self._append(record, Poisoned(reason=record.poison))
-            else:
-                self._append(record, Closed(reward=reward, witnesses=witnesses or Witnesses()))
+            while (step := self.book.close_next(record)) is not None:
+                if isinstance(step, Abandon):
+                    await self.capture.abandon(step.call, "closed_in_flight")
+                else:
+                    await step.call.settled.wait()
+            entry = self.book.closed(record, reward=reward, witnesses=witnesses)
         except BaseException:
-            if record.ledger.status is OPEN:
-                self.registry.advance(record, "reopen")
+            self.book.close_failed(record)
             raise
+        self.capture.tell(record, entry)
         return record.ledger.head
 
     async def _make_durable(self, rollout_ids: Sequence[str]) -> None:
@@ -399,7 +387,7 @@ class Gate:
     def release(self, rollout_id: str, *, owner: str | None = None) -> None:
         """Forget a closed rollout (its manifest is no longer served); `RolloutConflict`
         ``rollout_owned`` if another live owner holds it."""
-        self.registry.release(rollout_id, owner=owner, now=time.monotonic())
+        self.book.released(rollout_id, owner=owner, now=time.monotonic())
         for hook in self._observers:
             try:
                 hook.on_release(rollout_id)
@@ -408,14 +396,8 @@ class Gate:
 
     async def drain(self, rollout_id: str | None = None) -> None:
         """Wait until every call that finished on the engine is committed or failed."""
-        if rollout_id is not None:
-            records = [self.registry.open_record(rollout_id)]
-        else:
-            records = self.registry.records()
-        for record in records:
-            for call in list(record.live):
-                if call.phase is FINISHED or call.phase is RESPONDED:
-                    await call.settled.wait()
+        for call in self.book.unsettled(rollout_id):
+            await call.settled.wait()
 
     def restore(self, ledgers: Iterable[Ledger]) -> list[RolloutId]:
         """Take back stored ledgers after a restart; return the ids poisoned on the way.
@@ -425,8 +407,7 @@ class Gate:
         closed: its in-flight calls are gone, so it is never resumed.
         """
         poisoned = []
-        for record in self.registry.adopt(ledgers):
-            self.registry.advance(record, "close")
-            self._append(record, Poisoned(reason=make_reason(GATE_RESTARTED)))
+        for record, entry in self.book.restored(ledgers):
+            self.capture.tell(record, entry)
             poisoned.append(record.rollout_id)
         return poisoned

@@ -1,32 +1,57 @@
-"""The records the gate's tables move: a rollout (`RolloutRecord`) and a call (`GateCall`).
+"""What the gate's rollout book moves: the records of a rollout and of its calls, and the
+tables of their phases (pure data; `tokcap_vllm.gate._rollouts.RolloutBook` applies them, one
+event at a time). A rollout and its calls refer to each other, so both records live here.
+A rollout::
 
-Pure data, no rules: the rollout-phase table lives in `tokcap_vllm.gate._rollouts`, the call
-table in `tokcap_vllm.gate._lifecycle`; a rollout and its calls refer to each other, so both
-records live here (no import circle between the tables' modules).
+    EMPTY --append--> OPEN --fail--> UNCAPTURED
+    EMPTY --open--> OPEN (opened explicitly: held and closable before its first call)
+    OPEN --close--> CLOSING --closed--> CLOSED (its ledger kept until released)
+    UNCAPTURED --close--> CLOSING_UNCAPTURED --closed--> CLOSED
+    CLOSING --fail--> CLOSING_UNCAPTURED
+    CLOSING --reopen--> OPEN, CLOSING_UNCAPTURED --reopen--> UNCAPTURED (the close failed)
+
+A call::
+
+    PLANNING --admit--> ADMITTED --finish--> FINISHED --respond--> RESPONDED --commit--> COMMITTED
+    PLANNING --drop--> DROPPED                            RESPONDED --fail--> FAILED (served)
+    ADMITTED | FINISHED --abandon--> ABANDONED (Failed(served=False) in the ledger)
+    ADMITTED | FINISHED | RESPONDED --contain--> CONTAINED (a failure inside the gate)
+    ABANDONED | CONTAINED --finish | respond--> itself (the engine or the response went on; ignored)
+
+Invariants:
+- a call is PLANNING from the moment its request is read until its ``Admitted`` entry is
+  appended (it holds its idempotency key and request id meanwhile); a refused plan DROPs
+  it and the ledger never hears of it;
+- the engine's final output (``finish``) starts the sink write at once; the call becomes a
+  parent only after its response's last byte (``respond``), and is COMMITTED only once the
+  sink acknowledged it and ``Staged`` is in the ledger;
+- a call whose response never completed, or that was still in flight when its rollout
+  closed, is ABANDONED: never a parent, never committed, its staged row (if any) cleared,
+  and its request ended (``abandoned`` is set) so the harness never gets a completion;
+- a call one of whose background steps failed inside the gate is CONTAINED: its rollout is
+  poisoned (the book's ``call_contained``), it is never answered nor committed, and it
+  keeps its claims (a retry under its key takes it over); containing a call that already
+  settled changes no call, only its rollout;
+- COMMITTED, FAILED, DROPPED, ABANDONED and CONTAINED are final: ``settled`` is set exactly
+  once.
+What each call step does to its rollout (claims, the live set, the parent index, the
+rollout's phase) is `EFFECTS`. An operation a table does not allow raises `CallStateError`
+(`next_phase`) and changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from tokcap_core import Ledger, StagedCall
 from tokcap_core.ids import CallId, RolloutId
 from tokcap_core.ledger import OPEN as LEDGER_OPEN
 from tokcap_core.states import Sentinel
 
-from ._lifecycle import (
-    ABANDONED,
-    ADMITTED,
-    COMMITTED,
-    DROPPED,
-    FAILED,
-    FINAL,
-    FINISHED,
-    PLANNING,
-    CallPhase,
-)
+from ..errors import CallStateError
 from ._planning import ParentIndex
 
 if TYPE_CHECKING:
@@ -34,14 +59,30 @@ if TYPE_CHECKING:
     from ._planning import ChatPlan, PlannedRequest, PriorCall
 
 __all__ = [
+    "ABANDONED",
+    "ADMITTED",
     "CLOSED",
     "CLOSING",
     "CLOSING_UNCAPTURED",
+    "COMMITTED",
+    "CONTAINED",
+    "DROPPED",
+    "EFFECTS",
     "EMPTY",
+    "FAILED",
+    "FINAL",
+    "FINISHED",
     "HELD",
     "IN_CLOSE",
     "OPEN",
+    "PLANNING",
+    "REFUSALS",
+    "RESPONDED",
+    "ROLLOUT_REFUSALS",
+    "ROLLOUT_TRANSITIONS",
+    "TRANSITIONS",
     "UNCAPTURED",
+    "CallPhase",
     "Flag",
     "GateCall",
     "ResponsesTurn",
@@ -49,6 +90,7 @@ __all__ = [
     "RolloutRecord",
     "answerable",
     "gone",
+    "next_phase",
 ]
 
 
@@ -68,6 +110,107 @@ CLOSED: Final = RolloutPhase("CLOSED")
 IN_CLOSE: Final = frozenset({CLOSING, CLOSING_UNCAPTURED})
 HELD: Final = frozenset({OPEN, UNCAPTURED, CLOSING, CLOSING_UNCAPTURED})
 """Phases in which a rollout is listed, counted and has a ledger to serve."""
+
+ROLLOUT_TRANSITIONS: Final[Mapping[RolloutPhase, Mapping[str, RolloutPhase]]] = {
+    EMPTY: {"append": OPEN, "fail": UNCAPTURED, "open": OPEN},
+    OPEN: {"append": OPEN, "fail": UNCAPTURED, "close": CLOSING, "open": OPEN},
+    UNCAPTURED: {
+        "append": UNCAPTURED,
+        "fail": UNCAPTURED,
+        "close": CLOSING_UNCAPTURED,
+        "open": UNCAPTURED,
+    },
+    CLOSING: {"append": CLOSING, "fail": CLOSING_UNCAPTURED, "closed": CLOSED, "reopen": OPEN},
+    CLOSING_UNCAPTURED: {
+        "append": CLOSING_UNCAPTURED,
+        "fail": CLOSING_UNCAPTURED,
+        "closed": CLOSED,
+        "reopen": UNCAPTURED,
+    },
+    CLOSED: {"fail": CLOSED},  # a late failure of a call the close already settled
+}
+ROLLOUT_REFUSALS: Final[Mapping[RolloutPhase, Mapping[str, str]]] = {
+    EMPTY: dict.fromkeys(("close", "closed", "reopen"), "not_open"),
+    OPEN: dict.fromkeys(("closed", "reopen"), "not_closing"),
+    UNCAPTURED: dict.fromkeys(("closed", "reopen"), "not_closing"),
+    CLOSING: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSING_UNCAPTURED: dict.fromkeys(("close", "open"), "rollout_closed"),
+    CLOSED: dict.fromkeys(("append", "close", "closed", "reopen", "open"), "rollout_closed"),
+}
+
+
+class CallPhase(Sentinel):
+    """A captured call's phase (compare with ``is``)."""
+
+    __slots__ = ()
+
+
+PLANNING: Final = CallPhase("PLANNING")
+ADMITTED: Final = CallPhase("ADMITTED")
+FINISHED: Final = CallPhase("FINISHED")
+RESPONDED: Final = CallPhase("RESPONDED")
+COMMITTED: Final = CallPhase("COMMITTED")
+FAILED: Final = CallPhase("FAILED")
+DROPPED: Final = CallPhase("DROPPED")
+ABANDONED: Final = CallPhase("ABANDONED")
+CONTAINED: Final = CallPhase("CONTAINED")
+
+FINAL: Final = frozenset({COMMITTED, FAILED, DROPPED, ABANDONED, CONTAINED})
+TRANSITIONS: Final[Mapping[CallPhase, Mapping[str, CallPhase]]] = {
+    PLANNING: {"admit": ADMITTED, "drop": DROPPED},
+    ADMITTED: {"finish": FINISHED, "abandon": ABANDONED, "contain": CONTAINED},
+    FINISHED: {"respond": RESPONDED, "abandon": ABANDONED, "contain": CONTAINED},
+    RESPONDED: {"commit": COMMITTED, "fail": FAILED, "contain": CONTAINED},
+    COMMITTED: {"contain": COMMITTED},
+    FAILED: {"contain": FAILED},
+    DROPPED: {"contain": DROPPED},
+    ABANDONED: {"finish": ABANDONED, "respond": ABANDONED, "contain": ABANDONED},
+    CONTAINED: {"finish": CONTAINED, "respond": CONTAINED, "contain": CONTAINED},
+}
+_SETTLED = ("admit", "drop", "finish", "respond", "commit", "fail", "abandon")
+REFUSALS: Final[Mapping[CallPhase, Mapping[str, str]]] = {
+    PLANNING: dict.fromkeys(
+        ("finish", "respond", "commit", "fail", "abandon", "contain"), "not_admitted"
+    ),
+    ADMITTED: {"admit": "already_admitted", "drop": "already_admitted"}
+    | dict.fromkeys(("respond", "commit", "fail"), "not_finished"),
+    FINISHED: dict.fromkeys(("admit", "drop", "finish"), "already_finished")
+    | dict.fromkeys(("commit", "fail"), "not_responded"),
+    RESPONDED: dict.fromkeys(("admit", "drop", "finish", "respond", "abandon"), "responded"),
+    **{phase: dict.fromkeys(_SETTLED, "settled") for phase in (COMMITTED, FAILED, DROPPED)},
+    **{
+        phase: dict.fromkeys(("admit", "drop", "commit", "fail", "abandon"), "settled")
+        for phase in (ABANDONED, CONTAINED)
+    },
+}
+# What each call step does to its rollout (only when the phase changes).
+EFFECTS: Final[Mapping[str, tuple[str, ...]]] = {
+    "admit": ("index_call",),
+    "drop": ("release_claims", "leave", "forget_if_idle"),
+    "finish": (),
+    "respond": ("index_parent",),
+    "commit": ("leave",),
+    "fail": ("leave", "unindex_parent", "uncapture"),
+    "abandon": ("leave", "release_claims", "signal_abandoned"),
+    "contain": ("leave", "signal_sink_done"),
+}
+
+
+_Phase = TypeVar("_Phase")
+
+
+def next_phase(
+    phase: _Phase,
+    op: str,
+    transitions: Mapping[_Phase, Mapping[str, _Phase]],
+    refusals: Mapping[_Phase, Mapping[str, str]],
+) -> _Phase:
+    """The phase ``op`` leads to from ``phase``; `CallStateError` (with the refusal's code)
+    if the table does not allow it."""
+    nxt = transitions[phase].get(op)
+    if nxt is None:
+        raise CallStateError(refusals[phase].get(op, "unknown_op"), f"{op} in phase {phase}")
+    return nxt
 
 
 @dataclass(slots=True, eq=False)

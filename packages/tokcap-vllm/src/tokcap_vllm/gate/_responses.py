@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import BadRequest, RolloutNotFound, Unsupported
-from ._lifecycle import COMMITTED, RESPONDED
-from ._records import ResponsesTurn
+from ._records import COMMITTED, RESPONDED, ResponsesTurn
 from ._vllm import require_vllm
 from ._wire import ChatBody, chat_body, decode_object
 

@@ -1,4 +1,4 @@
-"""What a captured call stages and commits: its `StagedCall` row and its ``Staged`` entry (pure)."""
+"""What a captured call stages: its `StagedCall` row, from what the engine returned (pure)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,12 @@ import math
 from collections.abc import Collection
 
 from tokcap_core import StagedCall, TokcapError
-from tokcap_core.ledger import Staged
 from tokcap_core.provenance import kv_spans
 
 from ._host import EngineResult
 from ._records import GateCall
 
-__all__ = ["staged_call", "staged_entry"]
+__all__ = ["staged_call"]
 
 
 def staged_call(
@@ -45,7 +44,7 @@ def staged_call(
     assert call.call_id is not None
     parent = call.parent
     return StagedCall.from_engine_output(
-        rollout_id=call.rollout_id,
+        rollout_id=call.rollout.rollout_id,
         call_id=call.call_id,
         parent_id=call.plan.parent_id,
         parent_cum_len=call.plan.prefix_len,
@@ -66,8 +65,3 @@ def staged_call(
         ),
         routes=result.routes,
     )
-
-
-def staged_entry(staged: StagedCall, response_id: str | None, output_fp: str | None) -> Staged:
-    """The ``Staged`` event that commits ``staged`` (the sink acknowledged its row)."""
-    return Staged.for_call(staged, response_id=response_id, output_fingerprint=output_fp)

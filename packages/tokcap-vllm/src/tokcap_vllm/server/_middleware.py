@@ -3,10 +3,13 @@
 ``--middleware tokcap_vllm.GateMiddleware`` (or the ``vllm.general_plugins`` entry point,
 or ``tokcap-vllm serve``) puts it in front of vLLM's routes. Plain traffic passes through
 untouched. A captured call (``/tokcap/rollouts/{id}/v1/...`` or the rollout header) is
-decoded, claimed and admitted, then handed to vLLM's own handler on the ``/v1/...`` path
-with a `Ticket` in its context, so chat templates, tool and reasoning parsers stay vLLM's.
-The response is watched on its way out; just before its last byte the call is indexed as
-a parent and its commit scheduled. On lifespan start-up the middleware runs `Gate.serve`.
+decoded and handed to the capture path (`CapturePath.enter`), which has it admitted; then
+to vLLM's own handler on the ``/v1/...`` path with the `Ticket` the capture path made in
+its context, so chat templates, tool and reasoning parsers stay vLLM's. The response is
+watched on its way out: what went out is handed to the capture path once just before its
+last byte (`CapturePath.response_complete`, which may refuse it) and once when vLLM's
+handler returned (`CapturePath.response_ended`); the door reads nothing of the call and
+decides nothing of how it ends. On lifespan start-up the middleware runs `Gate.serve`.
 
 Every refusal is a typed error answer (`GateError`, with its HTTP status and a stable
 ``code``: 4xx for what the request got wrong, 503 for what the gate cannot take now);
@@ -43,18 +46,14 @@ from ..control import (
 )
 from ..errors import BadRequest, GateError, Unsupported
 from ..gate import (
-    ABANDONED,
     CURRENT_TICKET,
+    AnswerAgain,
     CaptureHost,
-    CapturePath,
     Flag,
     Gate,
-    GateCall,
-    Observed,
     RequestRenderer,
     ResponseObserver,
-    ResponsesAnswer,
-    Ticket,
+    Serve,
     decode_request,
     planned_on,
     request_renderer,
@@ -177,7 +176,6 @@ class GateMiddleware:
     async def _captured(
         self, scope: Scope, receive: Receive, send: Send, rollout_id: str, kind: str
     ) -> None:
-        call: GateCall | None = None
         started = False
 
         async def watched_send(message: Message) -> None:
@@ -192,7 +190,7 @@ class GateMiddleware:
                 kind,
                 body,
                 app_state=scope["app"].state,
-                book=self.gate.registry,
+                book=self.gate.book,
                 rollout_id=rollout_id,
                 token_ids_allowed=self.gate.config.capture.return_token_ids,
                 header_request_id=_one_header(scope, "x-request-id"),
@@ -206,7 +204,7 @@ class GateMiddleware:
                     "--no-enable-chunked-prefill and --max-num-batched-tokens >= max_model_len",
                 )
             renderer = self._request_renderer(scope, host)
-            call = await self.gate.capture.enter(
+            entered = await self.gate.capture.enter(
                 rollout_id,
                 kind=decoded.planned_kind,
                 request=lambda: planned_on(renderer.request(parsed), parent),
@@ -214,15 +212,14 @@ class GateMiddleware:
                 body_fingerprint=hashlib.sha256(body).hexdigest(),
                 request_id=decoded.request_id,
                 thread=decoded.thread,
+                structured_outputs=decoded.structured_outputs,
             )
-            if call.final:  # a retry under the key of a call that settled: its answer again
-                await _answer_again(send, call)
+            if isinstance(entered, AnswerAgain):  # a retry of a call that settled
+                await _answer_again(send, entered)
                 return
             self.gate.telemetry.by_api.labels(kind).inc()
-            body_again = _receive_body_again(decoded.body, receive, call.abandoned)
-            await self._generate(
-                scope, body_again, watched_send, call, kind, decoded.structured_outputs
-            )
+            body_again = _receive_body_again(decoded.body, receive, entered.call.abandoned)
+            await self._generate(scope, body_again, watched_send, entered, kind)
         except (GateError, RecursionError) as e:
             if not started:
                 await self._refuse(send, _typed(e))
@@ -236,22 +233,11 @@ class GateMiddleware:
                 await send_body(send, 500, error_json(error.code, error.message, 500))
 
     async def _generate(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        call: GateCall,
-        kind: str,
-        structured_outputs: object,
+        self, scope: Scope, receive: Receive, send: Send, served: Serve, kind: str
     ) -> None:
-        assert call.plan is not None
-        capture = self.gate.capture
-        ticket = Ticket(
-            prompt_ids=call.plan.prompt_ids,
-            structured_outputs=structured_outputs,
-            on_finish=lambda result: capture.engine_finished(call, result),
-            salt_version=capture.weights.version if capture.weights is not None else None,
-        )
+        """Run vLLM's handler on the admitted call, watching its response go out: what the
+        capture path must know of it is handed over at its last byte and when it ends."""
+        capture, call = self.gate.capture, served.call
         observer = ResponseObserver(keep=call.idempotency_key is not None, kind=kind)
         held: list[Message] = []  # a plain answer is held until the gate says it may complete
         ended = False  # the harness's response is over (complete, or ended with an error)
@@ -284,61 +270,24 @@ class GateMiddleware:
                     return
                 if (last or observer.stream_done) and not observer.done:
                     observer.finish()
-                    if observer.status == 200:
-                        refusal = capture.completion_refusal(call)
-                        if refusal is not None:
-                            if call.in_flight:
-                                await _unserved(capture, call, observer)
-                            await end_with(refusal)
-                            return
-                        _respond(capture, call, observer)
-                    elif call.in_flight:  # vLLM's own error: settled before the client reads it
-                        await _unserved(capture, call, observer)
+                    refusal = await capture.response_complete(call, observer)
+                    if refusal is not None:
+                        await end_with(refusal)
+                        return
                 ended = last
             for pending in held:
                 await send(pending)
             held.clear()
             await send(message)
 
-        token = CURRENT_TICKET.set(ticket)
+        token = CURRENT_TICKET.set(served.ticket)
         try:
             await self.app(scope, receive, watch)
-            if call.phase is ABANDONED and not ended:  # closed while generating: vLLM stopped
-                refusal = capture.completion_refusal(call)
-                assert refusal is not None  # an abandoned call is never served
-                await end_with(refusal)
         finally:
             CURRENT_TICKET.reset(token)
-            if call.in_flight:
-                await _unserved(capture, call, observer)
-
-
-async def _unserved(capture: CapturePath, call: GateCall, observer: ResponseObserver) -> None:
-    """The call's response ended without being served: abandon it, saying why."""
-    if observer.status not in (0, 200):
-        detail = f"http_{observer.status}"
-    elif not observer.done:
-        detail = "client_disconnected"
-    elif call.result is not None and call.result.finish_reason == "abort":
-        detail = "engine_aborted"
-    else:
-        detail = call.stage_error or "no_final_output"
-    await capture.abandon(call, detail)
-    if 400 <= observer.status < 500:  # vLLM refused the request itself
-        capture.forget_if_unserved(call)
-
-
-def _respond(capture: CapturePath, call: GateCall, observer: ResponseObserver) -> None:
-    """The last byte is about to go out: hand the gate what the harness received."""
-    if observer.status != 200 or call.result is None or not call.in_flight:
-        return
-    answer = None
-    if observer.chunks is not None and observer.start is not None:
-        answer = (observer.start, observer.chunks)
-    if call.thread is not None and isinstance(observer.api, ResponsesAnswer):
-        call.thread.output_items = observer.api.output  # what a previous_response_id names
-    seen = Observed(observer.response_id, observer.content, observer.tool_calls(), answer)
-    capture.respond(call, seen)
+            refusal = await capture.response_ended(call, observer)
+        if refusal is not None and not ended:  # closed while generating: vLLM stopped
+            await end_with(refusal)
 
 
 def _typed(error: GateError | RecursionError) -> GateError:
@@ -388,10 +337,9 @@ def _receive_body_again(body: bytes, receive: Receive, abandoned: Flag | None) -
     return receive_again
 
 
-async def _answer_again(send: Send, earlier: GateCall) -> None:
+async def _answer_again(send: Send, earlier: AnswerAgain) -> None:
     """Send the recorded answer of the call that holds the idempotency key."""
-    assert earlier.answer is not None
-    start, chunks = earlier.answer
-    await send(start)
+    await send(earlier.start)
+    chunks = earlier.chunks
     for i, chunk in enumerate(chunks):
         await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})
