@@ -257,7 +257,7 @@ class ControlPlane:
 
     def _manifest(self, rollout_id: str) -> bytes:
         """The manifest's bytes; `TooLarge` over the gate's bound."""
-        body = encode_manifest(manifest_of(self.gate.ledger(rollout_id)))
+        body = encode_manifest(manifest_of(self.gate.book.ledger(rollout_id)))
         bound = self.gate.config.max_manifest_bytes
         if len(body) > bound:
             raise TooLarge(

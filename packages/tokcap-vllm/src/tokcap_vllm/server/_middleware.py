@@ -241,6 +241,7 @@ class GateMiddleware:
         observer = ResponseObserver(keep=call.idempotency_key is not None, kind=kind)
         held: list[Message] = []  # a plain answer is held until the gate says it may complete
         ended = False  # the harness's response is over (complete, or ended with an error)
+        handed = False  # the capture path heard how the response ended (its last byte)
 
         async def end_with(error: GateError) -> None:
             nonlocal ended
@@ -254,7 +255,7 @@ class GateMiddleware:
                 await send_body(send, status, error_json(error.code, error.message, status))
 
         async def watch(message: Message) -> None:
-            nonlocal ended
+            nonlocal ended, handed
             if ended:
                 return
             if message["type"] == "http.response.start":
@@ -271,6 +272,7 @@ class GateMiddleware:
                 if (last or observer.stream_done) and not observer.done:
                     observer.finish()
                     refusal = await capture.response_complete(call, observer)
+                    handed = True
                     if refusal is not None:
                         await end_with(refusal)
                         return
@@ -281,11 +283,13 @@ class GateMiddleware:
             await send(message)
 
         token = CURRENT_TICKET.set(served.ticket)
+        refusal = None
         try:
             await self.app(scope, receive, watch)
         finally:
             CURRENT_TICKET.reset(token)
-            refusal = await capture.response_ended(call, observer)
+            if not handed:  # it ended before its last byte: the capture path hears it now
+                refusal = await capture.response_ended(call, observer)
         if refusal is not None and not ended:  # closed while generating: vLLM stopped
             await end_with(refusal)
 
