@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +47,8 @@ def test_a_rollout_walks_from_the_request_to_a_row_through_one_owner_of_its_even
     server: InProcessServer,
 ) -> None:
     walk = _bench().walk(server, CONTROL_TOKEN, "walk-1")
+    # the same modules (the order of first reach may move with threads: not checked)
+    assert sorted(walk.modules) == sorted(_documented_walk()), walk.modules
     assert len(walk.modules) <= 33, walk.modules
     assert walk.modules[:3] == [
         "tokcap_vllm.server._inproc",
@@ -66,3 +69,10 @@ def test_a_rollout_walks_from_the_request_to_a_row_through_one_owner_of_its_even
     assert walk.returns["close"] <= 6, walk.stays["close"]
     assert "tokcap_vllm.server._middleware" not in walk.stays["close"]
     assert "tokcap_vllm.gate._rollouts" in walk.stays["close"]  # a rollout's events
+
+
+def _documented_walk() -> list[str]:
+    """The modules docs/ARCHITECTURE.md's measured walk lists, in its order."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## The walk, measured", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z_.]+)` \|", section, re.MULTILINE)
