@@ -5,7 +5,9 @@ abandoned; leaving frees only what it holds itself. A retry under a held key is 
 again when the holder committed with a recorded answer, waits while the holder runs, and
 takes the key over once the holder left without one (dropped, abandoned); a holder that
 failed after its answer left its rollout UNCAPTURED, so the retry is refused
-(``rollout_poisoned``). An abandoned call's flag is set, so the driver ends its request.
+(``rollout_poisoned``). An abandoned call's flag is set, so the driver ends its request;
+when vLLM's handler returns, a call still in flight is abandoned, and one abandoned before
+ends its response ``rollout_closed``.
 An OPEN rollout none of whose calls was served is forgotten when vLLM refuses a call of
 it; one with a committed call is kept, and so is one a served call failed in (that
 failure left it UNCAPTURED).
@@ -189,6 +191,24 @@ def test_an_abandoned_call_is_signalled_and_leaves() -> None:
     assert call.abandoned.is_set()
     assert call.settled.is_set()
     assert call not in record.live
+
+
+def test_vllms_return_abandons_a_call_still_in_flight_and_ends_one_abandoned_before() -> None:
+    book = _book()
+    running = _admit(book, _call(book, "a2"))
+    refusal, abandoned = book.call_ended(running, "client_left")
+    assert refusal is None  # nothing to end: the response is vLLM's own
+    assert abandoned is not None
+    assert abandoned.entry is not None
+    assert abandoned.entry.event == Failed(
+        call_id=running.call_id or "", reason="uncommitted_call:client_left", served=False
+    )
+    left = _admit(book, _call(book, "a3"))
+    assert book.call_abandoned(left, "rollout_closed") is not None  # its rollout closed
+    refusal, abandoned = book.call_ended(left, "client_left")
+    assert abandoned is None  # abandoned once, not twice
+    assert isinstance(refusal, RolloutConflict)
+    assert refusal.code == "rollout_closed"  # the unfinished response ends with it
 
 
 # ---- rollouts vLLM refused ----------------------------------------------------------------------
