@@ -65,27 +65,6 @@ ROLLOUT_ID = "walk-r1"
 PHASES = ("turn 1", "turn 2", "close")
 """The HTTP requests whose walks inside the gate are measured, in order."""
 GATE_PACKAGE = "tokcap_vllm"
-VLLM_ENVIRONMENT = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-}
-"""What ``tests/vllm/conftest.py`` sets for its engine (before vLLM is imported)."""
-VLLM_ARGS = [
-    "--enforce-eager",
-    "--distributed-executor-backend",
-    "uni",
-    "--max-model-len",
-    "4096",
-    "--dtype",
-    "float32",
-    "--disable-log-stats",
-    "--no-enable-chunked-prefill",
-    "--max-num-batched-tokens",
-    "8192",
-]
 
 
 def tokcap_module(name: object) -> bool:
@@ -377,9 +356,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     options = parser.parse_args()
-    for name, value in VLLM_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # our tests/, not TQ's stray one
+    from tests.engine_env import set_cpu_engine_env
 
+    set_cpu_engine_env()
+    from tests.vllm._helpers import VLLM_ARGS
     from tokcap.tiny import build_tiny_model
     from tokcap_core import CaptureConfig, MemorySink
     from tokcap_vllm import Gate, GateConfig, InProcessServer

@@ -11,32 +11,20 @@ and the row differs from the engine's ids exactly where the call was.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.benches import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     """``bench/_trl_rows.py``, the bench's engine-free half (scripts import it by bare name)."""
-    spec = importlib.util.spec_from_file_location("_trl_rows", REPO / "bench" / "_trl_rows.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["_trl_rows"] = module  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["_trl_rows"]
-        raise
-    return module
+    return load_bench("_trl_rows")
 
 
 @pytest.fixture(scope="module")

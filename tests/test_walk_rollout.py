@@ -6,37 +6,22 @@ The walk itself, on a real gate, is ``tests/vllm/test_walk.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.benches import load_bench
 from tokcap_core import Ledger
 from tokcap_vllm import RolloutClose
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def walk() -> ModuleType:
     """``bench/walk_rollout.py`` (benches are scripts: loaded by path)."""
-    spec = importlib.util.spec_from_file_location(
-        "walk_rollout", REPO / "bench" / "walk_rollout.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["walk_rollout"] = module  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["walk_rollout"]
-        raise
-    return module
+    return load_bench("walk_rollout")
 
 
 class _Foreign:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from array import array
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ from tokcap.train import (
     token_logprobs,
 )
 from tokcap_core import ConfigError, TrainingRow, placeholder_row
+from tokcap_core.simulate import one_call_row
 
 pytestmark = pytest.mark.integration
 
@@ -31,25 +31,16 @@ def make_row(
     version: int = 0,
     name: str = "r",
 ) -> TrainingRow:
-    """A valid one-call row: ``prompt_len`` carried tokens, the rest generated."""
-    n = len(ids)
-    values = [0.0] * n if logprobs is None else logprobs
-    return TrainingRow(
-        rollout_id=name,
-        segment=0,
-        input_ids=array("I", ids),
-        loss_mask=array("B", [0] * prompt_len + [1] * (n - prompt_len)),
-        logprobs=array("f", [v if t >= prompt_len else 0.0 for t, v in enumerate(values)]),
-        routes=None,
-        prompt_len=prompt_len,
-        call_spans=(),  # the trainer reads no span
-        weight_version_min=version,
-        weight_version_max=version,
-        truncated=False,
-        reward=None,
-        sample_mask=1,
-        reason=None,
-        terminal_call_id="c0",
+    """A valid one-call row (`tokcap_core.simulate.one_call_row`, made as a gate makes it):
+    ``prompt_len`` carried tokens, the rest generated (``logprobs``: one per token, the
+    carried ones ignored; zeros if not given)."""
+    values = [0.0] * len(ids) if logprobs is None else logprobs
+    return one_call_row(
+        name,
+        prompt_ids=ids[:prompt_len],
+        output_ids=ids[prompt_len:],
+        logprobs=values[prompt_len:],
+        weight_version=version,
     )
 
 

@@ -10,21 +10,15 @@ matches (its receipt is poisoned) and one harness raises: both are reported, non
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import pytest
 
-for _name, _value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-}.items():
-    os.environ.setdefault(_name, _value)
+from tests.engine_env import set_cpu_engine_env
+
+set_cpu_engine_env()
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
+import anyio
 import openai
+import pytest
 
 from tokcap_core import StagedCall, TrainingRow, assemble_receipt, reassemble, verify_manifest
 from tokcap_core.ledger import manifest_of
@@ -102,3 +105,20 @@ def events(server: InProcessServer, rollout_id: str) -> list[Any]:
 def control(server: InProcessServer, **kwargs: Any) -> ControlPlaneClient:
     """A control-plane client of the session gate, holding the right token."""
     return ControlPlaneClient(server.base_url, CONTROL_TOKEN, **kwargs)
+
+
+def wait_until(
+    predicate: Callable[[], bool], what: str, bound_s: float = 120.0, every_s: float = 0.2
+) -> None:
+    """Poll ``predicate()`` every ``every_s`` (in a thread) until it holds: a hang guard of
+    ``bound_s``, not a timing assertion; the test fails naming ``what`` if it never does."""
+
+    async def poll() -> None:
+        with anyio.fail_after(bound_s):
+            while not await anyio.to_thread.run_sync(predicate):
+                await anyio.sleep(every_s)
+
+    try:
+        anyio.run(poll)
+    except TimeoutError:
+        pytest.fail(f"never happened: {what}")

@@ -11,14 +11,9 @@ from pathlib import Path
 
 import pytest
 
-for _name, _value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
-}.items():
-    os.environ.setdefault(_name, _value)
+from tests.engine_env import set_cpu_engine_env
+
+set_cpu_engine_env()
 
 from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS  # noqa: E402
 from tokcap_core import CaptureConfig, MemorySink, SinkError, StagedCall  # noqa: E402

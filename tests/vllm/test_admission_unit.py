@@ -34,7 +34,7 @@ from tokcap_core.ledger import BREAK_CAUSES, SPLICE_CAUSES
 from tokcap_vllm import GateConfig
 from tokcap_vllm.fingerprints import message_fingerprints, normalize_message
 from tokcap_vllm.gate._planning._plan_text import ChatPlan, PriorCall, plan_chat
-from tokcap_vllm.gate._planning._splice import SpliceRules, splice_cause
+from tokcap_vllm.gate._planning._splice import SpliceRules
 
 TOOLS = [
     {
@@ -405,30 +405,6 @@ def test_keep_model_tokens_splices_past_stripped_reasoning(tokenizer: Any, templ
 
 
 # ---- pure pieces ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("generated", "rendered", "tools", "cause"),
-    [
-        ("<think>a</think>b", "b", False, "reasoning"),
-        ("a<|im_start|>b", "ab", False, "special_tokens"),
-        ("a\ufffdb", "ab", False, "invalid_utf8"),
-        ('{"a":1}', '{"a": 1}', True, "tool_call_format"),
-        (" a b ", "a b", False, "whitespace"),
-        ("abc", "xyz", False, "other"),
-    ],
-)
-def test_splice_causes_are_named_in_order(
-    generated: str, rendered: str, tools: bool, cause: str
-) -> None:
-    named = splice_cause(
-        generated,
-        rendered,
-        markers=("<think>",),
-        special_texts=("<|im_start|>", "<|im_end|>"),
-        tool_calls=tools,
-    )
-    assert named == cause
 
 
 def test_break_and_splice_causes_come_from_the_ledgers_closed_sets() -> None:

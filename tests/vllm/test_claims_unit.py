@@ -51,6 +51,13 @@ def _call(
     )
 
 
+def _claimed(book: RolloutBook, rollout_id: str, **claims: str) -> GateCall:
+    """A call of ``rollout_id`` received with its claims and holding them (none was held)."""
+    call = _call(book, rollout_id, **claims)
+    assert book.call_claimed(call) is None
+    return call
+
+
 def _admit(book: RolloutBook, call: GateCall) -> GateCall:
     """Plan ``call`` as a root: the book appends its ``Admitted`` entry."""
     book.call_planning(call, REQUEST)
@@ -80,8 +87,7 @@ def _respond(book: RolloutBook, call: GateCall) -> GateCall:
 
 def test_a_retry_of_a_call_committed_with_an_answer_is_answered_again() -> None:
     book = _book()
-    first = _call(book, "k1", idempotency_key="key")
-    assert book.call_claimed(first) is None
+    first = _claimed(book, "k1", idempotency_key="key")
     _respond(book, _admit(book, first))
     retry = _call(book, "k1", idempotency_key="key")
     assert book.call_claimed(retry) == Holder(first, None)  # responded, not settled: wait
@@ -102,8 +108,7 @@ def test_a_retry_of_a_call_that_failed_after_its_answer_is_refused_as_poisoned()
     """The holder failed (served: its sink write failed), so its rollout is UNCAPTURED: a
     retry waiting for it, or arriving later, is refused rather than answered again."""
     book = _book()
-    first = _call(book, "k5", idempotency_key="key")
-    assert book.call_claimed(first) is None
+    first = _claimed(book, "k5", idempotency_key="key")
     _respond(book, _admit(book, first))
     retry = _call(book, "k5", idempotency_key="key")
     assert book.call_claimed(retry) == Holder(first, None)
@@ -126,9 +131,8 @@ def test_a_retry_of_a_call_that_failed_after_its_answer_is_refused_as_poisoned()
 def test_a_key_whose_holder_left_without_an_answer_is_taken_over(leave: str) -> None:
     book = _book()
     book.opened("k2")  # held: dropping its only call does not forget it
-    first = _call(book, "k2", idempotency_key="key", request_id="req")
+    first = _claimed(book, "k2", idempotency_key="key", request_id="req")
     record = first.rollout
-    assert book.call_claimed(first) is None
     assert (record.keys, record.request_ids) == ({"key": first}, {"req": first})
     if leave == "drop":
         book.call_dropped(first)
@@ -137,17 +141,15 @@ def test_a_key_whose_holder_left_without_an_answer_is_taken_over(leave: str) -> 
         assert abandoned is not None
         assert abandoned.entry is not None
     assert (record.keys, record.request_ids) == ({}, {})  # leaving freed both
-    retry = _call(book, "k2", idempotency_key="key", request_id="req")
+    retry = _claimed(book, "k2", idempotency_key="key", request_id="req")
     assert retry.rollout is record
-    assert book.call_claimed(retry) is None
     assert (record.keys["key"], record.request_ids["req"]) == (retry, retry)
 
 
 def test_a_retry_that_leaves_while_waiting_leaves_the_key_with_its_holder() -> None:
     book = _book()
-    first = _call(book, "k3", idempotency_key="key")
+    first = _claimed(book, "k3", idempotency_key="key")
     record = first.rollout
-    assert book.call_claimed(first) is None
     waiting = _call(book, "k3", idempotency_key="key")
     assert book.call_claimed(waiting) == Holder(first, None)
     book.call_dropped(waiting)  # the harness went away while it waited
@@ -156,17 +158,15 @@ def test_a_retry_that_leaves_while_waiting_leaves_the_key_with_its_holder() -> N
 
 def test_a_request_id_refused_as_a_duplicate_stays_with_the_call_that_used_it() -> None:
     book = _book()
-    first = _call(book, "k4", request_id="req")
+    first = _claimed(book, "k4", request_id="req")
     record = first.rollout
-    assert book.call_claimed(first) is None
     second = _call(book, "k4", request_id="req")
     with pytest.raises(RolloutConflict) as refused:
         book.call_claimed(second)
     assert refused.value.code == "duplicate_request_id"
     book.call_refused(second)  # refused on its way: dropped
     assert record.request_ids == {"req": first}
-    plain = _call(book, "k4")  # no key, no request id: holds nothing, frees nothing
-    assert book.call_claimed(plain) is None
+    plain = _claimed(book, "k4")  # no key, no request id: holds nothing, frees nothing
     book.call_dropped(plain)
     assert (record.keys, record.request_ids) == ({}, {"req": first})
 

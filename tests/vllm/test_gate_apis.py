@@ -80,6 +80,25 @@ def _assert_engine_lengths(
     assert sum(row.loss_mask) == sum(g for _, g in usage)
 
 
+def _assert_a_tool_loop_on_one_chain(
+    server: InProcessServer, rollout_id: str, answers: list[Any]
+) -> dict[str, Any]:
+    """Four calls on one chain, the two after the forced tool calls spliced by their format,
+    each answer staged as its own call; verified, the row holding the lengths vLLM reported
+    (each answer's ``usage``). The staged calls, by call id."""
+    admitted = [e for e in events(server, rollout_id) if isinstance(e, Admitted)]
+    assert [a.parent_id for a in admitted] == [None, "c000001", "c000002", "c000003"]
+    assert [a.splice_cause for a in admitted][1:3] == ["tool_call_format"] * 2
+    assert _staged_by_response(server, rollout_id) == {
+        a.id: f"c00000{i}" for i, a in enumerate(answers, 1)
+    }
+    receipt, rows, staged = close_and_reassemble(server, rollout_id)
+    assert receipt.ok, receipt.failure_reason
+    usage = [(a.usage.input_tokens, a.usage.output_tokens) for a in answers]
+    _assert_engine_lengths(rows, staged, usage)
+    return staged
+
+
 async def _responses_rollout(server: InProcessServer, rollout_id: str) -> list[Any]:
     """Four turns: two forced parallel calls (text input), their outputs by
     ``previous_response_id`` with one forced call (streamed), its output the same way, then
@@ -146,16 +165,7 @@ def _fn(item: Any) -> dict[str, Any]:
 def test_the_responses_client_captures_a_tool_loop_on_one_chain(server: InProcessServer) -> None:
     answers = anyio.run(_responses_rollout, server, "api-resp")
     assert sum(o.type == "function_call" for o in answers[0].output) == 2
-    admitted = [e for e in events(server, "api-resp") if isinstance(e, Admitted)]
-    assert [a.parent_id for a in admitted] == [None, "c000001", "c000002", "c000003"]
-    assert [a.splice_cause for a in admitted][1:3] == ["tool_call_format"] * 2
-    assert _staged_by_response(server, "api-resp") == {
-        a.id: f"c00000{i}" for i, a in enumerate(answers, 1)
-    }
-    receipt, rows, staged = close_and_reassemble(server, "api-resp")
-    assert receipt.ok, receipt.failure_reason
-    usage = [(a.usage.input_tokens, a.usage.output_tokens) for a in answers]
-    _assert_engine_lengths(rows, staged, usage)
+    staged = _assert_a_tool_loop_on_one_chain(server, "api-resp", answers)
     third = staged["c000003"]
     (message,) = [o for o in answers[2].output if o.type == "message"]
     reported = [lp.logprob for lp in message.content[0].logprobs]
@@ -223,17 +233,7 @@ def test_the_anthropic_client_captures_a_tool_loop_on_one_chain(server: InProces
     assert server.gate.telemetry.as_dict()["tokcap/calls_by_api/messages"] == before + 4
     assert [sum(b.type == "tool_use" for b in m.content) for m in seen[:2]] == [2, 1]
     assert [m.stop_reason for m in seen[:2]] == ["tool_use", "tool_use"]
-    admitted = [e for e in events(server, "api-msgs") if isinstance(e, Admitted)]
-    assert [a.parent_id for a in admitted] == [None, "c000001", "c000002", "c000003"]
-    assert [a.splice_cause for a in admitted][1:3] == ["tool_call_format"] * 2
-    assert _staged_by_response(server, "api-msgs") == {
-        m.id: f"c00000{i}" for i, m in enumerate(seen, 1)
-    }
-    receipt, rows, staged = close_and_reassemble(server, "api-msgs")
-    assert receipt.ok, receipt.failure_reason
-    _assert_engine_lengths(
-        rows, staged, [(m.usage.input_tokens, m.usage.output_tokens) for m in seen]
-    )
+    staged = _assert_a_tool_loop_on_one_chain(server, "api-msgs", seen)
     forced = _tokenizer(server).decode(list(staged["c000001"].generated))
     assert forced.count("<tool_call>") == 2  # the model's own output, parsed into the blocks
     assert [b.name for b in seen[0].content if b.type == "tool_use"] == ["calc", "calc"]

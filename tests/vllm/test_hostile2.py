@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.vllm._helpers import client, control, events, long_stream
+from tests.vllm._helpers import client, control, events, long_stream, wait_until
 from tests.vllm.test_containment import _file_size_limit
 from tests.vllm.test_hostile import AUTH, _assert_serving, _body, _code, _post, _verified
 from tokcap_core.ledger import Admitted, Failed, Staged
@@ -55,20 +55,6 @@ def _unfinished(server: InProcessServer) -> int:
         return int(server.engine_client.output_processor.get_num_unfinished_requests())
 
     return int(server.call(count))
-
-
-def _wait_until(predicate: Any, what: str, bound_s: float = 120.0) -> None:
-    """Poll (a hang guard, not a timing assertion) until ``predicate()`` holds."""
-
-    async def poll() -> None:
-        with anyio.fail_after(bound_s):
-            while not await anyio.to_thread.run_sync(predicate):
-                await anyio.sleep(0.05)
-
-    try:
-        anyio.run(poll)
-    except TimeoutError:
-        pytest.fail(f"never happened: {what}")
 
 
 # ---- B1, B2: request ids the ledger cannot store ------------------------------------------
@@ -242,7 +228,9 @@ def test_b6_close_while_a_plain_call_generates_answers_409_and_stops_the_engine(
     answer = anyio.run(main)
     assert _code(answer) == (409, "rollout_closed")
     assert any("b6-plain" in request_id for request_id in aborts)
-    _wait_until(lambda: _unfinished(server) == 0, "the engine dropped the aborted request")
+    wait_until(
+        lambda: _unfinished(server) == 0, "the engine dropped the aborted request", every_s=0.05
+    )
     evs = events(server, "hx2-b6")
     assert [type(e).__name__ for e in evs] == ["Admitted", "Failed", "Closed"]
     assert (evs[1].reason, evs[1].served) == ("uncommitted_call:closed_in_flight", False)
@@ -270,7 +258,9 @@ def test_b6_close_while_a_stream_generates_ends_it_with_an_error_event(
     assert error.startswith("[rollout_closed]"), error  # never a normal end
     assert chunks < 4000
     assert any("b6-stream" in request_id for request_id in aborts)
-    _wait_until(lambda: _unfinished(server) == 0, "the engine dropped the aborted request")
+    wait_until(
+        lambda: _unfinished(server) == 0, "the engine dropped the aborted request", every_s=0.05
+    )
     failed = [e for e in events(server, "hx2-b6s") if isinstance(e, Failed)]
     assert [(f.reason, f.served) for f in failed] == [("uncommitted_call:closed_in_flight", False)]
     _assert_serving(server, "hx2-b6s-after")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.e2e._gates import ServedGate
+from tests.vllm._helpers import wait_until
 from tokcap.compose import served_gate_options
 from tokcap_core.ledger import Staged
 from tokcap_tq import TQSink, TQSinkConfig
@@ -133,20 +134,6 @@ def _recovers(url: str, original: Weights) -> None:
     version = _push(url, original)
     assert _captured(url) == (200, version)
     assert _health(url)["status"] == "ok"
-
-
-def _wait(predicate: Callable[[], bool], what: str, bound_s: float = 120.0) -> None:
-    """Poll (a hang guard, not a timing assertion) until ``predicate()`` holds."""
-
-    async def poll() -> None:
-        with anyio.fail_after(bound_s):
-            while not await anyio.to_thread.run_sync(predicate):
-                await anyio.sleep(0.2)
-
-    try:
-        anyio.run(poll)
-    except TimeoutError:
-        pytest.fail(f"never happened: {what}")
 
 
 # ---- break 2, Q3: versions the ledger cannot store, labels that desync -----------------------
@@ -308,7 +295,7 @@ def test_b1_a_gate_outlives_its_transferqueue_and_attaches_to_the_next(gate: str
         assert http.post("/tokcap/v1/rollouts/h3-open-before/open").status_code == 200
     tq.close()  # this process started the session's TransferQueue: the first trainer exits
     try:
-        _wait(lambda: _health(gate)["sink_error"] is not None, "health names the dead sink")
+        wait_until(lambda: _health(gate)["sink_error"] is not None, "health names the dead sink")
         assert _health(gate)["status"] == "degraded"
         # a new rollout is refused at its open (the gate cannot ask the sink for stale rows),
         # an open one at its call, before admission: both retryable, neither a poisoned 200
@@ -317,7 +304,9 @@ def test_b1_a_gate_outlives_its_transferqueue_and_attaches_to_the_next(gate: str
     finally:
         with loopback_env():  # the next trainer's TransferQueue
             init_tq({"num_data_storage_units": 1}, 300)
-    _wait(lambda: _health(gate)["status"] == "ok", "the gate attached to the new TransferQueue")
+    wait_until(
+        lambda: _health(gate)["status"] == "ok", "the gate attached to the new TransferQueue"
+    )
     assert _captured(gate, "h3-after-restart")[0] == 200
 
     async def staged_rows() -> list[str]:

@@ -440,24 +440,29 @@ def test_keeping_the_models_reasoning_needs_the_request_to_end_as_the_probe_does
 
 
 @pytest.mark.parametrize(
-    ("generated", "rendered", "cause"),
+    ("generated", "rendered", "tools", "cause"),
     [
-        ("a<|im_start|>b", "ab", "special_tokens"),
-        ("a<|im_start|>b\ufffd", "ab", "invalid_utf8"),  # not only the special token differs
-        ("a<|im_start|> b", "a b ", "whitespace"),
-        ("a<|im_start|>b", "ac", "other"),
-        ("ab", "ab ", "whitespace"),
+        ("<think>a</think>b", "b", False, "reasoning"),
+        ("a<|im_start|>b", "ab", False, "special_tokens"),
+        ("a\ufffdb", "ab", False, "invalid_utf8"),
+        ('{"a":1}', '{"a": 1}', True, "tool_call_format"),
+        (" a b ", "a b", False, "whitespace"),
+        ("abc", "xyz", False, "other"),
+        ("a<|im_start|>b\ufffd", "ab", False, "invalid_utf8"),  # not only the special token differs
+        ("a<|im_start|> b", "a b ", False, "whitespace"),
+        ("a<|im_start|>b", "ac", False, "other"),
+        ("ab", "ab ", False, "whitespace"),
     ],
 )
 def test_a_splice_is_named_by_the_first_difference_that_explains_it(
-    generated: str, rendered: str, cause: str
+    generated: str, rendered: str, tools: bool, cause: str
 ) -> None:
     named = splice_cause(
         generated,
         rendered,
         markers=("<think>",),
         special_texts=("<|im_start|>", "<|im_end|>"),
-        tool_calls=False,
+        tool_calls=tools,
     )
     assert named == cause
 

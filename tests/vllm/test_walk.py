@@ -12,41 +12,28 @@ metrics); the issue's targets (at most 3 returns, at most 25 modules) are not me
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.benches import load_bench
 from tests.vllm._helpers import CONTROL_TOKEN
 from tokcap_vllm import InProcessServer
 
+REPO = Path(__file__).resolve().parents[2]
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 DOOR = {"tokcap_vllm.server._middleware", "tokcap_vllm.gate._routing", "tokcap_vllm.gate._apis"}
 BOOK = {"tokcap_vllm.gate._rollouts", "tokcap_vllm.gate._lifecycle"}
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "walk_rollout", REPO / "bench" / "walk_rollout.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["walk_rollout"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_rollout_walks_from_the_request_to_a_row_through_one_owner_of_its_events(
     server: InProcessServer,
 ) -> None:
-    walk = _bench().walk(server, CONTROL_TOKEN, "walk-1")
+    walk = load_bench("walk_rollout").walk(server, CONTROL_TOKEN, "walk-1")
     # the same modules (the order of first reach may move with threads: not checked)
     assert sorted(walk.modules) == sorted(_documented_walk()), walk.modules
     assert len(walk.modules) <= 33, walk.modules
