@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 
 from tokcap_core import VerificationError, decode_manifest, verify_manifest
-from tokcap_core.golden import GOLDEN_FORMAT_V2, assert_golden_vectors
+from tokcap_core.golden import (
+    GOLDEN_FORMAT,
+    GOLDEN_FORMAT_V2,
+    GOLDEN_FORMAT_V3,
+    assert_golden_vectors,
+)
 from tokcap_core.ledger import encode_manifest
 from tokcap_core.provenance import receipt_staleness
 from tokcap_core.receipts import assemble_receipt
@@ -25,10 +30,27 @@ def shipped(name: str = "vectors.json") -> dict[str, Any]:
 
 
 def test_shipped_golden_vectors_are_recomputed_exactly() -> None:
+    v4 = assert_golden_vectors(shipped("vectors_v4.json"))
     v3, v2 = assert_golden_vectors(shipped()), assert_golden_vectors(shipped("vectors_v2.json"))
-    assert assert_golden_vectors() == v3 + v2
-    assert v3 > 0
+    assert assert_golden_vectors() == v4 + v3 + v2
+    assert v4 > v3 > 0
     assert v2 > 0
+
+
+def test_golden_vectors_v4_bind_images_and_keep_the_v3_cases() -> None:
+    v4, v3 = shipped("vectors_v4.json"), shipped()
+    assert v4["format"] == GOLDEN_FORMAT
+    assert v3["format"] == GOLDEN_FORMAT_V3
+    assert [r for r in v4["rollouts"] if r["name"] != "images-two-turns"] == v3["rollouts"]
+    (case,) = [r for r in v4["rollouts"] if r["name"] == "images-two-turns"]
+    assert case["manifest"]["format"] == "tokcap/manifest/v4"
+    staged = [e["event"] for e in case["manifest"]["entries"] if e["event"]["type"] == "staged"]
+    for call, event in zip(case["staged"], staged, strict=True):
+        (item,) = call["media"]
+        assert event["media_digests"] == [item["bytes_sha256"]]
+        assert call["prefix_len"] <= item["offset"] < item["offset"] + item["length"]
+    links = case["receipt"]["segments"][0]
+    assert [c["media_digests"] for c in links] == [e["media_digests"] for e in staged]
 
 
 def test_stored_format_v2_captures_still_verify_and_keep_their_bytes() -> None:
@@ -85,6 +107,11 @@ DOMAINS = [
     ("tokcap_core._ledger", "LEDGER_DOMAIN"),
     ("tokcap_core._events", "STAGED_ENTRY_DOMAIN"),
     ("tokcap_core._staged", "CALL_DOMAIN_V2"),
+    ("tokcap_core._staged", "CALL_DOMAIN_V3"),
+    ("tokcap_core._events", "STAGED_ENTRY_DOMAIN_V3"),
+    ("tokcap_core._media", "TENSORS_DOMAIN"),
+    ("tokcap_core._media", "EMBED_DOMAIN"),
+    ("tokcap_core._media", "PROCESSOR_DOMAIN"),
     ("tokcap_core._events", "LEDGER_DOMAIN"),
 ]
 
@@ -146,6 +173,34 @@ def _admitted(doc: dict[str, Any], formation: str) -> list[dict[str, Any]]:
         for e in r["manifest"]["entries"]
         if e["event"]["type"] == "admitted" and e["event"]["formation"] == formation
     ]
+
+
+def _images(doc: dict[str, Any]) -> dict[str, Any]:
+    return next(r for r in doc["rollouts"] if r["name"] == "images-two-turns")
+
+
+MEDIA_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "media input bytes": lambda d: d["media"][0]["inputs"].update(bytes="00"),
+    "media tensor byte": lambda d: d["media"][1]["inputs"]["tensors"][0].__setitem__(3, "00" * 48),
+    "media embed mask": lambda d: d["media"][0]["inputs"]["embed"].__setitem__(0, True),
+    "media processor": lambda d: d["media"][0]["inputs"]["processor"].update(extra=1),
+    "staged media byte digest": lambda d: _images(d)["staged"][1]["media"][0].update(
+        bytes_sha256="00" * 32
+    ),
+    "staged media offset": lambda d: _images(d)["staged"][1]["media"][0].update(offset=14),
+    "manifest media digest": lambda d: next(
+        e for e in _images(d)["manifest"]["entries"] if e["event"]["type"] == "staged"
+    )["event"].update(media_digests=["00" * 32]),
+}
+
+
+@pytest.mark.parametrize("edit", list(MEDIA_EDITS))
+def test_an_edited_golden_media_value_is_a_golden_mismatch(edit: str) -> None:
+    doc = copy.deepcopy(shipped("vectors_v4.json"))
+    MEDIA_EDITS[edit](doc)
+    with pytest.raises(VerificationError) as info:
+        assert_golden_vectors(doc)
+    assert info.value.code == "golden_mismatch"
 
 
 @pytest.mark.parametrize("edit", list(EDITS))

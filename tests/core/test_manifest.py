@@ -75,7 +75,7 @@ EDITS: dict[str, tuple[Callable[[Doc], None], str]] = {
         lambda d: d["entries"][0]["event"].update(type="deleted"),
         "unknown_event",
     ),
-    "wrong format tag": (lambda d: d.update(format="tokcap/manifest/v4"), "bad_format"),
+    "wrong format tag": (lambda d: d.update(format="tokcap/manifest/v9"), "bad_format"),
     "format v1 (before splices)": (lambda d: d.update(format="tokcap/manifest/v1"), "bad_format"),
     "bad rollout id": (lambda d: d.update(rollout_id="no spaces"), "bad_rollout_id"),
     "uppercase hash": (

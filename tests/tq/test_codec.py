@@ -127,3 +127,19 @@ def test_both_decoders_read_spans_with_the_same_checks(value: object) -> None:
             return e.code
 
     assert read(_spans) == read(spans_from_json)
+
+
+def test_media_items_survive_both_decoders_and_older_rows_read_without_them() -> None:
+    """Format v4 calls keep their media items through the staging layout; a row written
+    before format v4 (no ``media`` in its meta) reads as a call without media."""
+    from tokcap_core.golden import shipped_vectors
+    from tokcap_core.staged import decode_staged_calls
+
+    (case,) = [r for r in shipped_vectors()["rollouts"] if r["name"] == "images-two-turns"]
+    calls = decode_staged_calls(json.dumps({"format": "tokcap/staged/v4", "calls": case["staged"]}))
+    assert all(c.media for c in calls)
+    assert decode_staged(encode_staged(calls)) == calls
+    assert decode_own_staged(encode_staged(calls)) == calls
+    plain = [dataclasses.replace(c, media=None) for c in calls]
+    old = _with_meta(encode_staged(plain), lambda m: {k: v for k, v in m.items() if k != "media"})
+    assert decode_own_staged(old) == plain

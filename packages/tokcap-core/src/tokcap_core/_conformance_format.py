@@ -92,8 +92,8 @@ def tokcap_irrelevant(document: int, path: tuple[Any, ...], sample: Sample) -> s
 
 
 def golden_samples() -> list[Sample]:
-    """tokcap's golden rollouts, of capture formats v3 and v2, as samples (for checking
-    another verifier implementation)."""
+    """tokcap's golden rollouts, of capture formats v4 (which holds the v3 cases) and v2,
+    as samples (for checking another verifier implementation)."""
     out = []
     for golden, staged in ((GOLDEN_FORMAT, STAGED_FORMAT), (GOLDEN_FORMAT_V2, STAGED_FORMAT_V2)):
         for r in shipped_vectors(golden)["rollouts"]:

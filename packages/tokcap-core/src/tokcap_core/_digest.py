@@ -19,24 +19,31 @@ from typing import Final
 __all__ = [
     "CALL_DOMAIN",
     "CALL_DOMAIN_V2",
+    "CALL_DOMAIN_V3",
     "CHAIN_DOMAIN",
     "GENESIS_DOMAIN",
     "LEDGER_DOMAIN",
     "STAGED_ENTRY_DOMAIN",
+    "STAGED_ENTRY_DOMAIN_V3",
     "ZERO_HASH",
     "Canon",
     "chain_hash",
     "genesis_hash",
 ]
 
-CALL_DOMAIN: Final = b"tokcap/call/v3"
-"""Capture format v3: the call digest commits to the per-token weight and KV spans."""
+CALL_DOMAIN: Final = b"tokcap/call/v4"
+"""Capture format v4: the call digest commits to the call's media items (images) too."""
+CALL_DOMAIN_V3: Final = b"tokcap/call/v3"
+"""Capture format v3 calls (per-token weight and KV spans, no media): still verifiable."""
 CALL_DOMAIN_V2: Final = b"tokcap/call/v2"
 """Capture format v2 calls (first and last weight version only): still verifiable."""
 CHAIN_DOMAIN: Final = b"tokcap/chain/v1"
 LEDGER_DOMAIN: Final = b"tokcap/ledger/v2"
 """Ledger entries; unchanged in format v3 except for `STAGED_ENTRY_DOMAIN`."""
-STAGED_ENTRY_DOMAIN: Final = b"tokcap/ledger/staged/v3"
+STAGED_ENTRY_DOMAIN: Final = b"tokcap/ledger/staged/v4"
+"""The entry hash of a format v4 ``Staged`` event (one that names its media's byte
+digests): media cannot be stripped from a ledger entry without changing its hash."""
+STAGED_ENTRY_DOMAIN_V3: Final = b"tokcap/ledger/staged/v3"
 """The entry hash of a format v3 ``Staged`` event (one that carries spans): a v2 entry
 and a v3 entry can never hash alike, so spans cannot be stripped from a ledger."""
 GENESIS_DOMAIN: Final = b"tokcap/genesis/v1"
@@ -111,6 +118,12 @@ class Canon:
             swapped = array(values.typecode, values)
             swapped.byteswap()
             self._h.update(memoryview(swapped))
+        return self
+
+    def blob(self, data: bytes | memoryview) -> Canon:
+        """Append raw bytes as they are (the caller writes their length first)."""
+        self._flush()
+        self._h.update(data)
         return self
 
     def _flush(self) -> None:

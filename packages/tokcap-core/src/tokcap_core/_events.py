@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Final, Literal, TypeAlias
 
-from ._digest import LEDGER_DOMAIN, STAGED_ENTRY_DOMAIN, Canon
+from ._digest import LEDGER_DOMAIN, STAGED_ENTRY_DOMAIN, STAGED_ENTRY_DOMAIN_V3, Canon
 from ._errors import InvalidStagedCall, LedgerProtocolError
 from ._staged import FINISH_REASONS, StagedCall, check_provenance
 from .ids import validate_call_id
@@ -162,6 +162,9 @@ class Staged:
     """Format v3: which weights sampled which generated tokens (None: a format v2 event)."""
     kv_versions: Spans | None = None
     """Format v3: the oldest weights whose KV each generated token was conditioned on."""
+    media_digests: tuple[str, ...] | None = None
+    """Format v4: the SHA-256 of each media item's bytes, in prompt order (None: an earlier
+    format), so a manifest alone names the images a call saw."""
 
     def __post_init__(self) -> None:
         validate_call_id(self.call_id)
@@ -185,11 +188,19 @@ class Staged:
             )
         except InvalidStagedCall as e:
             raise _bad("bad_event_field", e.message) from e
+        if self.media_digests is not None:
+            if self.weight_versions is None or not isinstance(self.media_digests, tuple):
+                raise _bad("bad_event_field", "media_digests are a tuple, with spans")
+            for digest in self.media_digests:
+                _check_hash("media_digests", digest)
 
     @property
     def domain(self) -> bytes:
-        """The entry-hash domain: format v3 events (with spans) hash apart from v2 ones."""
-        return LEDGER_DOMAIN if self.weight_versions is None else STAGED_ENTRY_DOMAIN
+        """The entry-hash domain: format v4 events (naming media) hash apart from v3 ones
+        (with spans), which hash apart from v2 ones."""
+        if self.media_digests is not None:
+            return STAGED_ENTRY_DOMAIN
+        return LEDGER_DOMAIN if self.weight_versions is None else STAGED_ENTRY_DOMAIN_V3
 
     @classmethod
     def for_call(
@@ -213,10 +224,14 @@ class Staged:
             output_fingerprint=output_fingerprint,
             weight_versions=call.weight_versions,
             kv_versions=call.kv_versions,
+            media_digests=None
+            if call.media is None
+            else tuple(item.bytes_sha256 for item in call.media),
         )
 
     def write(self, canon: Canon) -> None:
-        """Write this event's canonical fields (format v3: the spans after the v2 fields)."""
+        """Write this event's canonical fields (format v3: the spans after the v2 fields;
+        format v4: then the media digests)."""
         canon.text(self.call_id).u64(self.carry_len).u64(self.gen_len).u64(self.weight_version)
         canon.u64(self.weight_version_last).text(self.finish_reason)
         canon.raw_hash(self.call_digest).raw_hash(self.chain_hash)
@@ -226,6 +241,10 @@ class Staged:
                 canon.u64(len(spans))
                 for span in spans:
                     canon.u64(span.version).u64(span.start).u64(span.end)
+        if self.media_digests is not None:
+            canon.u64(len(self.media_digests))
+            for digest in self.media_digests:
+                canon.raw_hash(digest)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,6 +25,7 @@ from .provenance import spans_from_json, spans_to_json
 __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_FORMAT_V2",
+    "MANIFEST_FORMAT_V3",
     "MAX_MANIFEST_BYTES",
     "Manifest",
     "decode_manifest",
@@ -33,13 +34,17 @@ __all__ = [
     "verify_manifest",
 ]
 
-MANIFEST_FORMAT: Final = "tokcap/manifest/v3"
+MANIFEST_FORMAT: Final = "tokcap/manifest/v4"
+"""Capture format v4: ``staged`` events may also name ``media_digests`` (the SHA-256 of
+each image's bytes); a manifest none of whose events does is encoded as v3 or v2."""
+MANIFEST_FORMAT_V3: Final = "tokcap/manifest/v3"
 """Capture format v3: ``staged`` events may carry ``weight_versions`` and ``kv_versions``
-(``[[version, start, end], ...]``)."""
+(``[[version, start, end], ...]``); still decoded and verified."""
 MANIFEST_FORMAT_V2: Final = "tokcap/manifest/v2"
 """Capture format v2 (no spans): still decoded and verified; a manifest none of whose
 events carries spans is encoded in it, byte for byte as before."""
 _SPAN_FIELDS: Final = ("weight_versions", "kv_versions")
+_FORMATS: Final = {MANIFEST_FORMAT_V2: 2, MANIFEST_FORMAT_V3: 3, MANIFEST_FORMAT: 4}
 MAX_MANIFEST_BYTES: Final = 16 * 1024 * 1024
 """Default bound on an encoded manifest; larger inputs are rejected before parsing."""
 
@@ -96,7 +101,11 @@ def _event_to_json(event: Event) -> dict[str, Any]:
     body: dict[str, Any] = {"type": event.KIND}
     for f in fields(event):
         value = getattr(event, f.name)
-        if f.name in _SPAN_FIELDS:
+        if f.name == "media_digests":
+            if value is None:
+                continue  # an earlier format's event
+            value = list(value)
+        elif f.name in _SPAN_FIELDS:
             if value is None:
                 continue  # a format v2 event
             value = spans_to_json(value)
@@ -111,9 +120,15 @@ def _event_to_json(event: Event) -> dict[str, Any]:
 
 def encode_manifest(manifest: Manifest) -> bytes:
     """Canonical JSON bytes (compact, ASCII, fields in a fixed order)."""
-    v3 = any(isinstance(e.event, Staged) and e.event.weight_versions for e in manifest.entries)
+    staged = [e.event for e in manifest.entries if isinstance(e.event, Staged)]
+    if any(event.media_digests is not None for event in staged):
+        format_name = MANIFEST_FORMAT
+    elif any(event.weight_versions for event in staged):
+        format_name = MANIFEST_FORMAT_V3
+    else:
+        format_name = MANIFEST_FORMAT_V2
     doc = {
-        "format": MANIFEST_FORMAT if v3 else MANIFEST_FORMAT_V2,
+        "format": format_name,
         "rollout_id": manifest.rollout_id,
         "head": {"seq": manifest.head_seq, "hash": manifest.head_hash},
         "entries": [
@@ -217,15 +232,17 @@ _FIELD_READERS: Final[dict[str, Callable[[object, str], object]]] = {
 }
 
 
-def _decode_event(value: object, where: str, *, v3: bool) -> Event:
+def _decode_event(value: object, where: str, *, version: int) -> Event:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise ManifestError("wrong_type", f"{where} must be an object with a string 'type'")
     cls = _EVENTS.get(value["type"])
     if cls is None:
         raise ManifestError("unknown_event", f"{where}: unknown event type {value['type']!r}")
     names = tuple(f.name for f in fields(cls))
-    if not (v3 and cls is Staged and "weight_versions" in value):
+    if not (version >= 3 and cls is Staged and "weight_versions" in value):
         names = tuple(n for n in names if n not in _SPAN_FIELDS)
+    if not (version >= 4 and cls is Staged and "media_digests" in value):
+        names = tuple(n for n in names if n != "media_digests")
     body = _obj(value, where, ("type", *names))
     kwargs: dict[str, Any] = {}
     for name in names:
@@ -234,6 +251,11 @@ def _decode_event(value: object, where: str, *, v3: bool) -> Event:
                 kwargs[name] = spans_from_json(body[name])
             except TokcapError as e:
                 raise ManifestError("bad_event", f"{where}.{name}: {e.message}") from e
+        elif name == "media_digests":
+            digests = body[name]
+            if not isinstance(digests, list):
+                raise ManifestError("wrong_type", f"{where}.{name} must be a list")
+            kwargs[name] = tuple(_hash(d, f"{where}.{name}") for d in digests)
         elif name == "witnesses":
             w = _obj(body[name], f"{where}.witnesses", ("response_id", "content_fingerprint"))
             kwargs[name] = Witnesses(
@@ -268,11 +290,11 @@ def decode_manifest(data: bytes | str, *, max_bytes: int = MAX_MANIFEST_BYTES) -
     ) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ManifestError("bad_json", f"not JSON: {e}") from None
     top = _obj(doc, "manifest", ("format", "rollout_id", "head", "entries"))
-    if top["format"] not in (MANIFEST_FORMAT, MANIFEST_FORMAT_V2):
+    version = _FORMATS.get(top["format"]) if isinstance(top["format"], str) else None
+    if version is None:
         raise ManifestError(
-            "bad_format", f"format must be {MANIFEST_FORMAT!r} (or {MANIFEST_FORMAT_V2!r})"
+            "bad_format", f"format must be {MANIFEST_FORMAT!r} (or an earlier: {sorted(_FORMATS)})"
         )
-    v3 = top["format"] == MANIFEST_FORMAT
     rollout_id = _str(top["rollout_id"], "rollout_id")
     try:
         validate_rollout_id(rollout_id)
@@ -290,7 +312,7 @@ def decode_manifest(data: bytes | str, *, max_bytes: int = MAX_MANIFEST_BYTES) -
                 seq=_int(body["seq"], f"{where}.seq"),
                 prev_hash=_hash(body["prev_hash"], f"{where}.prev_hash"),
                 hash=_hash(body["hash"], f"{where}.hash"),
-                event=_decode_event(body["event"], f"{where}.event", v3=v3),
+                event=_decode_event(body["event"], f"{where}.event", version=version),
             )
         )
     return Manifest(

@@ -79,6 +79,8 @@ class ReceiptCall:
     """Which weights sampled which generated tokens, as the ledger committed (format v3)."""
     kv_versions: Spans | None = None
     """The oldest weights whose KV each generated token was conditioned on (format v3)."""
+    media_digests: tuple[str, ...] | None = None
+    """The SHA-256 of each media item's bytes, as the ledger named them (format v4)."""
 
     @property
     def cum_len(self) -> int:
@@ -133,6 +135,9 @@ def _call_json(call: ReceiptCall) -> dict[str, Any]:
         value = out.pop(name)
         if value is not None:
             out[name] = spans_to_json(value)
+    media = out.pop("media_digests")
+    if media is not None:  # absent before format v4
+        out["media_digests"] = list(media)
     return out
 
 
@@ -155,6 +160,7 @@ def _receipt_call(state: RolloutState, record: CallRecord) -> ReceiptCall:
         splice_cause=record.admitted.splice_cause,
         weight_versions=staged.weight_versions,
         kv_versions=staged.kv_versions,
+        media_digests=staged.media_digests,
     )
 
 

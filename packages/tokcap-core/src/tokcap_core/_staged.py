@@ -5,7 +5,8 @@ Invariants (checked in the constructor): ``parent_id is None`` exactly when
 ``len(logprobs) == gen_len`` with no NaN or +inf; routes, when present, have
 one row per carried and generated token, plus a leading row when the call has
 a parent: the engine's prefill route for the parent's last generated token,
-which the parent's own pass never computed (reassembly uses it to backfill).
+which the parent's own pass never computed (reassembly uses it to backfill); media items
+(format v4), when present, lie in the carried tokens in prompt order, apart.
 
 ``digest`` and ``chain_hash`` are *claims*: the constructor does not recompute
 them (that is verification's job, against a receipt); `from_engine_output`
@@ -20,8 +21,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from ._digest import CALL_DOMAIN, CALL_DOMAIN_V2, Canon, chain_hash
+from ._digest import CALL_DOMAIN, CALL_DOMAIN_V2, CALL_DOMAIN_V3, Canon, chain_hash
 from ._errors import InvalidStagedCall, RoutesError
+from ._media import MediaItem, check_media
 from .ids import StagingKey, staging_key, validate_call_id, validate_rollout_id
 from .provenance import Spans, VersionSpan, check_spans, single_span, token_versions
 from .routes import Routes, align_routes
@@ -88,6 +90,9 @@ class StagedCall:
     """Which weights sampled which generated tokens (format v3; None: a format v2 call)."""
     kv_versions: Spans | None = None
     """The oldest weights whose KV each generated token was conditioned on (format v3)."""
+    media: tuple[MediaItem, ...] | None = None
+    """The multimodal items whose placeholders lie in the carried tokens (format v4; None:
+    a call of an earlier format)."""
 
     def __post_init__(self) -> None:
         validate_rollout_id(self.rollout_id)
@@ -144,10 +149,18 @@ class StagedCall:
             self.weight_versions,
             self.kv_versions,
         )
+        if self.media is not None:
+            if self.weight_versions is None:
+                raise InvalidStagedCall("bad_media", "media need a format v3 call's spans")
+            if not isinstance(self.media, tuple):
+                raise InvalidStagedCall("bad_media", "media must be a tuple of MediaItem")
+            check_media(self.media, self.prefix_len, self.prefix_len + self.carry_len)
 
     @property
     def format(self) -> int:
-        """The capture format of this call: 3 with spans, 2 without."""
+        """The capture format of this call: 4 with media, 3 with spans, 2 without."""
+        if self.media is not None:
+            return 4
         return 2 if self.weight_versions is None else 3
 
     @property
@@ -187,6 +200,7 @@ class StagedCall:
             routes=self.routes,
             weight_versions=self.weight_versions,
             kv_versions=self.kv_versions,
+            media=self.media,
         )
 
     @classmethod
@@ -207,8 +221,10 @@ class StagedCall:
         routes: Routes | None = None,
         weight_versions: Sequence[VersionSpan] | None = None,
         kv_versions: Sequence[VersionSpan] | None = None,
+        media: Sequence[MediaItem] | None = None,
     ) -> StagedCall:
-        """Build a format v3 staged call from raw engine data, with its digest and chain hash.
+        """Build a format v3 staged call (v4 with ``media``) from raw engine data, with its
+        digest and chain hash.
 
         ``prompt_ids`` is the full prompt the engine saw (its first ``parent_cum_len``
         tokens are the parent's cumulative tokens); ``routes``, if any, cover the
@@ -216,7 +232,8 @@ class StagedCall:
         ``weight_versions`` (the sampling spans) default to ``weight_version`` over every
         token; a call that spans versions must give them (``weight_version_last`` then
         only has to agree). ``kv_versions`` default to ``weight_versions`` (every token
-        conditioned on KV of its own version: no push kept stale KV).
+        conditioned on KV of its own version: no push kept stale KV). ``media`` place
+        their items in ``prompt_ids`` (offsets count from its first token).
         """
         last = weight_version if weight_version_last is None else weight_version_last
         output = token_array(output_ids)
@@ -263,6 +280,7 @@ class StagedCall:
             chain_hash=_UNSEALED,
             weight_versions=spans,
             kv_versions=kv,
+            media=None if media is None else tuple(media),
         )
         digest = unsealed.compute_digest()
         return replace(unsealed, digest=digest, chain_hash=chain_hash(parent_chain_hash, digest))
@@ -284,12 +302,17 @@ def compute_call_digest(
     routes: Routes | None,
     weight_versions: Spans | None = None,
     kv_versions: Spans | None = None,
+    media: Sequence[MediaItem] | None = None,
 ) -> str:
-    """The call digest: commits to every field of a staged call (domain ``tokcap/call/v3``
-    with its spans; a format v2 call, without spans, hashes as before under
-    ``tokcap/call/v2``)."""
+    """The call digest: commits to every field of a staged call (domain ``tokcap/call/v4``
+    with its media; a format v3 call, spans and no media, hashes as before under
+    ``tokcap/call/v3``, a format v2 call, without spans, under ``tokcap/call/v2``)."""
+    if media is not None:
+        domain = CALL_DOMAIN
+    else:
+        domain = CALL_DOMAIN_V2 if weight_versions is None else CALL_DOMAIN_V3
     canon = (
-        Canon(CALL_DOMAIN_V2 if weight_versions is None else CALL_DOMAIN)
+        Canon(domain)
         .text(rollout_id)
         .text(call_id)
         .opt_text(parent_id)
@@ -314,6 +337,10 @@ def compute_call_digest(
             canon.u64(len(spans))
             for span in spans:
                 canon.u64(span.version).u64(span.start).u64(span.end)
+    if media is not None:
+        canon.u64(len(media))
+        for item in media:
+            item.write(canon)
     return canon.hexdigest()
 
 

@@ -1,10 +1,11 @@
 """Staged calls as strict JSON (examples, golden vectors, debug dumps; sinks use their own layout).
 
-A document is ``{"format": "tokcap/staged/v3", "calls": [...]}``; each call lists every
+A document is ``{"format": "tokcap/staged/v4", "calls": [...]}``; each call lists every
 `StagedCall` field, tokens and logprobs as JSON arrays, routes as an ``nrlre1`` envelope
-or null, ``weight_versions`` and ``kv_versions`` as ``[[version, start, end], ...]``. A
-``tokcap/staged/v2`` document (calls without spans) still decodes; calls without spans
-are encoded in it, as before. Logprobs are f32 values written as the shortest decimal
+or null, ``weight_versions`` and ``kv_versions`` as ``[[version, start, end], ...]``,
+``media`` (format v4) as a list of `MediaItem` objects. ``tokcap/staged/v3`` (spans, no
+media) and ``tokcap/staged/v2`` (no spans) documents still decode; calls of those formats
+are encoded in them, as before. Logprobs are f32 values written as the shortest decimal
 that reads back the same.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ._errors import InvalidStagedCall, TokcapError
+from ._media import media_from_json, media_to_json
 from ._staged import StagedCall
 from .provenance import spans_from_json, spans_to_json
 from .routes import decode_routes, encode_routes
@@ -25,13 +27,16 @@ __all__ = [
     "MAX_STAGED_BYTES",
     "STAGED_FORMAT",
     "STAGED_FORMAT_V2",
+    "STAGED_FORMAT_V3",
     "decode_staged_calls",
     "encode_staged_calls",
     "staged_from_json",
     "staged_to_json",
 ]
 
-STAGED_FORMAT: Final = "tokcap/staged/v3"
+STAGED_FORMAT: Final = "tokcap/staged/v4"
+STAGED_FORMAT_V3: Final = "tokcap/staged/v3"
+"""The format before media: read, and written when no call carries media."""
 STAGED_FORMAT_V2: Final = "tokcap/staged/v2"
 """The format before per-token provenance: read, and written for calls without spans."""
 MAX_STAGED_BYTES: Final = 256 * 1024 * 1024
@@ -64,14 +69,20 @@ def staged_to_json(call: StagedCall) -> dict[str, Any]:
     if call.weight_versions is not None:
         out["weight_versions"] = spans_to_json(call.weight_versions)
         out["kv_versions"] = spans_to_json(call.kv_versions)
+    if call.media is not None:
+        out["media"] = media_to_json(call.media)
     return out
 
 
-def staged_from_json(obj: object, *, v3: bool = True) -> StagedCall:
-    """Strictly decode one staged call; `InvalidStagedCall` with a code on any deviation."""
+def staged_from_json(obj: object, *, v3: bool = True, v4: bool = True) -> StagedCall:
+    """Strictly decode one staged call; `InvalidStagedCall` with a code on any deviation.
+
+    ``v3``/``v4``: whether the document's format allows spans / media."""
     if not isinstance(obj, dict):
         raise InvalidStagedCall("wrong_type", "a staged call must be an object")
     names = {*_FIELDS, *_SPAN_FIELDS} if v3 and "weight_versions" in obj else set(_FIELDS)
+    if v3 and v4 and "media" in obj:
+        names.add("media")
     if set(obj) != names:
         raise InvalidStagedCall("bad_fields", f"fields must be exactly {sorted(names)}")
     ints = ("prefix_len", "carry_len", "gen_len", "weight_version", "weight_version_last")
@@ -106,6 +117,7 @@ def staged_from_json(obj: object, *, v3: bool = True) -> StagedCall:
             chain_hash=obj["chain_hash"],
             weight_versions=spans_from_json(obj.get("weight_versions")),
             kv_versions=spans_from_json(obj.get("kv_versions")),
+            media=media_from_json(obj["media"]) if "media" in names else None,
         )
     except InvalidStagedCall:
         raise
@@ -116,10 +128,16 @@ def staged_from_json(obj: object, *, v3: bool = True) -> StagedCall:
 
 
 def encode_staged_calls(calls: Iterable[StagedCall]) -> bytes:
-    """A staged-calls JSON document (format v2 when no call carries spans)."""
+    """A staged-calls JSON document (format v3 when no call carries media, v2 when none
+    carries spans)."""
     items = [staged_to_json(c) for c in calls]
-    v3 = any("weight_versions" in c for c in items)
-    doc = {"format": STAGED_FORMAT if v3 else STAGED_FORMAT_V2, "calls": items}
+    if any("media" in c for c in items):
+        format_name = STAGED_FORMAT
+    elif any("weight_versions" in c for c in items):
+        format_name = STAGED_FORMAT_V3
+    else:
+        format_name = STAGED_FORMAT_V2
+    doc = {"format": format_name, "calls": items}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
@@ -139,15 +157,16 @@ def decode_staged_calls(
     if (
         not isinstance(doc, dict)
         or set(doc) != {"format", "calls"}
-        or doc["format"] not in (STAGED_FORMAT, STAGED_FORMAT_V2)
+        or doc["format"] not in (STAGED_FORMAT, STAGED_FORMAT_V3, STAGED_FORMAT_V2)
     ):
         raise InvalidStagedCall(
             "bad_format", f"expected {{'format': {STAGED_FORMAT!r}, 'calls': [...]}}"
         )
     if not isinstance(doc["calls"], list):
         raise InvalidStagedCall("wrong_type", "calls must be a list")
-    v3 = doc["format"] == STAGED_FORMAT
-    return [staged_from_json(c, v3=v3) for c in doc["calls"]]
+    v3 = doc["format"] != STAGED_FORMAT_V2
+    v4 = doc["format"] == STAGED_FORMAT
+    return [staged_from_json(c, v3=v3, v4=v4) for c in doc["calls"]]
 
 
 def _reject(name: str) -> float:

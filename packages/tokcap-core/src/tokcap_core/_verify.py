@@ -27,8 +27,8 @@ def verify_staged(
     ``staged_calls`` is a mapping from staging key or any iterable of calls (extra
     calls are ignored). Codes: ``receipt_poisoned``, ``missing_call``,
     ``identity_mismatch``, ``parent_mismatch``, ``length_mismatch``,
-    ``metadata_mismatch``, ``digest_mismatch``, ``chain_mismatch``, ``parent_order``,
-    ``terminal_mismatch``.
+    ``metadata_mismatch``, ``media_mismatch``, ``digest_mismatch``, ``chain_mismatch``,
+    ``parent_order``, ``terminal_mismatch``.
     """
     if not receipt.ok:
         raise VerificationError(
@@ -85,6 +85,11 @@ def _check_call(
     ):
         raise VerificationError(
             "metadata_mismatch", f"{where}: weight versions or finish reason differ"
+        )
+    media = None if call.media is None else tuple(m.bytes_sha256 for m in call.media)
+    if media != link.media_digests:
+        raise VerificationError(
+            "media_mismatch", f"{where}: media byte digests differ from the ledger's"
         )
     if call.digest != link.call_digest or call.compute_digest() != link.call_digest:
         raise VerificationError("digest_mismatch", f"{where}: digest does not match the ledger")

@@ -1,16 +1,19 @@
 """Golden vectors: fixed inputs and the digests, entry hashes and receipts they must give.
 
-The vectors ship in ``golden/vectors.json`` (capture format v3: calls carry per-token
-weight and KV spans) and ``golden/vectors_v2.json`` (the format before, kept as written
-then: stored v2 captures must stay verifiable); `assert_golden_vectors` recomputes every
-value from the stored inputs, so any change to canonical bytes, domains or terminal
-selection shows up as ``golden_mismatch``. ``python -m tokcap_core.golden`` rewrites
-the v3 file (and the shipped example) — only ever on purpose, with a format version
-bump; the v2 file is never rewritten.
+The vectors ship in ``golden/vectors_v4.json`` (capture format v4: the v3 cases and calls
+that carry media items, images bound by their byte and tensor digests),
+``golden/vectors.json`` (format v3: calls carry per-token weight and KV spans) and
+``golden/vectors_v2.json`` (the format before); the older files are kept as written then,
+so stored captures stay verifiable. `assert_golden_vectors` recomputes every value from
+the stored inputs, so any change to canonical bytes, domains or terminal selection shows
+up as ``golden_mismatch``. ``python -m tokcap_core.golden`` rewrites the v4 file (and the
+shipped example) — only ever on purpose, with a format version bump; the v3 and v2 files
+are never rewritten.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -21,11 +24,13 @@ from ._errors import InvalidStagedCall, VerificationError
 from ._events import Closed, TerminalDeclared, Witnesses
 from ._ledger import Ledger, entry_hash
 from ._manifest import decode_manifest, encode_manifest, manifest_of, verify_manifest
+from ._media import MediaItem, embed_mask_digest, processor_fingerprint, tensors_digest
 from ._receipt import SegmentMode, assemble_receipt
 from ._staged import StagedCall
 from ._staged_json import (
     STAGED_FORMAT,
     STAGED_FORMAT_V2,
+    STAGED_FORMAT_V3,
     decode_staged_calls,
     encode_staged_calls,
 )
@@ -33,12 +38,29 @@ from ._verify import verify_staged
 from .provenance import VersionSpan
 from .simulate import SimulatedRollout, admit_call, simulate_rollout, stage_call
 
-__all__ = ["GOLDEN_FORMAT", "GOLDEN_FORMAT_V2", "assert_golden_vectors", "build_golden_vectors"]
+__all__ = [
+    "GOLDEN_FORMAT",
+    "GOLDEN_FORMAT_V2",
+    "GOLDEN_FORMAT_V3",
+    "assert_golden_vectors",
+    "build_golden_vectors",
+]
 
-GOLDEN_FORMAT: Final = "tokcap/golden/v3"
+GOLDEN_FORMAT: Final = "tokcap/golden/v4"
+GOLDEN_FORMAT_V3: Final = "tokcap/golden/v3"
+"""The vectors of capture format v3 (``golden/vectors.json``), still checked."""
 GOLDEN_FORMAT_V2: Final = "tokcap/golden/v2"
 """The vectors of capture format v2 (``golden/vectors_v2.json``), still checked."""
-_FILES: Final = {GOLDEN_FORMAT: "golden/vectors.json", GOLDEN_FORMAT_V2: "golden/vectors_v2.json"}
+_FILES: Final = {
+    GOLDEN_FORMAT: "golden/vectors_v4.json",
+    GOLDEN_FORMAT_V3: "golden/vectors.json",
+    GOLDEN_FORMAT_V2: "golden/vectors_v2.json",
+}
+_STAGED_FORMATS: Final = {
+    GOLDEN_FORMAT: STAGED_FORMAT,
+    GOLDEN_FORMAT_V3: STAGED_FORMAT_V3,
+    GOLDEN_FORMAT_V2: STAGED_FORMAT_V2,
+}
 
 
 def _pushed_in_flight() -> SimulatedRollout:
@@ -78,6 +100,73 @@ def _pushed_in_flight() -> SimulatedRollout:
     return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
 
 
+def _media_inputs(index: int, length: int) -> dict[str, Any]:
+    """The raw inputs of a synthetic image's digests (so the vectors need no image)."""
+    return {
+        "bytes": (b"golden image %d" % index).hex(),
+        "tensors": [
+            ["pixel_values", "float32", [1, 3, 2, 2], bytes(range(index, index + 48)).hex()],
+            ["pixel_attention_mask", "bool", [1, 2, 2], bytes([1, 1, 1, 0]).hex()],
+        ],
+        "embed": [position % 3 != 0 for position in range(length)],
+        "processor": {"processor": "golden", "versions": {"vllm": "0"}},
+    }
+
+
+def _media_digests(inputs: dict[str, Any]) -> dict[str, str]:
+    """The digests of `_media_inputs`: bytes, tensors, embed mask, processor."""
+    return {
+        "bytes_sha256": hashlib.sha256(bytes.fromhex(inputs["bytes"])).hexdigest(),
+        "tensors_digest": tensors_digest(
+            (name, dtype, shape, bytes.fromhex(data))
+            for name, dtype, shape, data in inputs["tensors"]
+        ),
+        "embed_digest": embed_mask_digest(inputs["embed"], len(inputs["embed"])),
+        "processor": processor_fingerprint(inputs["processor"]),
+    }
+
+
+def _golden_image(index: int, offset: int, length: int) -> MediaItem:
+    """A synthetic image item whose digests are those of `_media_inputs`."""
+    digests = _media_digests(_media_inputs(index, length))
+    return MediaItem(
+        modality="image", offset=offset, length=length, mm_hash=f"golden-mm-{index}", **digests
+    )
+
+
+def _images_two_turns() -> SimulatedRollout:
+    """An image in the first call's prompt, a second one in the second call's carry: each
+    item is bound by the call that first carries it, and named in its ``Staged`` entry."""
+    ledger = Ledger("golden-f")
+    first = admit_call(ledger, None, admitted_at=1, request_fingerprint="req-f1")
+    parent = stage_call(
+        ledger,
+        first,
+        None,
+        prompt_ids=[1, 2, *[900] * 6, 3],
+        output_ids=[4, 5, 6],
+        logprobs=[-0.5, -1.0, -1.5],
+        weight_version=2,
+        media=[_golden_image(1, offset=2, length=6)],
+        response_id="resp-f1",
+    )
+    second = admit_call(ledger, parent, admitted_at=2, request_fingerprint="req-f2")
+    child = stage_call(
+        ledger,
+        second,
+        parent,
+        prompt_ids=[1, 2, *[900] * 6, 3, 4, 5, 6, 7, *[900] * 4, 8],
+        output_ids=[9, 10],
+        logprobs=[-0.25, -0.75],
+        weight_version=2,
+        media=[_golden_image(2, offset=13, length=4)],
+        response_id="resp-f2",
+    )
+    ledger.append(Closed(reward=1.0, witnesses=Witnesses(response_id="resp-f2")))
+    staged: dict[str, StagedCall] = {c.key: c for c in (parent, child)}
+    return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
+
+
 def build_golden_vectors() -> dict[str, Any]:
     """Compute the golden document from fixed synthetic inputs."""
     cases: list[tuple[str, SegmentMode, Any]] = [
@@ -103,6 +192,7 @@ def build_golden_vectors() -> dict[str, Any]:
         )
     )
     cases.append(("pushed-in-flight", "terminal", _pushed_in_flight()))
+    cases.append(("images-two-turns", "terminal", _images_two_turns()))
     rollouts = []
     for name, mode, sim in cases:
         receipt = assemble_receipt(verify_manifest(sim.manifest), segments=mode)
@@ -115,6 +205,10 @@ def build_golden_vectors() -> dict[str, Any]:
         })  # fmt: skip
     return {
         "format": GOLDEN_FORMAT,
+        "media": [
+            {"inputs": inputs, "digests": _media_digests(inputs)}
+            for inputs in (_media_inputs(1, 6), _media_inputs(2, 4))
+        ],
         "genesis": [
             {"rollout_id": r, "hash": genesis_hash(r)} for r in ("a", "golden-a", "R.1_x-2")
         ],
@@ -139,8 +233,8 @@ def _mismatch(what: str) -> VerificationError:
 
 
 def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
-    """Recompute every value of ``doc`` (None: both shipped files, v3 and v2); return how
-    many values were checked.
+    """Recompute every value of ``doc`` (None: every shipped file, v4, v3 and v2); return
+    how many values were checked.
 
     Raises `VerificationError` (``golden_mismatch``) naming the first value that differs.
     """
@@ -148,8 +242,12 @@ def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
         return sum(assert_golden_vectors(shipped_vectors(f)) for f in _FILES)
     if doc.get("format") not in _FILES:
         raise _mismatch("format")
-    staged_format = STAGED_FORMAT if doc["format"] == GOLDEN_FORMAT else STAGED_FORMAT_V2
+    staged_format = _STAGED_FORMATS[doc["format"]]
     checked = 0
+    for m in doc.get("media", ()):  # format v4: an image's digests from their inputs
+        if _media_digests(m["inputs"]) != m["digests"]:
+            raise _mismatch("media digests")
+        checked += 1
     for g in doc["genesis"]:
         if genesis_hash(g["rollout_id"]) != g["hash"]:
             raise _mismatch(f"genesis of {g['rollout_id']!r}")
@@ -189,7 +287,8 @@ def assert_golden_vectors(doc: dict[str, Any] | None = None) -> int:
 
 
 def shipped_vectors(golden_format: str = GOLDEN_FORMAT) -> dict[str, Any]:
-    """The shipped golden document of ``golden_format`` (v3, or `GOLDEN_FORMAT_V2`)."""
+    """The shipped golden document of ``golden_format`` (v4, `GOLDEN_FORMAT_V3` or
+    `GOLDEN_FORMAT_V2`)."""
     path = _FILES[golden_format]
     return json.loads(resources.files("tokcap_core").joinpath(path).read_text("utf-8"))  # type: ignore[no-any-return]
 
@@ -197,7 +296,7 @@ def shipped_vectors(golden_format: str = GOLDEN_FORMAT) -> dict[str, Any]:
 def _write() -> None:  # pragma: no cover - maintenance entry point
     here = Path(__file__).parent
     doc = build_golden_vectors()
-    (here / "golden" / "vectors.json").write_text(json.dumps(doc, indent=1) + "\n", "utf-8")
+    (here / "golden" / "vectors_v4.json").write_text(json.dumps(doc, indent=1) + "\n", "utf-8")
     example = simulate_rollout(
         "example-rollout", seed=7, turns=4, roots=2, offchain_failures=1, routes=True
     )

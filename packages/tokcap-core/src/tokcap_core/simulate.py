@@ -8,13 +8,14 @@ example, the benchmarks and the tamper sweeps.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from ._events import SPLICE_CAUSES, Admitted, Closed, Failed, Staged, TerminalDeclared, Witnesses
 from ._ledger import Ledger
 from ._manifest import Manifest, manifest_of
+from ._media import MediaItem
 from ._reassembly import reassemble
 from ._receipt import assemble_receipt
 from ._rows import TrainingRow
@@ -166,10 +167,12 @@ def stage_call(
     routes: Routes | None = None,
     response_id: str | None = None,
     output_fingerprint: str | Callable[[str], str] | None = None,
+    media: Sequence[MediaItem] | None = None,
 ) -> StagedCall:
     """Build the call a gate stages for admitted ``call_id`` and append its ``Staged``.
 
-    ``prompt_ids`` is the whole prompt (``parent``'s cumulative ids first);
+    ``prompt_ids`` is the whole prompt (``parent``'s cumulative ids first; ``media`` place
+    their items in it);
     ``output_fingerprint`` may be a function of the call's digest.
     """
     call = StagedCall.from_engine_output(
@@ -187,6 +190,7 @@ def stage_call(
         weight_versions=weight_versions,
         kv_versions=kv_versions,
         routes=routes,
+        media=media,
     )
     if callable(output_fingerprint):
         output_fingerprint = output_fingerprint(call.digest)

@@ -1,7 +1,9 @@
-"""Staged calls (the token payload a sink holds), their digests and their JSON form."""
+"""Staged calls (the token payload a sink holds), their digests, their media items (images)
+and their JSON form."""
 
-from . import _staged, _staged_json
+from . import _media, _staged, _staged_json
+from ._media import *  # noqa: F403
 from ._staged import *  # noqa: F403
 from ._staged_json import *  # noqa: F403
 
-__all__ = [*_staged.__all__, *_staged_json.__all__]
+__all__ = [*_media.__all__, *_staged.__all__, *_staged_json.__all__]

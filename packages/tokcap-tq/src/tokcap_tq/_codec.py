@@ -30,6 +30,7 @@ from tokcap_core import SinkError, StagedCall, TrainingRow
 from tokcap_core.provenance import Spans, VersionSpan, spans_from_json, spans_to_json
 from tokcap_core.routes import Routes, widen
 from tokcap_core.rows import CallSpan
+from tokcap_core.staged import media_from_json, media_to_json
 
 from ._deps import np, torch
 from ._deps import tensordict as _td
@@ -142,6 +143,7 @@ def encode_staged(calls: Sequence[StagedCall]) -> Any:
         m["routes"] = _routes_meta(c.routes)
         m["weight_versions"] = spans_to_json(c.weight_versions)
         m["kv_versions"] = spans_to_json(c.kv_versions)
+        m["media"] = None if c.media is None else media_to_json(c.media)
         meta.append(_json_encode(m).decode())
     return _td.TensorDict(
         {
@@ -211,6 +213,8 @@ def _decode_staged(td: Any, make: Callable[[dict[str, Any]], StagedCall]) -> lis
         m["routes"] = None if shape is None else _routes_from(routes.row(i), shape)
         m["weight_versions"] = _spans(m.get("weight_versions"))
         m["kv_versions"] = _spans(m.get("kv_versions"))
+        media = m.get("media")  # absent in rows written before format v4
+        m["media"] = None if media is None else media_from_json(media)
         out.append(make(m))
     return out
 

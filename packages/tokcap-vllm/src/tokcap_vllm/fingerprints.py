@@ -2,41 +2,125 @@
 the content witness a scorer may send at close (`output_fingerprint`).
 
 Messages are normalised first (content parts joined, tool-call arguments re-serialised
-canonically, ids dropped) so a harness that re-encodes JSON still matches. Pure: no I/O.
+canonically, ids dropped) so a harness that re-encodes JSON still matches. A message with
+image parts keeps its parts in order instead: text parts as they are, each image as
+``{"type": "image", "sha256": <hex of its bytes>}`` (what the chat template renders as
+the model's image placeholder, and what the fingerprints compare), so a changed image
+changes the message. Images travel only as base64 data URLs; the gate refuses, typed,
+what it cannot bind to bytes it holds (`image_digest`). Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
-from .errors import BadRequest
+from .errors import BadRequest, TooLarge
 
-__all__ = ["message_fingerprints", "normalize_message", "output_fingerprint"]
+__all__ = [
+    "MAX_IMAGE_BYTES",
+    "content_chars",
+    "image_digest",
+    "image_digests",
+    "message_fingerprints",
+    "normalize_message",
+    "output_fingerprint",
+]
+
+MAX_IMAGE_BYTES: Final = 20 * 1024 * 1024
+"""The largest image (decoded data-URL payload) a captured request may carry."""
+_IMAGE_PARTS: Final = ("image_url", "input_image")  # chat's, and the Responses API's
+_DATA_URL: Final = re.compile(r"data:(image/[A-Za-z0-9.+-]+);base64,", re.ASCII)
 
 
-def _text_of(content: object) -> str:
+def image_digest(part: Mapping[str, Any]) -> str:
+    """The SHA-256 (hex) of the image bytes an ``image_url`` part (or a Responses
+    ``input_image`` part) carries as a data URL.
+
+    Refused, typed: a part with a client ``uuid`` (400 ``media_uuid_refused``: vLLM would
+    key its cache on it with no check on content, and a UUID without bytes names content
+    the gate never saw); a remote URL (400 ``remote_media_refused``: the gate does not
+    fetch for a harness); any other URL, a data URL that is not a base64 image or does
+    not decode (400 ``bad_data_url``); an image over `MAX_IMAGE_BYTES` (413
+    ``media_too_large``).
+    """
+    if part.get("uuid") is not None:
+        raise BadRequest(
+            "media_uuid_refused",
+            "images named by a client uuid cannot be captured (send the bytes, no uuid)",
+        )
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, Mapping) else url
+    if not isinstance(url, str):
+        raise BadRequest("bad_data_url", "an image_url part needs a url (a base64 data URL)")
+    if url[:8].lower().startswith(("http://", "https://")):
+        raise BadRequest(
+            "remote_media_refused",
+            "remote image URLs are not fetched by the gate: send the image as a data URL",
+        )
+    head = _DATA_URL.match(url[:160])
+    if head is None:
+        raise BadRequest("bad_data_url", "an image must be a data:image/...;base64, URL")
+    payload = url[head.end() :]
+    if len(payload) > (MAX_IMAGE_BYTES + 2) // 3 * 4 + 4:
+        raise TooLarge("media_too_large", f"an image may have at most {MAX_IMAGE_BYTES} bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest("bad_data_url", f"the image's base64 does not decode: {e}") from None
+    if not data or len(data) > MAX_IMAGE_BYTES:
+        raise TooLarge("media_too_large", f"an image has 1..{MAX_IMAGE_BYTES} bytes")
+    return hashlib.sha256(data).hexdigest()
+
+
+def image_digests(messages: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The byte digests of the images in normalised ``messages``, in prompt order."""
+    return tuple(
+        part["sha256"]
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part.get("type") == "image"
+    )
+
+
+def _content_of(content: object) -> str | list[dict[str, str]]:
+    """A message's content, normalised: text (parts joined), or parts when it has images."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, str]] = []
         for part in content:
             if (
                 isinstance(part, Mapping)
                 and part.get("type") == "text"
                 and isinstance(part.get("text"), str)
             ):
-                parts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             elif isinstance(part, str):
-                parts.append(part)
+                parts.append({"type": "text", "text": part})
+            elif isinstance(part, Mapping) and part.get("type") in _IMAGE_PARTS:
+                parts.append({"type": "image", "sha256": image_digest(part)})
             else:
-                raise BadRequest("unsupported_content", "only text content parts can be captured")
-        return "\n".join(parts)
+                raise BadRequest("unsupported_content", "only text and image parts can be captured")
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "\n".join(p["text"] for p in parts)
     raise BadRequest("bad_body", "message content must be a string, a list of parts or null")
+
+
+def content_chars(content: str | list[dict[str, str]]) -> int:
+    """How many characters of text a normalised content holds (images count none)."""
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p.get("text", "")) for p in content)
 
 
 def _arguments(value: object) -> object:
@@ -60,7 +144,10 @@ def normalize_message(message: object) -> dict[str, Any]:
     """The fields of a chat message that identify it (and feed the template), canonically."""
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise BadRequest("bad_body", "every message must be an object with a string role")
-    out: dict[str, Any] = {"role": message["role"], "content": _text_of(message.get("content"))}
+    out: dict[str, Any] = {
+        "role": message["role"],
+        "content": _content_of(message.get("content")),
+    }
     calls = message.get("tool_calls")
     if calls:
         if not isinstance(calls, list):

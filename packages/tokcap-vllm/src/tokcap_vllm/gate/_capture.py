@@ -51,7 +51,7 @@ from ._planning import Learned, Observed, ParentIndex, PlannedRequest
 from ._records import GateCall, ResponsesTurn, RolloutRecord
 from ._rollouts import RolloutBook
 from ._stage_writer import StageWriter
-from ._staging import staged_call
+from ._staging import media_ticket, staged_call
 from ._wire import ResponseObserver
 
 __all__ = ["AnswerAgain", "CapturePath", "Serve"]
@@ -168,6 +168,7 @@ class CapturePath:
         assert call.plan is not None
         ticket = Ticket(
             prompt_ids=call.plan.prompt_ids,
+            media=media_ticket(call, bound),
             structured_outputs=structured_outputs,
             on_finish=functools.partial(self.engine_finished, call),
             salt_version=self.weights.version if self.weights is not None else None,

@@ -9,7 +9,9 @@ harness unless it asked: vLLM decides that from the request, not the sampling pa
 it did not ask, vLLM keeps them as flat lists, no per-token objects, and where
 `install_logprob_text_switch` is active does not decode their tokens; prompt logprobs share
 both, so a call that asks for those gets them as vLLM makes them) and accumulates output
-ids, logprobs, finish reason, weight version and routed experts. When the
+ids, logprobs, finish reason, weight version and routed experts. A call with images runs
+on vLLM's processed multimodal input bound to the admitted ids (`_media.MediaBinder`), and
+its new images become media items of its result. When the
 engine finishes, the ticket's ``on_finish`` runs *before* the final output is handed to vLLM's
 response writer, so the sink write starts while the response is still being serialised.
 Everything else passes through untouched.
@@ -24,12 +26,15 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokcap_core import TokcapError
 from tokcap_core.provenance import Spans, VersionSpan, single_span
 from tokcap_core.routes import Routes, dtype_for_experts, routes_from_rows
+from tokcap_core.staged import MediaItem
 
 from ..errors import WeightPushError
 from ..transfer import version_of_label
 from ._logprob_text import SKIP_LOGPROB_TEXT, install_logprob_text_switch
+from ._media import MediaBinder, MediaTicket
 from ._vllm import require_vllm
 
 __all__ = ["CURRENT_TICKET", "CaptureHost", "EngineResult", "Ticket", "cache_salt"]
@@ -53,6 +58,8 @@ class EngineResult:
     """Which weights sampled which output tokens (vLLM's spans, labels read as integers)."""
     salt_version: int = 0
     """The version the call's prompt was salted with (its prompt KV is of no older one)."""
+    media: tuple[MediaItem, ...] | None = None
+    """The items of the images this call's prompt added (None: the engine ran no images)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +76,8 @@ class Ticket:
     structured_outputs: Any = None
     """Guided decoding the request's API has no field for (a tokcap extension), set on the
     engine call's sampling params; None leaves them as vLLM made them."""
+    media: MediaTicket | None = None
+    """The request's images (None: it has none)."""
 
 
 def cache_salt(version: int) -> str:
@@ -89,6 +98,8 @@ class CaptureHost:
         self.default_weight_version = default_weight_version
         self._original = engine.generate
         self._route_dtype: str | None = None
+        self.media = MediaBinder(engine)
+        """Binds vLLM's processed images to admitted ids (`_media`)."""
         self.skips_logprob_text = False
         """Whether logprobs only the gate reads skip vLLM's per-token text (set by `install`)."""
 
@@ -135,11 +146,12 @@ class CaptureHost:
             )
             return plain
         ticket.used = True
-        return self._capture(ticket, sampling_params, request_id, args, kwargs)
+        return self._capture(ticket, prompt, sampling_params, request_id, args, kwargs)
 
     async def _capture(
         self,
         ticket: Ticket,
+        prompt: Any,
         sampling_params: Any,
         request_id: str,
         args: tuple[Any, ...],
@@ -162,7 +174,15 @@ class CaptureHost:
         output_ids, logprobs, text = array("I"), array("f"), ""
         prompt_ids: Sequence[int] = ticket.prompt_ids
         salt = self.default_weight_version if ticket.salt_version is None else ticket.salt_version
-        engine_input = tokens_input(list(ticket.prompt_ids), cache_salt=cache_salt(salt))
+        multimodal = isinstance(prompt, dict) and prompt.get("type") == "multimodal"
+        media: tuple[MediaItem, ...] | None = None
+        if multimodal != (ticket.media is not None):
+            raise TokcapError("media_mismatch", "the engine and the gate disagree on images")
+        if ticket.media is not None:
+            engine_input, media = self.media.bind(prompt, ticket.prompt_ids, ticket.media)
+            engine_input["cache_salt"] = cache_salt(salt)
+        else:
+            engine_input = tokens_input(list(ticket.prompt_ids), cache_salt=cache_salt(salt))
         async for out in self._original(engine_input, params, request_id, *args, **kwargs):
             completion = out.outputs[0]
             if not delta:
@@ -188,6 +208,7 @@ class CaptureHost:
                     routes=self._routes(completion.routed_experts),
                     weight_versions=spans,
                     salt_version=salt,
+                    media=media,
                 )
                 ticket.result = result
                 ticket.on_finish(result)

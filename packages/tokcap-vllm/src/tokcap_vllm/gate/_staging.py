@@ -1,4 +1,5 @@
-"""What a captured call stages: its `StagedCall` row, from what the engine returned (pure)."""
+"""What a captured call stages: its `StagedCall` row, from what the engine returned, and
+what its images are known to be before the engine runs (`media_ticket`). Pure."""
 
 from __future__ import annotations
 
@@ -7,11 +8,31 @@ from collections.abc import Collection
 
 from tokcap_core import StagedCall, TokcapError
 from tokcap_core.provenance import kv_spans
+from tokcap_core.staged import MediaItem
 
+from ..fingerprints import image_digests
 from ._host import EngineResult
+from ._media import MediaTicket
+from ._planning import PlannedRequest
 from ._records import GateCall
 
-__all__ = ["staged_call"]
+__all__ = ["media_ticket", "staged_call"]
+
+
+def media_ticket(call: GateCall, request: PlannedRequest) -> MediaTicket | None:
+    """The images of admitted ``call`` (None: its request has none): every image's byte
+    digest, and the items its parent chain recorded, which lie in its admitted prefix."""
+    digests = image_digests(request.messages or ())
+    if not digests:
+        return None
+    assert call.plan is not None
+    history: list[MediaItem] = []
+    parent = call.parent
+    while parent is not None:
+        if parent.staged is not None and parent.staged.media:
+            history[:0] = parent.staged.media
+        parent = parent.parent
+    return MediaTicket(digests=digests, history=tuple(history), prefix_len=call.plan.prefix_len)
 
 
 def staged_call(
@@ -64,4 +85,5 @@ def staged_call(
             recomputed=lambda version: version not in kv_kept,
         ),
         routes=result.routes,
+        media=result.media,
     )

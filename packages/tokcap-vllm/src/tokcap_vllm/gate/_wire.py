@@ -58,6 +58,7 @@ class ChatBody(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class CompletionBody(_Sampling, kw_only=True):

@@ -165,7 +165,11 @@ class GateMiddleware:
         if self._renderer is None:
             args = getattr(scope["app"].state, "args", None)
             max_len = int(host.engine.model_config.max_model_len)
-            self._renderer = request_renderer(host.tokenizer, args, self.gate.config, max_len)
+            renderer = request_renderer(host.tokenizer, args, self.gate.config, max_len)
+            renderer.takes_images = bool(
+                getattr(host.engine.model_config, "is_multimodal_model", False)
+            )
+            self._renderer = renderer
         return self._renderer
 
     async def _refuse(self, send: Send, error: GateError) -> None:

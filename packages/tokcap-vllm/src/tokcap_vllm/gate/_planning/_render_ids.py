@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from ...errors import BadRequest, Unsupported, UnsupportedTokenizer
-from ...fingerprints import normalize_message
+from ...fingerprints import content_chars, image_digests, normalize_message
 from .._vllm import require_vllm
 from .._wire import ChatBody, CompletionBody
 from ._index import Planner
@@ -179,8 +179,12 @@ class IdRequestRenderer(RequestRenderer):
                 f"{self.codec.name} renders requests itself; a chat template cannot be applied",
             )
         messages = [normalize_message(m) for m in parsed.messages]
+        if image_digests(messages):
+            raise BadRequest(
+                "unsupported_content", "images are captured only with chat-template tokenizers"
+            )
         self._check_size(
-            sum(len(m["content"]) for m in messages) + len(json.dumps(parsed.tools or []))
+            sum(content_chars(m["content"]) for m in messages) + len(json.dumps(parsed.tools or []))
         )
         raw = [_served_message(m) for m in parsed.messages]
         tools = _served_tools(parsed.tools)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, Protocol
 
 from ...errors import BadRequest, Unsupported
-from ...fingerprints import normalize_message
+from ...fingerprints import content_chars, image_digests, normalize_message
 from .._vllm import require_vllm
 from .._wire import ChatBody, CompletionBody
 from ._index import PlannedRequest, Planner
@@ -61,6 +61,9 @@ class RequestRenderer:
             chat_utils = require_vllm("vllm.renderers.chat_utils")
             configured = chat_utils.load_chat_template(configured)
         self.template: str | None = configured
+        self.takes_images = False
+        """Whether the served model takes images (set by the server; else any image part is
+        refused ``unsupported_content``)."""
         self.rules = SpliceRules(
             markers=config.reasoning_markers,
             special_texts=_special_texts(tokenizer),
@@ -93,9 +96,17 @@ class RequestRenderer:
                 self._check_size(len(prompt))
             encode = self.encode
             return None, lambda priors, _: plan_completion(prompt, priors=priors, encode=encode)
+        if parsed.mm_processor_kwargs:
+            raise BadRequest(
+                "mm_processor_kwargs_refused",
+                "per-request mm_processor_kwargs are not captured (the processor fingerprint "
+                "binds the server's)",
+            )
         messages = [normalize_message(m) for m in parsed.messages]
+        if not self.takes_images and image_digests(messages):
+            raise BadRequest("unsupported_content", "the served model takes no images")
         self._check_size(
-            sum(len(m["content"]) for m in messages) + len(json.dumps(parsed.tools or []))
+            sum(content_chars(m["content"]) for m in messages) + len(json.dumps(parsed.tools or []))
         )
         render = self._renderer(parsed)
         rules = self.rules

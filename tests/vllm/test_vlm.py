@@ -1,0 +1,379 @@
+"""The tiny Idefics3 on vLLM's CPU engine: images served, the engine's expanded ids pinned.
+
+One engine for the module, the tiny VLM (`tokcap.tiny.build_tiny_vlm`) behind the gate; the
+harness is the real ``openai`` client over HTTP on 127.0.0.1. Images travel as base64 PNG
+data URLs; the reference for the expanded prompt is transformers' own processor saved with
+the model, run on the same pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.vllm._helpers import CONTROL_TOKEN, close_and_reassemble, events
+from tokcap.tiny import IMAGE_TOKEN, VLM_VLLM_ARGS, build_tiny_vlm
+from tokcap_core import CaptureConfig, MemorySink, StagedCall
+from tokcap_core.ledger import Admitted, Staged
+from tokcap_vllm import Gate, GateConfig, InProcessServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A PNG of ``width`` x ``height`` pixels whose colours depend on ``seed``."""
+    from PIL import Image
+
+    image = Image.new("RGB", (width, height))
+    image.putdata(
+        [((x * 7 + seed) % 256, (y * 11 + seed) % 256, (x * y + seed) % 256)
+         for y in range(height) for x in range(width)]
+    )  # fmt: skip
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_message(data: bytes, text: str = "What is in the picture?") -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": data_url(data)}},
+            {"type": "text", "text": text},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def vlm() -> Path:
+    cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
+    return build_tiny_vlm(cache / "vlm")
+
+
+@pytest.fixture(scope="module")
+def vlm_server(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    config = GateConfig(
+        parent_commit_timeout_s=30,
+        capture=CaptureConfig(control_token=CONTROL_TOKEN, return_token_ids=True),
+        ledger_path=str(tmp_path_factory.mktemp("vlm-gate") / "ledger.jsonl"),
+    )
+    srv = InProcessServer(str(vlm), gate=Gate(config, sink=MemorySink()), vllm_args=VLM_VLLM_ARGS)
+    srv.start(timeout=1800)  # a loaded 2-core box took 450 s
+    yield srv
+    srv.stop()
+
+
+def processor_ids(model: Path, messages: list[dict[str, Any]], images: list[bytes]) -> list[int]:
+    """The prompt ids transformers' processor (saved with the model) makes of ``messages``."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    parts = [
+        [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
+        if isinstance(m["content"], list)
+        else m["content"]
+        for m in messages
+    ]
+    chat = [{"role": m["role"], "content": c} for m, c in zip(messages, parts, strict=True)]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    ids: list[int] = processor(text=text, images=pil)["input_ids"][0]
+    return list(ids)
+
+
+def test_engine_expands_images_as_the_processor_does(
+    vlm_server: InProcessServer, vlm: Path
+) -> None:
+    """Uncaptured (plain ``/v1``): vLLM's expanded prompt ids equal transformers' processor's,
+    for a square and a wide image; each square image is 2x2 tiles + a global view."""
+    from transformers import AutoTokenizer
+
+    image_id = AutoTokenizer.from_pretrained(vlm).convert_tokens_to_ids(IMAGE_TOKEN)
+    oai = openai.OpenAI(base_url=f"{vlm_server.base_url}/v1", api_key="x", max_retries=0)
+    for size in ((48, 48), (96, 40)):
+        data = png(*size, seed=size[0])
+        messages = [image_message(data)]
+        reply = oai.chat.completions.create(
+            model=str(vlm),
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_body={"return_token_ids": True},
+        )
+        engine_ids = (reply.model_extra or {})["prompt_token_ids"]
+        assert engine_ids == processor_ids(vlm, messages, [data])
+        if size == (48, 48):
+            assert engine_ids.count(image_id) == 20
+            assert len(engine_ids) == 55
+
+
+def fake_token_id(model: Path) -> int:
+    """The id of Idefics3's ``<fake_token_around_image>`` (first and last of a placeholder)."""
+    from transformers import AutoTokenizer
+
+    token: int = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(
+        "<fake_token_around_image>"
+    )
+    return token
+
+
+def captured_call(
+    server: InProcessServer, rollout_id: str, messages: list[dict[str, Any]]
+) -> list[int]:
+    """One captured chat call over HTTP; the engine's prompt ids as it returned them."""
+    oai = openai.OpenAI(base_url=server.rollout_url(rollout_id), api_key="x", max_retries=0)
+    reply = oai.chat.completions.create(
+        model=server.model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=4,
+        extra_body={"return_token_ids": True},
+    )
+    ids: list[int] = (reply.model_extra or {})["prompt_token_ids"]
+    return ids
+
+
+def test_a_captured_image_call_stages_the_expanded_ids_and_binds_the_image(
+    vlm_server: InProcessServer, vlm: Path
+) -> None:
+    """The staged row holds exactly what the engine ran (the processor's expanded ids); its
+    media item places the image's 33 tokens and binds its bytes, hash, tensors and processor;
+    the ledger's ``Staged`` entry names the bytes' SHA-256; the receipt verifies."""
+    data = png(48, 48, seed=3)
+    messages = [image_message(data)]
+    engine_ids = captured_call(vlm_server, "vlm-cap-a", messages)
+    assert engine_ids == processor_ids(vlm, messages, [data])
+    fake = fake_token_id(vlm)
+    start = engine_ids.index(fake)
+    end = len(engine_ids) - engine_ids[::-1].index(fake)  # the placeholder's first to last
+    image = slice(start, end)
+    receipt, rows, staged = close_and_reassemble(vlm_server, "vlm-cap-a")
+    assert receipt.ok
+    call: StagedCall = staged["c000001"]
+    assert call.format == 4
+    assert list(call.tokens[: call.carry_len]) == engine_ids
+    assert list(rows[0].input_ids[: rows[0].prompt_len]) == engine_ids
+    assert call.media is not None
+    (item,) = call.media
+    assert (item.modality, item.offset, item.length) == ("image", start, end - start)
+    assert end - start == 33
+    assert item.bytes_sha256 == hashlib.sha256(data).hexdigest()
+    (entry,) = [e for e in events(vlm_server, "vlm-cap-a") if isinstance(e, Staged)]
+    assert entry.media_digests == (item.bytes_sha256,)
+    assert receipt.segments[0][0].media_digests == (item.bytes_sha256,)
+
+    # the same image in another rollout: vLLM's processor cache sends the engine no tensors
+    # this time; the gate binds the digest it took when it saw them
+    again = captured_call(vlm_server, "vlm-cap-b", [image_message(data, "And now?")])
+    _, _, staged_b = close_and_reassemble(vlm_server, "vlm-cap-b")
+    assert staged_b["c000001"].media is not None
+    (item_b,) = staged_b["c000001"].media
+    assert again[image] == engine_ids[image]
+    assert (item_b.mm_hash, item_b.tensors_digest, item_b.processor) == (
+        item.mm_hash,
+        item.tensors_digest,
+        item.processor,
+    )
+    other = captured_call(vlm_server, "vlm-cap-c", [image_message(png(48, 48, seed=4))])
+    _, _, staged_c = close_and_reassemble(vlm_server, "vlm-cap-c")
+    assert staged_c["c000001"].media is not None
+    (item_c,) = staged_c["c000001"].media
+    assert other[image] == engine_ids[image]  # same size: same placeholder tokens
+    assert item_c.tensors_digest != item.tensors_digest
+    assert item_c.mm_hash != item.mm_hash
+
+
+def _post(server: InProcessServer, rollout_id: str, content: list[dict[str, Any]]) -> Any:
+    import httpx
+
+    return httpx.post(
+        f"{server.rollout_url(rollout_id)}/chat/completions",
+        json={
+            "model": server.model,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": content}],
+        },
+        timeout=60,
+    )
+
+
+_PNG = png(8, 8, seed=1)
+
+
+@pytest.mark.parametrize(
+    ("part", "status", "code"),
+    [
+        ({"type": "image_url", "image_url": None, "uuid": "img-1"}, 400, "media_uuid_refused"),
+        (
+            {"type": "image_url", "image_url": {"url": data_url(_PNG)}, "uuid": "img-1"},
+            400,
+            "media_uuid_refused",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            400,
+            "remote_media_refused",
+        ),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, 400, "bad_data_url"),
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}},
+            400,
+            "bad_data_url",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}},
+            400,
+            "bad_data_url",
+        ),
+        (
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + "A" * 28_000_000},
+            },
+            413,
+            "media_too_large",
+        ),
+        ({"type": "image_embeds", "image_embeds": "AAAA"}, 400, "unsupported_content"),
+    ],
+)
+def test_images_the_gate_cannot_bind_are_refused_typed_and_leave_nothing(
+    vlm_server: InProcessServer, part: dict[str, Any], status: int, code: str
+) -> None:
+    rollout_id = f"vlm-bad-{code}-{len(str(part)) % 997}"
+    answer = _post(vlm_server, rollout_id, [part, {"type": "text", "text": "what?"}])
+    assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
+    assert rollout_id not in vlm_server.gate.rollouts()
+
+
+def test_a_uuid_first_sent_with_bytes_then_alone_is_refused_through_the_openai_client(
+    vlm_server: InProcessServer,
+) -> None:
+    """The real ``openai`` client: neither the UUID with bytes nor the UUID alone (which
+    vLLM would answer from its cache without seeing content) reaches the engine captured."""
+    oai = openai.OpenAI(base_url=vlm_server.rollout_url("vlm-uuid"), api_key="x", max_retries=0)
+    with_bytes = {"type": "image_url", "image_url": {"url": data_url(_PNG)}, "uuid": "u-1"}
+    alone = {"type": "image_url", "image_url": None, "uuid": "u-1"}
+    for part in (with_bytes, alone):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.chat.completions.create(
+                model=vlm_server.model,
+                messages=[{"role": "user", "content": [part]}],  # type: ignore[list-item]
+                max_tokens=2,
+            )
+        assert info.value.response.json()["error"]["code"] == "media_uuid_refused"
+
+
+def test_images_in_history_stay_on_one_chain_expanded_once(
+    vlm_server: InProcessServer, vlm: Path
+) -> None:
+    """token_in with images: turn 2 resends turn 1 (its image included) and turn 3 adds a
+    second image. Each prompt is the parent's exact expanded ids plus the rendered suffix:
+    one chain, the first image expanded once at the offset turn 1 recorded, each image bound
+    by the call that first carried it."""
+    from transformers import AutoTokenizer
+
+    global_img = AutoTokenizer.from_pretrained(vlm).convert_tokens_to_ids("<global-img>")
+    oai = openai.OpenAI(base_url=vlm_server.rollout_url("vlm-turns"), api_key="x", max_retries=0)
+    first, second = png(48, 48, seed=11), png(40, 40, seed=12)
+    messages: list[dict[str, Any]] = [image_message(first)]
+    prompts, outputs = [], []
+    for turn in range(3):
+        reply = oai.chat.completions.create(
+            model=vlm_server.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_body={"return_token_ids": True},
+        )
+        extra = reply.model_extra or {}
+        prompts.append(extra["prompt_token_ids"])
+        outputs.append((reply.choices[0].model_extra or {})["token_ids"])
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        messages.append(
+            image_message(second, "and this one?")
+            if turn == 0
+            else {"role": "user", "content": "go on"}
+        )
+    for turn in (1, 2):
+        parent = prompts[turn - 1] + outputs[turn - 1]
+        assert prompts[turn][: len(parent)] == parent
+    assert [p.count(global_img) for p in prompts] == [1, 2, 2]
+    admitted = [e for e in events(vlm_server, "vlm-turns") if isinstance(e, Admitted)]
+    assert [e.parent_id for e in admitted] == [None, "c000001", "c000002"]
+    receipt, rows, staged = close_and_reassemble(vlm_server, "vlm-turns")
+    assert receipt.ok
+    assert list(rows[0].input_ids) == prompts[2] + outputs[2]
+    media = [staged[c].media for c in ("c000001", "c000002", "c000003")]
+    assert [len(m or ()) for m in media] == [1, 1, 0]
+    assert [m[0].bytes_sha256 for m in media[:2] if m] == [
+        hashlib.sha256(first).hexdigest(),
+        hashlib.sha256(second).hexdigest(),
+    ]
+    links = receipt.segments[0]
+    assert [len(c.media_digests or ()) for c in links] == [1, 1, 0]
+
+
+def test_responses_input_image_and_messages_image_blocks_capture_likewise(
+    vlm_server: InProcessServer, vlm: Path
+) -> None:
+    """The Responses API (``input_image``) and Anthropic Messages (``image`` blocks): the
+    staged row holds the engine's expanded ids and one media item binding the bytes."""
+    import httpx
+
+    data = png(48, 48, seed=21)
+    expected = processor_ids(vlm, [image_message(data, "Describe.")], [data])
+    bodies = {
+        "responses": {
+            "model": vlm_server.model,
+            "max_output_tokens": 4,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": data_url(data)},
+                        {"type": "input_text", "text": "Describe."},
+                    ],
+                }
+            ],
+        },
+        "messages": {
+            "model": vlm_server.model,
+            "max_tokens": 4,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": base64.b64encode(data).decode(),
+                            },
+                        },
+                        {"type": "text", "text": "Describe."},
+                    ],
+                }
+            ],
+        },
+    }
+    for api, body in bodies.items():
+        rollout_id = f"vlm-api-{api}"
+        answer = httpx.post(f"{vlm_server.rollout_url(rollout_id)}/{api}", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        receipt, _, staged = close_and_reassemble(vlm_server, rollout_id)
+        assert receipt.ok
+        call = staged["c000001"]
+        assert list(call.tokens[: call.carry_len]) == expected, api
+        assert call.media is not None
+        assert [m.bytes_sha256 for m in call.media] == [hashlib.sha256(data).hexdigest()]
