@@ -438,3 +438,24 @@ def test_an_unreadable_file_is_a_json_error_on_stdout_and_one_line_on_stderr(
     assert report(result)["error"]["code"] == "cannot_read"
     (line,) = result.stderr.strip().splitlines()
     assert "nowhere.json" in line
+
+
+def test_verify_checks_an_image_bearing_capture_and_a_changed_image_digest(tmp_path: Path) -> None:
+    """Format v4 from the CLI alone (no torch): the golden two-turn image rollout verifies;
+    one media item's byte digest changed in a staged row fails it."""
+    from tokcap_core.golden import shipped_vectors
+
+    (case,) = [r for r in shipped_vectors()["rollouts"] if r["name"] == "images-two-turns"]
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(case["manifest"]))
+    staged = tmp_path / "staged.json"
+    doc = {"format": "tokcap/staged/v4", "calls": case["staged"]}
+    staged.write_text(json.dumps(doc))
+    result = cli("verify", manifest, "--staged", staged)
+    assert result.returncode == 0, result.stderr
+    assert report(result)["staged"]["calls_verified"] == 2
+    doc["calls"][1]["media"][0]["tensors_digest"] = "00" * 32
+    staged.write_text(json.dumps(doc))
+    result = cli("verify", manifest, "--staged", staged)
+    assert result.returncode == 3
+    assert report(result)["error"]["code"] == "digest_mismatch"

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.vllm._tokenizers import chatml_tokenizer, mistral_tokenizer
-from tokcap.tiny import CHATML_TEMPLATE
+from tokcap.tiny import CHATML_TEMPLATE, VLM_CHAT_TEMPLATE
 from tokcap_vllm import GateConfig
 from tokcap_vllm.errors import BadRequest, Unsupported
 from tokcap_vllm.gate._planning import (
@@ -272,3 +272,40 @@ def test_a_tokenizer_is_named_by_its_type_and_its_inner_tokenizer_when_it_has_on
     assert describe(tokenizer) == type(tokenizer).__name__
     unversioned = SimpleNamespace(tokenizer=object())  # a wrapper whose inner has no version
     assert describe(unversioned) == "SimpleNamespace"
+
+
+# ---- images ---------------------------------------------------------------------------------
+
+_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+def test_images_are_refused_on_a_model_without_them_and_planned_on_one_with_them(
+    tokenizer: Any,
+) -> None:
+    parsed = _chat(messages=[{"role": "user", "content": [_IMAGE, {"type": "text", "text": "x"}]}])
+    assert _refused(_server(tokenizer), parsed) == "unsupported_content"
+    renderer = _server(tokenizer, chat_template=VLM_CHAT_TEMPLATE)
+    renderer.takes_images = True
+    plan = _plan(renderer, parsed)
+    assert plan.parent_id is None
+    assert plan.prompt_ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 2
+    # a template that only concatenates string content cannot render image parts
+    assert _refused(_with_images(_server(tokenizer)), parsed) == "bad_chat_template"
+
+
+def _with_images(renderer: RequestRenderer) -> RequestRenderer:
+    renderer.takes_images = True
+    return renderer
+
+
+def test_per_request_mm_processor_kwargs_are_refused(tokenizer: Any) -> None:
+    renderer = _server(tokenizer)
+    renderer.takes_images = True
+    parsed = _chat(mm_processor_kwargs={"size": {"longest_edge": 64}})
+    assert _refused(renderer, parsed) == "mm_processor_kwargs_refused"
+
+
+def test_an_id_level_tokenizer_refuses_images() -> None:
+    renderer = _server(mistral_tokenizer("tekken"))
+    parsed = _chat(messages=[{"role": "user", "content": [_IMAGE]}])
+    assert _refused(renderer, parsed) == "unsupported_content"

@@ -168,7 +168,7 @@ class CapturePath:
         assert call.plan is not None
         ticket = Ticket(
             prompt_ids=call.plan.prompt_ids,
-            media=media_ticket(call, bound),
+            media=media_ticket(call, bound) if bound.images else None,
             structured_outputs=structured_outputs,
             on_finish=functools.partial(self.engine_finished, call),
             salt_version=self.weights.version if self.weights is not None else None,

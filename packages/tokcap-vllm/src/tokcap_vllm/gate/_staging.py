@@ -10,7 +10,6 @@ from tokcap_core import StagedCall, TokcapError
 from tokcap_core.provenance import kv_spans
 from tokcap_core.staged import MediaItem
 
-from ..fingerprints import image_digests
 from ._host import EngineResult
 from ._media import MediaTicket
 from ._planning import PlannedRequest
@@ -22,8 +21,7 @@ __all__ = ["media_ticket", "staged_call"]
 def media_ticket(call: GateCall, request: PlannedRequest) -> MediaTicket | None:
     """The images of admitted ``call`` (None: its request has none): every image's byte
     digest, and the items its parent chain recorded, which lie in its admitted prefix."""
-    digests = image_digests(request.messages or ())
-    if not digests:
+    if not request.images:
         return None
     assert call.plan is not None
     history: list[MediaItem] = []
@@ -32,7 +30,9 @@ def media_ticket(call: GateCall, request: PlannedRequest) -> MediaTicket | None:
         if parent.staged is not None and parent.staged.media:
             history[:0] = parent.staged.media
         parent = parent.parent
-    return MediaTicket(digests=digests, history=tuple(history), prefix_len=call.plan.prefix_len)
+    return MediaTicket(
+        digests=request.images, history=tuple(history), prefix_len=call.plan.prefix_len
+    )
 
 
 def staged_call(

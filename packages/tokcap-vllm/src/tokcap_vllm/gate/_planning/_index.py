@@ -37,6 +37,9 @@ class PlannedRequest:
     plan: Planner
     decode: Callable[[Sequence[int]], str]
     """Generated ids as text, special tokens kept (what the parent's turn was)."""
+    images: tuple[str, ...] = ()
+    """The SHA-256 of each image in ``messages``, in prompt order (a model that takes
+    images; none otherwise)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,8 @@ class RequestRenderer:
             text: str = tokenizer.decode(list(ids), skip_special_tokens=False)
             return text
 
-        return PlannedRequest(messages, plan, decode)
+        images = image_digests(messages) if messages and self.takes_images else ()
+        return PlannedRequest(messages, plan, decode, images)
 
     def planner(
         self, parsed: ChatBody | CompletionBody
