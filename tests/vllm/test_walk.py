@@ -5,8 +5,8 @@ and reassembled: the figures must not grow back. Measured when these bounds were
 (issue #32's refactor: the rollout book owns every event, the door reads nothing of the
 call): 33 modules end to end; inside the gate, 25 stays and 15 returns to a module already
 left per turn, 15 stays and 6 returns for the close (before: 33 modules; 47/37 and 45/35
-per turn, 20/10 for the close); since images are captured (issue #35) a turn also asks
-``_staging`` for the call's images before the engine runs (26 stays, 16 returns). What
+per turn, 20/10 for the close); image capture (issue #35) reads a call's images in the
+renderer, so a text-only turn makes no extra visit. What
 remains per turn is one hand-over per event (driver -> book -> driver) and the two
 observers told each entry (the ledger file, the metrics); the issue's targets (at most 3
 returns, at most 25 modules) are not met.
@@ -47,7 +47,7 @@ def test_a_rollout_walks_from_the_request_to_a_row_through_one_owner_of_its_even
     assert walk.modules[-1] == "tokcap_core.metrics"  # the reassembled group's metrics
     for turn in ("turn 1", "turn 2"):
         stays = walk.stays[turn]
-        assert walk.returns[turn] <= 16, (turn, stays)
+        assert walk.returns[turn] <= 15, (turn, stays)
         # the door twice: the request, and its last byte
         assert stays.count("tokcap_vllm.server._middleware") == 2, stays
         for before, after in itertools.pairwise(stays):
