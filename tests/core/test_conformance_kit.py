@@ -38,6 +38,7 @@ from tokcap_core.testing import (
     check_concurrency,
     check_conflicting_puts,
     check_idempotent_puts,
+    check_media,
     check_strict_gets,
     check_training_rows,
     cli_verifier,
@@ -126,6 +127,21 @@ class SharedBufferSink(MemorySink):
         await super().put(type(self)._buffer)
 
 
+class OverwritingMediaSink(MemorySink):
+    """FAULT INJECTED: a different blob under a held digest replaces it (last writer wins)."""
+
+    async def put_media(self, blobs: Mapping[str, bytes]) -> None:
+        await self.clear_media(list(blobs))
+        await super().put_media(blobs)
+
+
+class LeakyMediaSink(MemorySink):
+    """FAULT INJECTED: clear_media forgets nothing."""
+
+    async def clear_media(self, digests: Sequence[str]) -> None:
+        return None
+
+
 def factory(cls: type[MemorySink]) -> Any:
     async def make() -> TokenSink:
         return cls()
@@ -144,6 +160,8 @@ def factory(cls: type[MemorySink]) -> Any:
         (ForgetfulRowSink, check_training_rows),
         (DuplicatingSink, check_idempotent_puts),
         (SharedBufferSink, check_concurrency),
+        (OverwritingMediaSink, check_media),
+        (LeakyMediaSink, check_media),
     ],
 )
 def test_a_broken_sink_fails_the_kit(sink: type[MemorySink], check: Any) -> None:

@@ -19,7 +19,10 @@ def fresh_tq_sink(*, op_timeout_s: float = 60.0) -> Any:
 
     tag = uuid.uuid4().hex[:12]
     config = TQSinkConfig(
-        staging_partition=f"stg_{tag}", training_partition=f"trn_{tag}", op_timeout_s=op_timeout_s
+        staging_partition=f"stg_{tag}",
+        training_partition=f"trn_{tag}",
+        media_partition=f"med_{tag}",
+        op_timeout_s=op_timeout_s,
     )
     return TQSink(config)
 

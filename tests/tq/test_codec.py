@@ -143,3 +143,14 @@ def test_media_items_survive_both_decoders_and_older_rows_read_without_them() ->
     plain = [dataclasses.replace(c, media=None) for c in calls]
     old = _with_meta(encode_staged(plain), lambda m: {k: v for k, v in m.items() if k != "media"})
     assert decode_own_staged(old) == plain
+
+
+def test_rows_keep_their_images_and_media_blobs_come_back_bit_for_bit() -> None:
+    from tests.core.test_media import item
+    from tokcap_tq._codec import decode_media, encode_media
+
+    (row,) = rows_of(simulate_rollout("media-row", seed=3, turns=1))
+    with_image = dataclasses.replace(row, media=(item(offset=0, length=1),))
+    assert decode_rows(encode_rows([with_image, row])) == [with_image, row]
+    blobs = [b"TKMEDIA1" + bytes(range(256)), b"\x00"]
+    assert decode_media(encode_media(blobs)) == blobs

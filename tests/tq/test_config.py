@@ -17,7 +17,7 @@ def test_operation_deadline_must_be_a_positive_finite_number(timeout: object) ->
     assert info.value.code == "bad_op_timeout_s"
 
 
-@pytest.mark.parametrize("field", ["staging_partition", "training_partition"])
+@pytest.mark.parametrize("field", ["staging_partition", "training_partition", "media_partition"])
 @pytest.mark.parametrize("name", ["", "a/b", None, 3])
 def test_partition_names_are_non_empty_and_slash_free(field: str, name: object) -> None:
     with pytest.raises(ConfigError) as info:
@@ -29,6 +29,13 @@ def test_staging_and_training_partitions_differ() -> None:
     with pytest.raises(ConfigError) as info:
         TQSinkConfig(staging_partition="same", training_partition="same")
     assert info.value.code == "bad_training_partition"
+
+
+@pytest.mark.parametrize("other", ["staging_partition", "training_partition"])
+def test_the_media_partition_is_a_partition_of_its_own(other: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        TQSinkConfig(**{other: "same", "media_partition": "same"})  # type: ignore[arg-type]
+    assert info.value.code == "bad_media_partition"
 
 
 def test_defaults_give_every_operation_a_deadline() -> None:

@@ -73,3 +73,32 @@ async def test_padded_batch_widens_routes_to_int32(tq_cluster: Any) -> None:
         assert batch["routes"][b, :n].flatten().tolist() == list(row.routes.data)
         assert batch["routes"][b, n:].eq(-1).all()
     assert batch["sample_mask"].tolist() == [r.sample_mask for r in rows]
+
+
+@pytest.mark.integration
+@pytest.mark.anyio
+async def test_a_flipped_pixel_byte_in_tq_fails_the_trainers_read(tq_cluster: Any) -> None:
+    from tokcap_core import VerificationError
+    from tokcap_core.sink import MediaStore, fetch_media
+    from tokcap_core.staged import media_blob, tensors_digest
+
+    pixels = bytes(range(200))
+    tensors = [
+        ("pixel_values", "float32", (1, 50), pixels),
+        ("image_sizes", "int64", (2,), bytes(16)),
+    ]
+    digest, blob = tensors_digest(tensors), media_blob(tensors)
+    sink = fresh_tq_sink()
+    assert isinstance(sink, MediaStore)
+    await sink.put_media({digest: blob})
+    assert tensors_digest((await fetch_media(sink, [digest]))[digest]) == digest
+    await sink.clear_media([digest])
+    tampered = bytearray(blob)
+    tampered[blob.index(pixels) + 101] ^= 0x10
+    await sink.put_media({digest: bytes(tampered)})
+    with pytest.raises(VerificationError) as info:
+        await fetch_media(sink, [digest])
+    assert info.value.code == "media_tensors_mismatch"
+    assert digest in str(info.value)
+    await sink.clear_media([digest])
+    assert await sink.media_keys() == []

@@ -16,13 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import openai
 import pytest
 
-from tests.vllm._helpers import CONTROL_TOKEN, close_and_reassemble, events
+from tests.vllm._helpers import CONTROL_TOKEN, close_and_reassemble, control, events
 from tokcap.tiny import IMAGE_TOKEN, VLM_VLLM_ARGS, build_tiny_vlm
 from tokcap_core import CaptureConfig, MemorySink, StagedCall
 from tokcap_core.ledger import Admitted, Staged
+from tokcap_core.sink import fetch_media
 from tokcap_vllm import Gate, GateConfig, InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -377,3 +379,50 @@ def test_responses_input_image_and_messages_image_blocks_capture_likewise(
         assert list(call.tokens[: call.carry_len]) == expected, api
         assert call.media is not None
         assert [m.bytes_sha256 for m in call.media] == [hashlib.sha256(data).hexdigest()]
+
+
+def test_processed_tensors_are_stored_once_shared_and_freed_with_the_last_rollout(
+    vlm_server: InProcessServer,
+) -> None:
+    """Two rollouts (group siblings) send one image; one of them resends it in its history
+    on turn 2. The sink holds its processed tensors once, under the tensors digest every
+    item and row names; the trainer's read verifies them (pixel values and the other
+    tensors vLLM's processor made); the blob stays while a held rollout names it and is
+    freed with the last release."""
+    data = png(44, 44, seed=21)
+    sink = vlm_server.gate.sink
+    assert isinstance(sink, MemorySink)
+    before = set(vlm_server.call(sink.media_keys))
+    captured_call(vlm_server, "vlm-blob-a", [image_message(data)])
+    oai = openai.OpenAI(base_url=vlm_server.rollout_url("vlm-blob-b"), api_key="x", max_retries=0)
+    messages: list[dict[str, Any]] = [image_message(data)]
+    for _ in range(2):
+        reply = oai.chat.completions.create(
+            model=vlm_server.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=4,
+        )
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "and?"},
+        ]
+    _, rows_a, _ = close_and_reassemble(vlm_server, "vlm-blob-a")
+    receipt, rows_b, staged_b = close_and_reassemble(vlm_server, "vlm-blob-b")
+    assert receipt.ok
+    assert len(receipt.segments[0]) == 2
+    (item,) = rows_a[0].media
+    assert rows_b[0].media == staged_b["c000001"].media == (item,)
+    assert staged_b["c000002"].media == ()  # the image in its history is turn 1's blob
+    added = set(vlm_server.call(sink.media_keys)) - before
+    assert added == {item.tensors_digest}
+    tensors = vlm_server.call(fetch_media, sink, [item.tensors_digest])[item.tensors_digest]
+    names = {name for name, *_ in tensors}
+    assert "pixel_values" in names, names
+
+    async def release(rollout_id: str) -> list[str]:
+        async with control(vlm_server) as cp:
+            await cp.release(rollout_id)
+        return await sink.media_keys()
+
+    assert item.tensors_digest in anyio.run(release, "vlm-blob-a")  # b still names it
+    assert item.tensors_digest not in anyio.run(release, "vlm-blob-b")

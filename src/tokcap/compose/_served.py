@@ -72,6 +72,7 @@ def served_gate_options(sink: TQSinkConfig, ray_address: str) -> list[str]:
         "--tokcap-ray-address", ray_address,
         "--tokcap-staging-partition", sink.staging_partition,
         "--tokcap-training-partition", sink.training_partition,
+        "--tokcap-media-partition", sink.media_partition,
         "--tokcap-require-open",
         "--weight-transfer-config", json.dumps({"backend": "tokcap_shm"}),
     ]  # fmt: skip

@@ -67,11 +67,15 @@ class GateEndpoint(Protocol):
 
 
 def tq_sink(tag: str) -> TQSink:
-    """The TransferQueue sink of a run tagged ``tag``: partitions ``<tag>_staging`` and
-    ``<tag>_rows`` (dashes become underscores)."""
+    """The TransferQueue sink of a run tagged ``tag``: partitions ``<tag>_staging``,
+    ``<tag>_rows`` and ``<tag>_media`` (dashes become underscores)."""
     tag = tag.replace("-", "_")
     return TQSink(
-        TQSinkConfig(staging_partition=f"{tag}_staging", training_partition=f"{tag}_rows")
+        TQSinkConfig(
+            staging_partition=f"{tag}_staging",
+            training_partition=f"{tag}_rows",
+            media_partition=f"{tag}_media",
+        )
     )
 
 

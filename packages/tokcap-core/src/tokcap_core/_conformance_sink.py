@@ -11,7 +11,9 @@ every check as a pytest test method. The contract checked is `TokenSink`'s:
   stores nothing of its batch; an identical put is a no-op;
 - clears ignore absent keys and may be retried; cleared keys read as missing;
 - training rows follow the same rules, and a row offered under another key is refused;
-- concurrent puts, gets and clears of different rollouts do not interfere.
+- concurrent puts, gets and clears of different rollouts do not interfere;
+- media blobs (`MediaStore`, `check_media`) follow the same rules, keyed by digest, and
+  come back bit for bit (a sink that holds no images sets ``SinkConformance.media`` False).
 Importing this module imports hypothesis (the ``testing`` extra).
 """
 
@@ -26,13 +28,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ._errors import MissingRows, SinkError
+from ._media import tensors_digest
+from ._media_blob import media_blob
 from ._reassembly import reassemble
 from ._receipt import assemble_receipt
 from ._rows import TrainingRow, placeholder_row
 from ._staged import StagedCall
 from .ids import StagingKey, TrainingKey
 from .simulate import SimulatedRollout, simulate_rollout
-from .sink import TokenSink
+from .sink import MediaStore, TokenSink, fetch_media
 
 __all__ = [
     "SINK_CHECKS",
@@ -42,6 +46,7 @@ __all__ = [
     "check_concurrency",
     "check_conflicting_puts",
     "check_idempotent_puts",
+    "check_media",
     "check_put_get_round_trip",
     "check_strict_gets",
     "check_training_rows",
@@ -306,6 +311,53 @@ def check_concurrency(factory: SinkFactory, *, max_examples: int = 5) -> None:
         _run(factory, body)
 
 
+@st.composite
+def _blobs(draw: Any) -> dict[str, bytes]:
+    """Distinct media blobs by their tensors digest (random pixel-like tensors)."""
+    out = {}
+    for _ in range(draw(st.integers(1, 4))):
+        data = draw(st.binary(min_size=1, max_size=64))
+        tensors = [("pixel_values", "uint8", (len(data),), data)]
+        if draw(st.booleans()):
+            tensors.append(("image_sizes", "int64", (2,), bytes(range(16))))
+        out[tensors_digest(tensors)] = media_blob(tensors)
+    return out
+
+
+def check_media(factory: SinkFactory, *, max_examples: int = 10) -> None:
+    """Media blobs: stored once by digest, read back bit for bit and verified, an identical
+    re-put a no-op, a different blob under a held digest refused with nothing of its batch
+    stored, absent digests missing, clears retryable, `MediaStore.media_keys` exact."""
+
+    @_settings(max_examples)
+    @given(_blobs(), _blobs())
+    def prop(blobs: dict[str, bytes], others: dict[str, bytes]) -> None:
+        others = {k: v for k, v in others.items() if k not in blobs}
+
+        async def body(sink: TokenSink) -> None:
+            assert isinstance(sink, MediaStore), "the sink is not a MediaStore"
+            keys = list(blobs)
+            await sink.put_media(blobs)
+            await sink.put_media(blobs)
+            assert await sink.get_media(keys[::-1]) == [blobs[k] for k in keys[::-1]]
+            assert set(await fetch_media(sink, keys)) == set(keys)
+            assert sorted(await sink.media_keys()) == sorted(keys), "media_keys after a re-put"
+            if others:
+                assert set(await _missing(sink.get_media([*keys, *others]))) == set(others)
+                tampered = {**others, keys[0]: blobs[keys[0]] + b"x"}
+                code = await _refusal(sink.put_media(tampered), "a conflicting media put")
+                assert code == "conflicting_put", code
+                assert sorted(await sink.media_keys()) == sorted(keys), "a refused put stored"
+            await sink.clear_media([*keys, *others])
+            await sink.clear_media(keys)
+            assert not await sink.media_keys(), "clear_media leaked"
+            assert set(await _missing(sink.get_media(keys))) == set(keys)
+
+        _run(factory, body)
+
+    prop()
+
+
 SINK_CHECKS: dict[str, Callable[..., None]] = {
     "put_get_round_trip": check_put_get_round_trip,
     "strict_gets": check_strict_gets,
@@ -314,6 +366,7 @@ SINK_CHECKS: dict[str, Callable[..., None]] = {
     "clears": check_clears,
     "training_rows": check_training_rows,
     "concurrency": check_concurrency,
+    "media": check_media,
 }
 """Every sink check by name (each takes ``(factory, *, max_examples=...)``)."""
 
@@ -326,6 +379,8 @@ class SinkConformance:
     """
 
     max_examples: ClassVar[int] = 10
+    media: ClassVar[bool] = True
+    """Whether the sink holds images (a `MediaStore`); False skips `check_media`."""
 
     async def make_sink(self) -> TokenSink:
         """A fresh, empty sink under test."""
@@ -358,3 +413,8 @@ class SinkConformance:
     def test_concurrency(self) -> None:
         """Concurrent rollouts do not interfere."""
         check_concurrency(self.make_sink, max_examples=max(1, self.max_examples // 2))
+
+    def test_media(self) -> None:
+        """Media blobs are stored once by digest under the same rules."""
+        if self.media:
+            check_media(self.make_sink, max_examples=self.max_examples)

@@ -40,7 +40,7 @@ def reassemble(
     ``reward`` overrides the receipt's reward. Raises `ReassemblyError` with the
     verification code (``missing_call``, ``digest_mismatch``, ...) or ``routes_partial``,
     ``chain_shape_mismatch``, ``chain_dtype_mismatch``, ``no_generated_tokens``,
-    ``bad_max_seq_len``.
+    ``media_truncated``, ``bad_max_seq_len``.
     """
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ReassemblyError(
@@ -85,8 +85,14 @@ def _segment_row(
         logprobs.frombytes(bytes(4 * call.carry_len))  # 0.0 in f32 is four zero bytes
         logprobs.extend(call.logprobs)
     routes, backfilled = _chain_routes(calls)
+    media = tuple(item for call in calls for item in call.media or ())
     truncated = calls[-1].finish_reason == "length"
     if len(input_ids) > max_seq_len:
+        if any(item.offset < max_seq_len < item.end for item in media):
+            raise ReassemblyError(
+                "media_truncated", f"{receipt.rollout_id}: max_seq_len cuts an image's tokens"
+            )
+        media = tuple(item for item in media if item.end <= max_seq_len)
         truncated = True
         del input_ids[max_seq_len:], loss_mask[max_seq_len:], logprobs[max_seq_len:]
         if routes is not None:
@@ -115,6 +121,7 @@ def _segment_row(
         reason=None,
         terminal_call_id=calls[-1].call_id if index == 0 else None,
         backfilled_route_rows=backfilled,
+        media=media,
     )
 
 

@@ -5,6 +5,9 @@ Buffers are compact ``array`` objects (``input_ids`` u32, ``loss_mask`` u8,
 (``torch.frombuffer``, ``numpy.frombuffer``). ``loss_mask`` is 1 exactly on
 generated tokens; ``logprobs`` is 0.0 wherever the mask is 0. A placeholder row
 stands in for an invalid rollout: ``sample_mask == 0`` and its failure reason.
+A row built from calls with images names them (``media``: the calls' items, offsets
+already the row's), so a trainer fetches each image's processed tensors by digest
+(``tokcap_core.sink.fetch_media``) and never runs an image processor.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from array import array
 from dataclasses import dataclass
 
 from ._errors import InvalidStagedCall
+from ._media import MediaItem, check_media
 from .ids import TrainingKey, training_key
 from .provenance import Spans
 from .reasons import reason_bucket
@@ -65,9 +69,16 @@ class TrainingRow:
     """Why a placeholder is one (None for a valid row)."""
     terminal_call_id: str | None
     backfilled_route_rows: int = 0
+    media: tuple[MediaItem, ...] = ()
+    """The images whose placeholders lie in the row, in order (each call's items; a call's
+    prompt offsets are the row's): fetch their tensors by ``tensors_digest``."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
+        if self.media:
+            if not isinstance(self.media, tuple):
+                raise InvalidStagedCall("bad_media", "media must be a tuple of MediaItem")
+            check_media(self.media, 0, n)
         if len(self.loss_mask) != n or len(self.logprobs) != n:
             raise InvalidStagedCall(
                 "row_length_mismatch", "input_ids, loss_mask and logprobs differ in length"

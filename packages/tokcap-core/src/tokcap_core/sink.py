@@ -10,6 +10,15 @@ reference the conformance tests hold every other sink to). The contract:
 - training rows: ``publish`` / ``fetch`` / ``clear_rows``, keyed by `training_key`, same rules;
 - ``staged_keys`` / ``row_keys``: every key held, for leak checks (async on every sink).
 
+`MediaStore` is what a sink that holds images adds (`MemorySink`, ``tokcap_tq.TQSink``):
+each image's processed tensors as one blob (``tokcap_core.staged.media_blob``) keyed by
+its ``tensors_digest``, stored once however many calls and rows name it. Its rules are
+the same (``put_media`` of an identical blob is a no-op, of a different one under a held
+digest ``conflicting_put`` and nothing of the batch stored; ``get_media`` all or
+`MissingRows`; ``clear_media`` ignores absent digests; ``media_keys`` for leak checks).
+A sink without it keeps working for text; a gate serving images needs it. `fetch_media`
+is how a trainer reads blobs back: every blob checked against its digest before use.
+
 `SinkPlugin` is how a served gate opens a sink it was named without importing its
 package: adapters never depend on each other, yet ``tokcap-vllm serve --tokcap-sink tq`` must stage
 into TransferQueue. The sink's package registers a `SinkPlugin` under the entry-point
@@ -27,6 +36,8 @@ from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from ._errors import MissingRows, SinkError
 from ._manifest import Manifest
+from ._media import TensorBytes
+from ._media_blob import verify_media
 from ._rows import TrainingRow
 from ._staged import StagedCall
 from .ids import StagingKey, TrainingKey
@@ -34,12 +45,14 @@ from .ids import StagingKey, TrainingKey
 __all__ = [
     "SINK_PLUGIN_GROUP",
     "ManifestSource",
+    "MediaStore",
     "MemorySink",
     "MissingRows",
     "SinkError",
     "SinkHealth",
     "SinkPlugin",
     "TokenSink",
+    "fetch_media",
 ]
 
 _T = TypeVar("_T")
@@ -81,6 +94,39 @@ class TokenSink(Protocol):
     async def row_keys(self) -> list[TrainingKey]:
         """Every training key held (for leak checks and sweeps)."""
         ...
+
+
+@runtime_checkable
+class MediaStore(Protocol):
+    """Stores media blobs by tensors digest (see the module docstring for the rules)."""
+
+    async def put_media(self, blobs: Mapping[str, bytes]) -> None:
+        """Store blobs under their digests; a held identical blob is kept."""
+        ...
+
+    async def get_media(self, digests: Sequence[str]) -> list[bytes]:
+        """The blobs of ``digests``, in order; `MissingRows` if any is absent."""
+        ...
+
+    async def clear_media(self, digests: Sequence[str]) -> None:
+        """Free blobs; absent digests are ignored."""
+        ...
+
+    async def media_keys(self) -> list[str]:
+        """Every digest held (for leak checks and sweeps)."""
+        ...
+
+
+async def fetch_media(
+    store: MediaStore, digests: Sequence[str]
+) -> dict[str, tuple[TensorBytes, ...]]:
+    """The processed tensors of ``digests``, read from ``store`` and each verified against
+    its digest (``tokcap_core.staged.verify_media``): `MissingRows` for an absent blob,
+    `VerificationError` ``media_tensors_mismatch`` naming the digest whose blob does not
+    hold the tensors it names."""
+    unique = list(dict.fromkeys(digests))
+    blobs = await store.get_media(unique)
+    return verify_media(dict(zip(unique, blobs, strict=True)), unique)
 
 
 @runtime_checkable
@@ -140,11 +186,13 @@ class SinkPlugin(Protocol):
 
 
 class MemorySink:
-    """An in-process `TokenSink` (dicts); the reference for sink conformance tests."""
+    """An in-process `TokenSink` and `MediaStore` (dicts); the reference for sink
+    conformance tests."""
 
     def __init__(self) -> None:
         self._staged: dict[StagingKey, StagedCall] = {}
         self._rows: dict[TrainingKey, TrainingRow] = {}
+        self._media: dict[str, bytes] = {}
 
     async def put(self, calls: Sequence[StagedCall]) -> None:
         """Store staged calls under their staging keys (all or nothing)."""
@@ -182,6 +230,23 @@ class MemorySink:
     async def row_keys(self) -> list[TrainingKey]:
         """Every training key held (for leak checks)."""
         return list(self._rows)
+
+    async def put_media(self, blobs: Mapping[str, bytes]) -> None:
+        """Store media blobs under their digests (all or nothing)."""
+        _store(self._media, {k: bytes(v) for k, v in blobs.items()}, what="media blob")
+
+    async def get_media(self, digests: Sequence[str]) -> list[bytes]:
+        """The blobs of ``digests``, in order; `MissingRows` if any is absent."""
+        return _load(self._media, digests)
+
+    async def clear_media(self, digests: Sequence[str]) -> None:
+        """Free media blobs; absent digests are ignored."""
+        for digest in digests:
+            self._media.pop(digest, None)
+
+    async def media_keys(self) -> list[str]:
+        """Every digest held (for leak checks)."""
+        return list(self._media)
 
 
 def _store(table: dict[_K, _T], batch: Mapping[_K, _T], *, what: str) -> None:

@@ -11,6 +11,9 @@ Staging partition (exact: the decoded call's digest verifies):
   by value, int16 as is, int32 bit-split into two int16 words; ``meta`` records the
   original dtype and shape, so decoding restores the very array the digest covers.
 
+Media partition: ``blob`` uint8, one media blob (``tokcap_core.staged.media_blob``) per
+image, keyed by its tensors digest, bit for bit.
+
 Training partition (trainer-ready): ``input_ids`` int64, ``loss_mask`` uint8, ``logprobs``
 float32, ``routes`` int32 flattened (widened for NCCL, which has no int16; one ``-1`` when
 none), ``sample_mask`` int64 per row; ``meta`` keeps the original routes dtype, so a
@@ -36,16 +39,20 @@ from ._deps import np, torch
 from ._deps import tensordict as _td
 
 __all__ = [
+    "MEDIA_FIELDS",
     "STAGING_FIELDS",
     "TRAINING_FIELDS",
+    "decode_media",
     "decode_rows",
     "decode_staged",
+    "encode_media",
     "encode_rows",
     "encode_staged",
     "to_padded_batch",
 ]
 
 STAGING_FIELDS = ("tokens", "logprobs", "routes", "meta")
+MEDIA_FIELDS = ("blob",)
 TRAINING_FIELDS = ("input_ids", "loss_mask", "logprobs", "routes", "sample_mask", "meta")
 
 # ``meta`` holds every scalar field of the record type (read off the dataclass, so a field
@@ -54,7 +61,7 @@ _STAGED_META = tuple(f.name for f in dataclasses.fields(StagedCall) if f.name no
 _ROW_META = tuple(
     f.name
     for f in dataclasses.fields(TrainingRow)
-    if f.name not in TRAINING_FIELDS and f.name != "call_spans"
+    if f.name not in TRAINING_FIELDS and f.name not in ("call_spans", "media")
 )
 _SPAN_FIELDS = tuple(f.name for f in dataclasses.fields(CallSpan))
 
@@ -269,6 +276,7 @@ def encode_rows(rows: Sequence[TrainingRow]) -> Any:
         m = {name: getattr(r, name) for name in _ROW_META}
         m["call_spans"] = [_span_meta(s) for s in r.call_spans]
         m["routes"] = _routes_meta(r.routes)
+        m["media"] = media_to_json(r.media)
         meta.append(_json_encode(m).decode())
     return _td.TensorDict(
         {
@@ -306,6 +314,7 @@ def decode_rows(td: Any) -> list[TrainingRow]:
         input_ids = array("I")
         input_ids.frombytes(ids.row(i).astype(np.uint32).data.cast("B"))
         spans = tuple(_span_from(span) for span in m.pop("call_spans"))
+        media = m.pop("media", None)  # absent in rows written before rows named images
         out.append(
             TrainingRow(
                 input_ids=input_ids,
@@ -314,10 +323,25 @@ def decode_rows(td: Any) -> list[TrainingRow]:
                 routes=None if shape is None else _routes_from(routes.row(i), shape),
                 call_spans=spans,
                 sample_mask=int(sample_mask[i]),
+                media=media_from_json(media) if media else (),
                 **m,
             )
         )
     return out
+
+
+def encode_media(blobs: Sequence[bytes]) -> Any:
+    """A TensorDict of media blobs in the media layout (batch size ``len(blobs)``)."""
+    return _td.TensorDict(
+        {"blob": _jagged([np.frombuffer(b, np.uint8) for b in blobs], np.uint8)},
+        batch_size=[len(blobs)],
+    )
+
+
+def decode_media(td: Any) -> list[bytes]:
+    """The media blobs of a media-layout TensorDict, in row order."""
+    column = _Column(td["blob"])
+    return [bytes(column.bytes[column.at[i] : column.at[i + 1]]) for i in range(len(column.at) - 1)]
 
 
 def to_padded_batch(rows: Sequence[TrainingRow], pad_id: int) -> dict[str, Any]:

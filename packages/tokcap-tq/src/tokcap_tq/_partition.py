@@ -36,8 +36,8 @@ from ._deps import tq
 
 __all__ = ["STORED_TAG", "Partition"]
 
-_T = TypeVar("_T", StagedCall, TrainingRow)
-_K = TypeVar("_K", StagingKey, TrainingKey)
+_T = TypeVar("_T", StagedCall, TrainingRow, bytes)
+_K = TypeVar("_K", StagingKey, TrainingKey, str)
 
 STORED_TAG = "tokcap"
 """The per-key TQ tag a completed put leaves: its presence means the key is held."""

@@ -13,6 +13,9 @@ instead. A clear that times out may have left its keys unfreed, so callers that 
 owed keys retry it. A put that times out or is cancelled after TQ registered its keys
 may leave them registered and unwritten: they read as missing, are listed by
 ``staged_keys`` and are freed by a clear or rewritten by a retried put.
+
+Media blobs (``tokcap_core.sink.MediaStore``) live in a third partition, keyed by tensors
+digest, under the same rules.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ from tokcap_core.config import non_empty_text, positive_number
 from tokcap_core.ids import StagingKey, TrainingKey
 
 from ._codec import (
+    MEDIA_FIELDS,
     STAGING_FIELDS,
     TRAINING_FIELDS,
+    decode_media,
     decode_own_staged,
     decode_rows,
+    encode_media,
     encode_rows,
     encode_staged,
 )
@@ -51,25 +57,32 @@ _PARTITION_NAME = [non_empty_text, _no_slash]
 @attrs.frozen(kw_only=True)
 class TQSinkConfig:
     """Where a `TQSink` keeps its rows (one TQ partition for staged calls, one for training
-    rows) and how long any one operation may take before it fails with ``tq_timeout``.
+    rows, one for media blobs) and how long any one operation may take before it fails
+    with ``tq_timeout``.
 
     A bad value raises `tokcap_core.ConfigError` ``bad_<field>`` (``bad_training_partition``
-    when it is the staging partition).
+    or ``bad_media_partition`` when two partitions share a name).
     """
 
     staging_partition: str = attrs.field(default="tokcap_staging", validator=_PARTITION_NAME)
     training_partition: str = attrs.field(default="tokcap_training", validator=_PARTITION_NAME)
     op_timeout_s: float = attrs.field(default=60.0, validator=positive_number)
+    media_partition: str = attrs.field(default="tokcap_media", validator=_PARTITION_NAME)
 
     def __attrs_post_init__(self) -> None:
         if self.staging_partition == self.training_partition:
             raise ConfigError(
                 "bad_training_partition", "training_partition must differ from staging_partition"
             )
+        if self.media_partition in (self.staging_partition, self.training_partition):
+            raise ConfigError(
+                "bad_media_partition", "media_partition must differ from the other partitions"
+            )
 
 
 class TQSink:
-    """A `TokenSink` over TransferQueue (see the module docstring for the guarantees).
+    """A `TokenSink` and `MediaStore` over TransferQueue (see the module docstring for the
+    guarantees).
 
     TransferQueue must be initialised in this process (``local_tq``, ``tq.init()``), or use
     `TQSink.connect`, which attaches to a running TransferQueue in a worker thread.
@@ -92,6 +105,13 @@ class TQSink:
             TRAINING_FIELDS,
             encode_rows,
             decode_rows,
+            self.config.op_timeout_s,
+        )
+        self._media: Partition[str, bytes] = Partition(
+            self.config.media_partition,
+            MEDIA_FIELDS,
+            encode_media,
+            decode_media,
             self.config.op_timeout_s,
         )
 
@@ -144,3 +164,19 @@ class TQSink:
     async def row_keys(self) -> list[TrainingKey]:
         """Every training key held in TQ (for leak checks)."""
         return await self._training.keys()
+
+    async def put_media(self, blobs: Mapping[str, bytes]) -> None:
+        """Store media blobs under their digests; an identical re-put is a no-op."""
+        await self._media.put({k: bytes(v) for k, v in blobs.items()}, "media blob")
+
+    async def get_media(self, digests: Sequence[str]) -> list[bytes]:
+        """The blobs of ``digests``, in order; `MissingRows` naming every absent digest."""
+        return await self._media.get(digests)
+
+    async def clear_media(self, digests: Sequence[str]) -> None:
+        """Free media blobs (shielded like `clear`); absent digests are ignored."""
+        await self._media.clear(digests)
+
+    async def media_keys(self) -> list[str]:
+        """Every digest held in TQ (for leak checks and sweeps)."""
+        return await self._media.keys()

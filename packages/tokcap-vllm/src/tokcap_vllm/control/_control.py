@@ -319,6 +319,7 @@ class ControlPlane:
 
     async def _release(self, rollout_id: RolloutId, owner: str | None) -> _Reply:
         self.gate.release(rollout_id, owner=owner)
+        await self.gate.free_media()
         file = self.gate.ledger_file
         if file is not None and file.should_compact:
             await file.compact(self.gate.held_ledgers)

@@ -386,13 +386,24 @@ class Gate:
 
     def release(self, rollout_id: str, *, owner: str | None = None) -> None:
         """Forget a closed rollout (its manifest is no longer served); `RolloutConflict`
-        ``rollout_owned`` if another live owner holds it."""
+        ``rollout_owned`` if another live owner holds it. The media blobs it alone named
+        are freed by the next `free_media`."""
         self.book.released(rollout_id, owner=owner, now=time.monotonic())
+        self.capture.stager.media.released(rollout_id)
         for hook in self._observers:
             try:
                 hook.on_release(rollout_id)
             except Exception as e:  # the release holds in memory; the file keeps stale entries
                 _log.warning("tokcap gate: the release of %s was not persisted: %s", rollout_id, e)
+
+    async def free_media(self) -> None:
+        """Clear from the sink the media blobs no rollout the gate holds names any more
+        (the control plane's release does, after `release`). A sink that fails the clear
+        is logged; the blobs are cleared by the next call."""
+        try:
+            await self.capture.stager.media.free()
+        except Exception as e:  # the release holds; the blobs wait for the next free
+            _log.warning("tokcap gate: freeing media blobs failed: %s", e)
 
     async def drain(self, rollout_id: str | None = None) -> None:
         """Wait until every call that finished on the engine is committed or failed."""

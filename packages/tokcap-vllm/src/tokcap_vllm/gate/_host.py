@@ -60,6 +60,8 @@ class EngineResult:
     """The version the call's prompt was salted with (its prompt KV is of no older one)."""
     media: tuple[MediaItem, ...] | None = None
     """The items of the images this call's prompt added (None: the engine ran no images)."""
+    media_blobs: dict[str, bytes] | None = None
+    """The media blobs of those images by tensors digest (what the gate stages once)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -176,10 +178,11 @@ class CaptureHost:
         salt = self.default_weight_version if ticket.salt_version is None else ticket.salt_version
         multimodal = isinstance(prompt, dict) and prompt.get("type") == "multimodal"
         media: tuple[MediaItem, ...] | None = None
+        blobs: dict[str, bytes] | None = None
         if multimodal != (ticket.media is not None):
             raise TokcapError("media_mismatch", "the engine and the gate disagree on images")
         if ticket.media is not None:
-            engine_input, media = self.media.bind(prompt, ticket.prompt_ids, ticket.media)
+            engine_input, media, blobs = self.media.bind(prompt, ticket.prompt_ids, ticket.media)
             engine_input["cache_salt"] = cache_salt(salt)
         else:
             engine_input = tokens_input(list(ticket.prompt_ids), cache_salt=cache_salt(salt))
@@ -209,6 +212,7 @@ class CaptureHost:
                     weight_versions=spans,
                     salt_version=salt,
                     media=media,
+                    media_blobs=blobs,
                 )
                 ticket.result = result
                 ticket.on_finish(result)

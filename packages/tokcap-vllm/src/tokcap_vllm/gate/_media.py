@@ -13,11 +13,16 @@ placeholder token replaced by vLLM's expansion; vLLM's tensors and hashes travel
 A root call's result equals vLLM's own expanded ids (checked). Each new image becomes a
 `tokcap_core.staged.MediaItem`.
 
+Each new image's processed tensors also become its media blob
+(`tokcap_core.staged.media_blob`, the very bytes its ``tensors_digest`` hashes), which the
+gate stages into the sink once, keyed by that digest (`_media_refs`).
+
 vLLM's processor cache sends an image's tensors to the engine core once and ``None``
-afterwards: the binder keeps the tensor digest of every ``mm_hash`` it saw (content
-hashes: the gate refuses client UUIDs, `tokcap_vllm.fingerprints.image_digest`). An item
-whose tensors it never saw fails the call (``media_tensors_unseen``); so does any
-disagreement between the admitted ids and vLLM's expansion (``media_mismatch``).
+afterwards: the binder keeps the digest and the blob of every ``mm_hash`` it saw (content
+hashes: the gate refuses client UUIDs, `tokcap_vllm.fingerprints.image_digest`), the
+blobs up to `BLOB_BYTES` (oldest first out). An item whose tensors it does not hold fails
+the call (``media_tensors_unseen``); so does any disagreement between the admitted ids and
+vLLM's expansion (``media_mismatch``).
 """
 
 from __future__ import annotations
@@ -36,13 +41,16 @@ from tokcap_core.staged import (
     MediaItem,
     TensorBytes,
     embed_mask_digest,
+    media_blob,
     processor_fingerprint,
     tensors_digest,
 )
 
-__all__ = ["MediaBinder", "MediaTicket"]
+__all__ = ["BLOB_BYTES", "MediaBinder", "MediaTicket"]
 
 _SEEN_LIMIT: Final = 65536
+BLOB_BYTES: Final = 1 << 30
+"""The most bytes of media blobs a binder keeps for images vLLM's processor cache serves."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +70,13 @@ def _fail(code: str, message: str) -> TokcapError:
 
 
 class MediaBinder:
-    """Per engine: the processor's fingerprint and the tensor digests seen, by ``mm_hash``."""
+    """Per engine: the processor's fingerprint and the tensor digests and blobs seen, by
+    ``mm_hash``."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._seen: OrderedDict[str, str] = OrderedDict()
+        self._seen: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._blob_bytes = 0
 
     @functools.cached_property
     def placeholder_id(self) -> int:
@@ -100,8 +110,9 @@ class MediaBinder:
 
     def bind(
         self, prompt: Mapping[str, Any], admitted: Sequence[int], ticket: MediaTicket
-    ) -> tuple[dict[str, Any], tuple[MediaItem, ...]]:
-        """The engine input the call runs on and the items of its new images."""
+    ) -> tuple[dict[str, Any], tuple[MediaItem, ...], dict[str, bytes]]:
+        """The engine input the call runs on, the items of its new images and their media
+        blobs by tensors digest."""
         ranges = list(prompt["mm_placeholders"].get("image", ()))
         if set(prompt["mm_placeholders"]) - {"image"}:
             raise _fail("media_unsupported", "only images are captured")
@@ -128,7 +139,7 @@ class MediaBinder:
             ):
                 raise _fail("media_mismatch", "an image in history expands differently now")
             placed.append(dataclasses.replace(r, offset=old.offset))
-        ids, new = prefix, []
+        ids, new, blobs = prefix, [], {}
         pending = iter(range(k, n))
         for token in admitted[ticket.prefix_len :]:
             if token != self.placeholder_id:
@@ -139,7 +150,9 @@ class MediaBinder:
                 raise _fail("media_mismatch", "more image placeholders than images")
             r = ranges[i]
             placed.append(dataclasses.replace(r, offset=len(ids)))
-            new.append(self._item(i, len(ids), r, hashes[i], items[i], digests[i]))
+            tensors, blob = self._tensors(hashes[i], items[i])
+            new.append(self._item(len(ids), r, hashes[i], tensors, digests[i]))
+            blobs[tensors] = blob
             ids.extend(expanded[r.offset : r.offset + r.length])
         if next(pending, None) is not None:
             raise _fail("media_mismatch", "fewer image placeholders than images")
@@ -152,9 +165,9 @@ class MediaBinder:
         }
         engine_input["prompt_token_ids"] = ids
         engine_input["mm_placeholders"] = {"image": placed}
-        return engine_input, tuple(new)
+        return engine_input, tuple(new), blobs
 
-    def _item(self, i: int, offset: int, r: Any, mm_hash: str, item: Any, digest: str) -> MediaItem:
+    def _item(self, offset: int, r: Any, mm_hash: str, tensors: str, digest: str) -> MediaItem:
         mask = None if r.is_embed is None else [bool(b) for b in r.is_embed.tolist()]
         return MediaItem(
             modality="image",
@@ -163,26 +176,40 @@ class MediaBinder:
             embed_digest=embed_mask_digest(mask, r.length),
             mm_hash=mm_hash,
             bytes_sha256=digest,
-            tensors_digest=self._tensors_digest(mm_hash, item),
+            tensors_digest=tensors,
             processor=self.fingerprint,
         )
 
-    def _tensors_digest(self, mm_hash: str, item: Any) -> str:
+    def _tensors(self, mm_hash: str, item: Any) -> tuple[str, bytes]:
+        """The item's tensors digest and media blob (kept from an earlier call when vLLM's
+        processor cache sent none)."""
         data = None if item is None else item.get_data()
         if data is None or any(value is None for value in data.values()):
             seen = self._seen.get(mm_hash)
             if seen is None:
                 raise _fail(
                     "media_tensors_unseen",
-                    "the engine holds this image's tensors from a call the gate did not see",
+                    "the engine holds this image's tensors from a call the gate did not see "
+                    "(or whose tensors it no longer keeps)",
                 )
             self._seen.move_to_end(mm_hash)
             return seen
-        digest = tensors_digest(_tensor_bytes(data))
-        self._seen[mm_hash] = digest
-        while len(self._seen) > _SEEN_LIMIT:
-            self._seen.popitem(last=False)
-        return digest
+        tensors = _tensor_bytes(data)
+        digest, blob = tensors_digest(tensors), media_blob(tensors)
+        self._keep(mm_hash, digest, blob)
+        return digest, blob
+
+    def _keep(self, mm_hash: str, digest: str, blob: bytes) -> None:
+        old = self._seen.pop(mm_hash, None)
+        if old is not None:
+            self._blob_bytes -= len(old[1])
+        self._seen[mm_hash] = (digest, blob)
+        self._blob_bytes += len(blob)
+        while len(self._seen) > 1 and (
+            self._blob_bytes > BLOB_BYTES or len(self._seen) > _SEEN_LIMIT
+        ):
+            _, (_, dropped) = self._seen.popitem(last=False)
+            self._blob_bytes -= len(dropped)
 
 
 def _tensor_bytes(data: Mapping[str, Any]) -> list[TensorBytes]:

@@ -8,6 +8,9 @@ calls that finish while they are all in flight go together in the next one: one 
 trip for all of them. A lone call is written at once, as before, and so are the last
 calls of a burst while the put before them is still in flight.
 
+A call whose images are new stages their media blobs first (`_media_refs.MediaRefs`:
+named for its rollout, stored once by tensors digest), then its row.
+
 Failure stays with its rollout: a put the sink refuses is retried call by call (an
 identical re-put is a no-op), so only the rows the sink refuses fail; a timeout fails the
 whole put (the sink, not a row, is at fault). Every call's ``sink_done`` is set exactly
@@ -25,6 +28,7 @@ from anyio.abc import TaskGroup
 
 from tokcap_core.sink import TokenSink
 
+from ._media_refs import MediaRefs
 from ._records import GateCall
 
 __all__ = ["StageWriter"]
@@ -41,6 +45,8 @@ class StageWriter:
 
     def __init__(self, sink: TokenSink, timeout_s: float, written: Written) -> None:
         self.sink = sink
+        self.media = MediaRefs(sink)
+        """The media blobs staged and the rollouts naming them."""
         self.timeout_s = timeout_s
         self.written = written
         self._queued: list[GateCall] = []
@@ -89,6 +95,13 @@ class StageWriter:
         """One sink put of the calls' rows; the error code if it failed."""
         try:
             with anyio.fail_after(self.timeout_s):
+                await self.media.put(
+                    (call.rollout_id, call.result.media_blobs)
+                    for call in calls
+                    if call.staged is not None
+                    and call.result is not None
+                    and call.result.media_blobs
+                )
                 await self.sink.put([call.staged for call in calls if call.staged is not None])
         except TimeoutError:
             return "timeout"
