@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import anyio
+
 from tokcap_core import (
     Accept,
     CaptureConfig,
@@ -135,7 +137,9 @@ class CollectTimings:
     reassemble_s: float
     """The Ray pool's reassembly and the policy's decisions."""
     rows_s: float
-    """Clearing rejected groups' rows, reading the accepted ones, advantages."""
+    """Reading the accepted groups' rows (and freeing the rejected ones') once the pool's
+    last group is done, and advantages: each group's rows are read as soon as its bundle is
+    done, so this is the last bundle's read."""
 
     @property
     def total_s(self) -> float:
@@ -231,19 +235,36 @@ async def collect(
         )
         for group_id, ids in members.items()
     ]
-    async with pool.as_completed(requests) as results:
-        async for group in results:
-            batch.groups.append(group)
-            batch.decisions[group.group_id] = decide_group(
-                group, min_valid_fraction=capture.min_valid_fraction
-            )
+    # Each group's rows are read (or, rejected, freed) as soon as its bundle is done, while
+    # the other bundles are still being reassembled: what is left after the pool's last
+    # group is that group's own read.
+    read: dict[str, list[TrainingRow]] = {}
+    failed: list[Exception] = []
+
+    async def settle(group: FinalizedGroup) -> None:
+        keys = list(group.training_keys)
+        try:
+            if isinstance(batch.decisions[group.group_id], Accept):
+                read[group.group_id] = await sink.fetch(keys)
+            else:
+                await sink.clear_rows(keys)  # replaced or dropped groups never reach the trainer
+        except Exception as e:  # raised below as is, not wrapped in the task group's group
+            failed.append(e)
+
+    async with anyio.create_task_group() as settling:
+        async with pool.as_completed(requests) as results:
+            async for group in results:
+                batch.groups.append(group)
+                batch.decisions[group.group_id] = decide_group(
+                    group, min_valid_fraction=capture.min_valid_fraction
+                )
+                settling.start_soon(settle, group)
+        t3 = time.perf_counter()
+    if failed:
+        raise failed[0]
     batch.groups.sort(key=lambda g: g.group_id)
-    t3 = time.perf_counter()
-    accepted = [g for g in batch.groups if isinstance(batch.decisions[g.group_id], Accept)]
-    rejected = [k for g in batch.groups if g not in accepted for k in g.training_keys]
-    await sink.clear_rows(rejected)  # replaced or dropped groups never reach the trainer
-    batch.rows = await sink.fetch([k for g in accepted for k in g.training_keys])
-    group_of = {r: g.group_id for g in accepted for r in g.rollout_ids}
+    batch.rows = [row for g in batch.groups if g.group_id in read for row in read[g.group_id]]
+    group_of = {r: g.group_id for g in batch.groups for r in g.rollout_ids}
     batch.advantages = grpo(
         [row.reward or 0.0 for row in batch.rows],
         [group_of[row.rollout_id] for row in batch.rows],

@@ -2,10 +2,11 @@
 
 `LockStep.take` plays the step's G x N chats, then collects every group in one collection
 (`tokcap.compose.Stack.collect`: one batch close whose answer carries the manifests,
-receipts verified, one reassembly bundle per reassembler actor, one read of the rows);
-once the step has trained and pushed, `LockStep.trained` leaves `finish` (free the rows,
-release the rollouts) to run while the next step generates. Nothing is pushed before a
-step trains, so every row is sampled by the version being trained (staleness 0).
+receipts verified, one reassembly bundle per reassembler actor, each group's rows read as
+soon as its bundle is done); once the step has trained and pushed, `LockStep.trained`
+leaves `finish` (free the rows, release the rollouts) to run while the next step
+generates. Nothing is pushed before a step trains, so every row is sampled by the version
+being trained (staleness 0).
 
 Why one collection after the last answer rather than each group as soon as it has
 played: a sync step trains on every group at once, so collecting early can only hide
