@@ -1,5 +1,7 @@
 """Image parts as the gate reads them (no engine): data URLs bound to their bytes' digest,
-everything else refused with a stable code."""
+everything else refused with a stable code; a history that differs from a parent's
+conversation only by an image breaks with an image cause (``image_changed``,
+``image_dropped``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from typing import Any
 
 import pytest
 
+from tests.vllm._tokenizers import chatml_tokenizer
+from tests.vllm.test_planning_unit import Rollout
+from tokcap.tiny import VLM_CHAT_TEMPLATE
 from tokcap_vllm.errors import BadRequest, TooLarge
 from tokcap_vllm.fingerprints import (
     MAX_IMAGE_BYTES,
@@ -78,3 +83,67 @@ def test_an_image_over_the_limit_is_413_before_it_is_decoded() -> None:
     with pytest.raises(TooLarge) as info:
         image_digest({"type": "image_url", "image_url": {"url": huge}})
     assert (info.value.code, TooLarge.status) == ("media_too_large", 413)
+
+
+# ---- breaks whose cause is an image --------------------------------------------------------
+
+
+OTHER = PNG + b"\x01"
+
+
+def _vlm_rollout() -> Rollout:
+    rollout = Rollout(chatml_tokenizer(), VLM_CHAT_TEMPLATE)
+    rollout.renderer.takes_images = True
+    return rollout
+
+
+def _look(data: bytes | None, text: str = "what?") -> dict[str, Any]:
+    parts = [] if data is None else [part(data)]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
+def _first_turn(rollout: Rollout) -> dict[str, Any]:
+    return rollout.call([_look(PNG)], "a cat")
+
+
+def test_history_with_its_image_kept_extends_the_parent() -> None:
+    rollout = _vlm_rollout()
+    answer = _first_turn(rollout)
+    plan = rollout.plan([_look(PNG), answer, {"role": "user", "content": "and?"}])
+    assert (plan.parent_id, plan.formation) == ("c000001", "extend")
+
+
+@pytest.mark.parametrize(
+    ("history", "cause"),
+    [
+        ([_look(OTHER)], "image_changed"),  # other bytes at the same place
+        ([{**_look(PNG), "content": [part(), *_look(PNG)["content"]]}], "image_changed"),  # added
+        ([_look(None)], "image_dropped"),  # the image part left out
+        ([{"role": "user", "content": "what?"}], "image_dropped"),  # as plain text
+        ([_look(PNG, "what??")], "no_parent_match"),  # the text changed: not the image's doing
+    ],
+)
+def test_a_history_whose_image_changed_or_went_breaks_with_an_image_cause(
+    history: list[dict[str, Any]], cause: str
+) -> None:
+    rollout = _vlm_rollout()
+    answer = _first_turn(rollout)
+    plan = rollout.plan([*history, answer, {"role": "user", "content": "and?"}])
+    assert (plan.parent_id, plan.formation, plan.break_cause) == (None, "root", cause)
+
+
+def test_a_user_turn_of_images_alone_left_out_is_image_dropped() -> None:
+    """As vLLM's Messages conversion makes of a ``tool_result`` with an image: a tool message,
+    then a user message of the image alone; a harness that drops the image drops that turn."""
+    rollout = _vlm_rollout()
+    tool = {"role": "tool", "tool_call_id": "t1", "content": "screenshot:"}
+    answer = rollout.call([_look(None), tool, {"role": "user", "content": [part()]}], "I see")
+    plan = rollout.plan([_look(None), tool, answer, {"role": "user", "content": "go"}])
+    assert (plan.parent_id, plan.break_cause) == (None, "image_dropped")
+
+
+def test_a_text_only_rollout_keeps_its_causes() -> None:
+    rollout = Rollout(chatml_tokenizer(), VLM_CHAT_TEMPLATE)
+    answer = rollout.call([{"role": "user", "content": "hi"}], "hello")
+    plan = rollout.plan([{"role": "user", "content": "hey"}, answer])
+    assert plan.break_cause == "no_parent_match"
