@@ -55,6 +55,7 @@ from ..gate import (
     ResponseObserver,
     Serve,
     decode_request,
+    fetch_remote_media,
     planned_on,
     request_renderer,
     route_request,
@@ -190,9 +191,12 @@ class GateMiddleware:
         try:
             body = await read_body(receive, self.gate.config.max_body_bytes)
             host = self._capture_host(scope)
+            config = self.gate.config
             decoded = await decode_request(
                 kind,
-                body,
+                await fetch_remote_media(
+                    body, config.allow_remote_media, timeout_s=config.remote_media_timeout_s
+                ),
                 app_state=scope["app"].state,
                 book=self.gate.book,
                 rollout_id=rollout_id,
