@@ -191,11 +191,13 @@ class GateMiddleware:
         try:
             body = await read_body(receive, self.gate.config.max_body_bytes)
             host = self._capture_host(scope)
-            config = self.gate.config
+            allowed = self.gate.config.allow_remote_media
             decoded = await decode_request(
                 kind,
-                await fetch_remote_media(
-                    body, config.allow_remote_media, timeout_s=config.remote_media_timeout_s
+                body
+                if not allowed  # the gate fetches nothing (and makes no visit for it)
+                else await fetch_remote_media(
+                    body, allowed, timeout_s=self.gate.config.remote_media_timeout_s
                 ),
                 app_state=scope["app"].state,
                 book=self.gate.book,
