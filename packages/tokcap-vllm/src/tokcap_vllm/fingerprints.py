@@ -29,6 +29,7 @@ __all__ = [
     "ImageBlind",
     "content_chars",
     "image_blind_fingerprints",
+    "image_bytes",
     "image_digest",
     "image_digests",
     "message_fingerprints",
@@ -44,16 +45,21 @@ _DATA_URL: Final = re.compile(r"data:(image/[A-Za-z0-9.+-]+);base64,", re.ASCII)
 
 def image_digest(part: Mapping[str, Any]) -> str:
     """The SHA-256 (hex) of the image bytes an ``image_url`` part (or a Responses
-    ``input_image`` part) carries as a data URL.
+    ``input_image`` part) carries as a data URL (`image_bytes`)."""
+    return hashlib.sha256(image_bytes(part)).hexdigest()
+
+
+def image_bytes(part: Mapping[str, Any]) -> bytes:
+    """The image bytes an ``image_url`` part (or a Responses ``input_image`` part) carries
+    as a data URL.
 
     Refused, typed: a part with a client ``uuid`` (400 ``media_uuid_refused``: vLLM would
     key its cache on it with no check on content, and a UUID without bytes names content
     the gate never saw); a remote URL (400 ``remote_media_refused``: the gate fetches for a
     harness only from the hosts an operator allowed, and then hands this a data URL,
-    `tokcap_vllm.gate._remote_media`); any other URL, a data URL that is not a base64 image or does
-    not decode (400 ``bad_data_url``); an image over `MAX_IMAGE_BYTES` (413
-    ``media_too_large``).
-    """
+    `tokcap_vllm.gate._remote_media`); any other URL, a data URL that is not a base64
+    image, does not decode or holds no bytes (400 ``bad_data_url``); an image over
+    `MAX_IMAGE_BYTES` (413 ``media_too_large``)."""
     if part.get("uuid") is not None:
         raise BadRequest(
             "media_uuid_refused",
@@ -79,9 +85,11 @@ def image_digest(part: Mapping[str, Any]) -> str:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise BadRequest("bad_data_url", f"the image's base64 does not decode: {e}") from None
-    if not data or len(data) > MAX_IMAGE_BYTES:
-        raise TooLarge("media_too_large", f"an image has 1..{MAX_IMAGE_BYTES} bytes")
-    return hashlib.sha256(data).hexdigest()
+    if not data:
+        raise BadRequest("bad_data_url", "an image data URL holds no bytes")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise TooLarge("media_too_large", f"an image may have at most {MAX_IMAGE_BYTES} bytes")
+    return data
 
 
 def image_digests(messages: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
