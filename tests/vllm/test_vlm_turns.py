@@ -322,3 +322,77 @@ def test_a_remote_image_the_gate_may_not_or_could_not_fetch_is_refused_typed(
         )
     assert info.value.response.json()["error"]["code"] == code
     assert rollout_id not in vlm_server.gate.rollouts()
+
+
+def test_an_image_first_sent_uncaptured_is_bound_when_a_captured_call_carries_it(
+    vlm_server: InProcessServer,
+) -> None:
+    """Plain ``/v1`` first: vLLM's processor cache then sends the engine no tensors for the
+    image, and the gate binds the digest it took on the uncaptured call (before: a 500
+    ``gate_failed``, ``media_tensors_unseen``)."""
+    data = png(48, 48, seed=34)
+    for base in (f"{vlm_server.base_url}/v1", vlm_server.rollout_url("vlmt-plain-first")):
+        oai = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+        oai.chat.completions.create(
+            model=vlm_server.model,
+            messages=[image_message(data)],  # type: ignore[list-item]
+            max_tokens=2,
+        )
+    receipt, _, staged = close_and_reassemble(vlm_server, "vlmt-plain-first")
+    assert receipt.ok
+    assert [m.bytes_sha256 for m in staged["c000001"].media or ()] == [
+        hashlib.sha256(data).hexdigest()
+    ]
+
+
+def test_a_prompt_whose_image_would_pass_the_context_is_refused_never_cut(
+    vlm_server: InProcessServer, vlm: Path
+) -> None:
+    """Text that fits the context, then an image whose expansion does not: a 400 before the
+    engine runs (vLLM's own, as plain ``/v1`` answers it), no call left behind, no prompt
+    cut inside the image."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    per_word = len(tokenizer.encode("hello " * 1000, add_special_tokens=False)) / 1000
+    text = "hello " * int(4070 / per_word)
+    assert len(tokenizer.encode(text, add_special_tokens=False)) < 4096
+    body = {
+        "model": vlm_server.model,
+        "max_tokens": 2,
+        "messages": [image_message(png(48, 48, seed=35), text)],
+    }
+    captured = httpx.post(
+        f"{vlm_server.rollout_url('vlmt-long')}/chat/completions", json=body, timeout=120
+    )
+    plain = httpx.post(f"{vlm_server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert (captured.status_code, plain.status_code) == (400, 400)
+    assert "vlmt-long" not in vlm_server.gate.rollouts()
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "code"),
+    [
+        (b"\x89PNG\r\n\x1a\nnot an image", 400, "bad_image"),
+        (png(48, 48, seed=36)[:60], 400, "bad_image"),
+        (
+            base64.b64decode(  # a PNG whose header claims 20000 x 20000 pixels
+                "iVBORw0KGgoAAAANSUhEUgAATiAAAE4gCAIAAABsEtFuAAAAC0lEQVR4nGNggAEAAAoAAX+AdF4AAAAASUVORK5CYII="
+            ),
+            413,
+            "media_too_large",
+        ),
+    ],
+)
+def test_an_image_that_does_not_decode_or_is_a_bomb_is_refused_typed(
+    vlm_server: InProcessServer, data: bytes, status: int, code: str
+) -> None:
+    """Before: vLLM's untyped 400 after admission, and a 500 for the bomb."""
+    rollout_id = f"vlmt-bad-{code}-{len(data)}"
+    answer = httpx.post(
+        f"{vlm_server.rollout_url(rollout_id)}/chat/completions",
+        json={"model": vlm_server.model, "max_tokens": 2, "messages": [image_message(data)]},
+        timeout=120,
+    )
+    assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
+    assert rollout_id not in vlm_server.gate.rollouts()

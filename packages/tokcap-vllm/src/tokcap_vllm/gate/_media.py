@@ -15,8 +15,10 @@ A root call's result equals vLLM's own expanded ids (checked). Each new image be
 
 vLLM's processor cache sends an image's tensors to the engine core once and ``None``
 afterwards: the binder keeps the tensor digest of every ``mm_hash`` it saw (content
-hashes: the gate refuses client UUIDs, `tokcap_vllm.fingerprints.image_digest`). An item
-whose tensors it never saw fails the call (``media_tensors_unseen``); so does any
+hashes: the gate refuses client UUIDs, `tokcap_vllm.fingerprints.image_digest`), on
+captured calls and on uncaptured ones alike (`MediaBinder.observe`: an image first sent
+to plain ``/v1`` is then bound when a captured call carries it). An item whose tensors it
+never saw fails the call (``media_tensors_unseen``); so does any
 disagreement between the admitted ids and vLLM's expansion (``media_mismatch``).
 """
 
@@ -153,6 +155,15 @@ class MediaBinder:
         engine_input["prompt_token_ids"] = ids
         engine_input["mm_placeholders"] = {"image": placed}
         return engine_input, tuple(new)
+
+    def observe(self, prompt: Mapping[str, Any]) -> None:
+        """Keep the tensor digests an uncaptured multimodal engine input carries."""
+        hashes = prompt.get("mm_hashes", {}).get("image", ())
+        items = prompt.get("mm_kwargs", {}).get("image", ())
+        for mm_hash, item in zip(hashes, items, strict=False):
+            data = None if item is None else item.get_data()
+            if data is not None and all(value is not None for value in data.values()):
+                self._tensors_digest(mm_hash, item)
 
     def _item(self, i: int, offset: int, r: Any, mm_hash: str, item: Any, digest: str) -> MediaItem:
         mask = None if r.is_embed is None else [bool(b) for b in r.is_embed.tolist()]
