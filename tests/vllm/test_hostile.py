@@ -300,3 +300,43 @@ def test_the_session_engine_serves_seeded_calls_with_long_prompts(server: InProc
 
     assert anyio.run(main) == [200] * 6
     _assert_serving(server, "hx-seeded-after")
+
+
+def test_images_a_client_abuses_are_refused_typed_and_harm_nothing(server: InProcessServer) -> None:
+    """Issue #35 on the session gate, whose model takes no images: an image named by a client
+    UUID (first sent with its bytes, then the UUID alone, which vLLM would answer from its
+    cache without seeing content), a remote URL the gate was not allowed to fetch, a
+    malformed data URL, an oversized image and a well-formed image: each a typed 4xx before
+    anything reaches a ledger. (A history whose image was swapped, on the tiny VLM:
+    ``test_vlm_turns``.)"""
+    png = (  # a 1x1 PNG
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5Erk"
+        "Jggg=="
+    )
+    good = {"url": f"data:image/png;base64,{png}"}
+    cases = [
+        ({"type": "image_url", "image_url": good, "uuid": "img-1"}, (400, "media_uuid_refused")),
+        ({"type": "image_url", "image_url": None, "uuid": "img-1"}, (400, "media_uuid_refused")),
+        (
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}},
+            (400, "remote_media_refused"),
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}},
+            (400, "bad_data_url"),
+        ),
+        (
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + "A" * 28_000_000},
+            },
+            (413, "media_too_large"),
+        ),
+        ({"type": "image_url", "image_url": good}, (400, "unsupported_content")),
+    ]
+    for n, (part, expected) in enumerate(cases):
+        body = _body(server, "x")
+        body["messages"][0]["content"] = [part, {"type": "text", "text": "what is it?"}]
+        assert _code(_post(server, f"hx-img-{n}", body)) == expected, part
+    assert not {f"hx-img-{n}" for n in range(len(cases))} & set(server.gate.rollouts())
+    _assert_serving(server, "hx-img-after")

@@ -276,7 +276,11 @@ def test_a_tokenizer_is_named_by_its_type_and_its_inner_tokenizer_when_it_has_on
 
 # ---- images ---------------------------------------------------------------------------------
 
-_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+_PNG_1X1 = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5Erk"
+    "Jggg=="
+)
+_IMAGE = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_PNG_1X1}"}}
 
 
 def test_images_are_refused_on_a_model_without_them_and_planned_on_one_with_them(

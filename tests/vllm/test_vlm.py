@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from tests.vllm._helpers import CONTROL_TOKEN, close_and_reassemble, control, events
+from tests.vllm._vlm import data_url, image_message, png, processor_ids
 from tokcap.tiny import IMAGE_TOKEN, VLM_VLLM_ARGS, build_tiny_vlm
 from tokcap_core import CaptureConfig, MemorySink, StagedCall
 from tokcap_core.ledger import Admitted, Staged
@@ -28,34 +28,6 @@ from tokcap_core.sink import fetch_media
 from tokcap_vllm import Gate, GateConfig, InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    """A PNG of ``width`` x ``height`` pixels whose colours depend on ``seed``."""
-    from PIL import Image
-
-    image = Image.new("RGB", (width, height))
-    image.putdata(
-        [((x * 7 + seed) % 256, (y * 11 + seed) % 256, (x * y + seed) % 256)
-         for y in range(height) for x in range(width)]
-    )  # fmt: skip
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def image_message(data: bytes, text: str = "What is in the picture?") -> dict[str, Any]:
-    return {
-        "role": "user",
-        "content": [
-            {"type": "image_url", "image_url": {"url": data_url(data)}},
-            {"type": "text", "text": text},
-        ],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -75,25 +47,6 @@ def vlm_server(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     srv.start(timeout=1800)  # a loaded 2-core box took 450 s
     yield srv
     srv.stop()
-
-
-def processor_ids(model: Path, messages: list[dict[str, Any]], images: list[bytes]) -> list[int]:
-    """The prompt ids transformers' processor (saved with the model) makes of ``messages``."""
-    from PIL import Image
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(model)
-    parts = [
-        [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
-        if isinstance(m["content"], list)
-        else m["content"]
-        for m in messages
-    ]
-    chat = [{"role": m["role"], "content": c} for m, c in zip(messages, parts, strict=True)]
-    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-    ids: list[int] = processor(text=text, images=pil)["input_ids"][0]
-    return list(ids)
 
 
 def test_engine_expands_images_as_the_processor_does(

@@ -38,12 +38,17 @@ BREAK_CAUSES: Final[tuple[str, ...]] = (
     "reasoning_stripped",
     "template_mismatch",
     "template_unstable",
+    "image_changed",
+    "image_dropped",
 )
 """Why a later call of a rollout started a new root instead of extending a parent.
 
 ``template_mismatch``: the template renders the parent's generated turn differently and
 the gate was told to break rather than splice; ``template_unstable``: appending the new
-messages re-renders earlier history (other than stripped reasoning)."""
+messages re-renders earlier history (other than stripped reasoning); ``image_changed``: the
+history is a parent's conversation but for an image (other bytes at the same place, or
+an image added or moved); ``image_dropped``: the history is a parent's conversation with
+some of its images left out."""
 
 FORMATIONS: Final[tuple[str, ...]] = ("root", "extend", "splice")
 """How a call's prompt was formed: a new root; its parent's exact ids extended by text

@@ -7,7 +7,9 @@ image parts keeps its parts in order instead: text parts as they are, each image
 ``{"type": "image", "sha256": <hex of its bytes>}`` (what the chat template renders as
 the model's image placeholder, and what the fingerprints compare), so a changed image
 changes the message. Images travel only as base64 data URLs; the gate refuses, typed,
-what it cannot bind to bytes it holds (`image_digest`). Pure: no I/O.
+what it cannot bind to bytes it holds (`image_digest`). `image_blind_fingerprints` are the
+same fingerprints with the images' bytes unnamed, or with the images left out: what tells a
+history whose only change is an image from any other. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from .errors import BadRequest, TooLarge
 
 __all__ = [
     "MAX_IMAGE_BYTES",
+    "ImageBlind",
     "content_chars",
+    "image_blind_fingerprints",
+    "image_bytes",
     "image_digest",
     "image_digests",
     "message_fingerprints",
@@ -40,15 +45,21 @@ _DATA_URL: Final = re.compile(r"data:(image/[A-Za-z0-9.+-]+);base64,", re.ASCII)
 
 def image_digest(part: Mapping[str, Any]) -> str:
     """The SHA-256 (hex) of the image bytes an ``image_url`` part (or a Responses
-    ``input_image`` part) carries as a data URL.
+    ``input_image`` part) carries as a data URL (`image_bytes`)."""
+    return hashlib.sha256(image_bytes(part)).hexdigest()
+
+
+def image_bytes(part: Mapping[str, Any]) -> bytes:
+    """The image bytes an ``image_url`` part (or a Responses ``input_image`` part) carries
+    as a data URL.
 
     Refused, typed: a part with a client ``uuid`` (400 ``media_uuid_refused``: vLLM would
     key its cache on it with no check on content, and a UUID without bytes names content
-    the gate never saw); a remote URL (400 ``remote_media_refused``: the gate does not
-    fetch for a harness); any other URL, a data URL that is not a base64 image or does
-    not decode (400 ``bad_data_url``); an image over `MAX_IMAGE_BYTES` (413
-    ``media_too_large``).
-    """
+    the gate never saw); a remote URL (400 ``remote_media_refused``: the gate fetches for a
+    harness only from the hosts an operator allowed, and then hands this a data URL,
+    `tokcap_vllm.gate._remote_media`); any other URL, a data URL that is not a base64
+    image, does not decode or holds no bytes (400 ``bad_data_url``); an image over
+    `MAX_IMAGE_BYTES` (413 ``media_too_large``)."""
     if part.get("uuid") is not None:
         raise BadRequest(
             "media_uuid_refused",
@@ -61,7 +72,8 @@ def image_digest(part: Mapping[str, Any]) -> str:
     if url[:8].lower().startswith(("http://", "https://")):
         raise BadRequest(
             "remote_media_refused",
-            "remote image URLs are not fetched by the gate: send the image as a data URL",
+            "remote image URLs are fetched only from the hosts the gate allows "
+            "(--tokcap-allow-remote-media): send the image as a data URL",
         )
     head = _DATA_URL.match(url[:160])
     if head is None:
@@ -73,9 +85,11 @@ def image_digest(part: Mapping[str, Any]) -> str:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise BadRequest("bad_data_url", f"the image's base64 does not decode: {e}") from None
-    if not data or len(data) > MAX_IMAGE_BYTES:
-        raise TooLarge("media_too_large", f"an image has 1..{MAX_IMAGE_BYTES} bytes")
-    return hashlib.sha256(data).hexdigest()
+    if not data:
+        raise BadRequest("bad_data_url", "an image data URL holds no bytes")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise TooLarge("media_too_large", f"an image may have at most {MAX_IMAGE_BYTES} bytes")
+    return data
 
 
 def image_digests(messages: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
@@ -187,6 +201,41 @@ def message_fingerprints(messages: Iterable[Mapping[str, Any]]) -> list[str]:
         digest = hashlib.sha256(prev + _canonical(message)).digest()
         out.append(digest.hex())
         prev = digest
+    return out
+
+
+class ImageBlind(NamedTuple):
+    """Fingerprints of a conversation that do not see its images' bytes."""
+
+    places: str
+    """The rolling fingerprint with each image's digest unnamed (its place kept)."""
+    text: str
+    """The rolling fingerprint with the images left out (a message of images alone too)."""
+    images: int
+    """How many images the conversation holds."""
+
+
+def image_blind_fingerprints(messages: Iterable[Mapping[str, Any]]) -> list[ImageBlind]:
+    """Element ``i`` covers normalised ``messages[: i + 1]`` as `message_fingerprints` does,
+    blind to the images (`ImageBlind`)."""
+    out: list[ImageBlind] = []
+    places = text = b"tokcap/conversation/image-blind/v1"
+    images = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            n = sum(1 for p in content if p.get("type") == "image")
+            images += n
+            unnamed = [{"type": "image"} if p.get("type") == "image" else p for p in content]
+            places = hashlib.sha256(places + _canonical({**message, "content": unnamed})).digest()
+            words = [p["text"] for p in content if p.get("type") == "text"]
+            if words or message.get("role") != "user":  # a user turn of images alone goes
+                joined = {**message, "content": "\n".join(words)}
+                text = hashlib.sha256(text + _canonical(joined)).digest()
+        else:
+            places = hashlib.sha256(places + _canonical(message)).digest()
+            text = hashlib.sha256(text + _canonical(message)).digest()
+        out.append(ImageBlind(places.hex(), text.hex(), images))
     return out
 
 

@@ -10,6 +10,8 @@
 - the four APIs a rollout may speak: chat and completions (``_wire``, with the response
   fields the gate watches), Responses (``_responses``) and Messages (``_messages``),
   decoded by ``_apis``; what an answer returned, read back as a turn (``_answers``);
+- remote images an operator allowed, fetched once and bound as data URLs
+  (``_remote_media``);
 - the engine: the capture host around vLLM's async engine (``_host``, ``_logprob_text``),
   the one way vLLM is imported (``_vllm``);
 - which rollout a request belongs to (``_routing``), the metrics (``_metrics``), the
@@ -32,6 +34,7 @@ from ._metrics import GateMetrics
 from ._options import FLAG_PREFIX, from_environ, split_argv
 from ._planning import Observed, RequestRenderer, request_renderer
 from ._records import ABANDONED, Flag, GateCall
+from ._remote_media import fetch_remote_media
 from ._routing import parse_rollout_id, route_request
 from ._served import describe_sink, gate_help, served_gate, served_options
 from ._vllm import INSTALL_HINT, require_vllm
@@ -64,6 +67,7 @@ __all__ = [
     "decode_json",
     "decode_request",
     "describe_sink",
+    "fetch_remote_media",
     "from_environ",
     "gate_help",
     "parse_rollout_id",

@@ -44,6 +44,17 @@ def _markers(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
         )
 
 
+def _hosts(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not (
+        isinstance(value, tuple)
+        and all(isinstance(h, str) and h and "/" not in h and h == h.strip() for h in value)
+    ):
+        raise ConfigError(
+            "bad_allow_remote_media",
+            f"allow_remote_media must be a tuple of hosts ('host' or 'host:port'): {value!r}",
+        )
+
+
 def _optional_text(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
         non_empty_text(_, attribute, value)
@@ -89,6 +100,12 @@ class GateConfig:
     ``"follow_template"`` trains on what the template serves (a new root,
     ``reasoning_stripped``); ``"keep_model_tokens"`` keeps the model's own reasoning tokens
     and splices the new messages after them (a ``reasoning`` splice)."""
+    allow_remote_media: tuple[str, ...] = attrs.field(default=(), validator=_hosts)
+    """Hosts (``host``, any port; or ``host:port``) whose ``http``/``https`` image URLs the
+    gate fetches itself and binds as data URLs (`tokcap_vllm.gate._remote_media`); empty,
+    the default: every remote image URL is refused (``remote_media_refused``)."""
+    remote_media_timeout_s: float = attrs.field(default=10.0, validator=positive_number)
+    """How long the gate waits on each phase of a remote image's fetch (connect, each read)."""
     ledger_path: str | None = attrs.field(default=None, validator=_optional_text)
     """The append-only ledger file (None: ledgers live in memory only)."""
     compact_after_releases: int = attrs.field(default=1024, validator=at_least(1))

@@ -143,6 +143,8 @@ class CaptureHost:
         """The engine's ``generate``; captures when the caller's context holds an unused ticket."""
         ticket = CURRENT_TICKET.get()
         if ticket is None or ticket.used or not hasattr(sampling_params, "logprobs"):
+            if isinstance(prompt, dict) and prompt.get("type") == "multimodal":
+                self.media.observe(prompt)  # vLLM sends these tensors only once
             plain: AsyncGenerator[Any, None] = self._original(
                 prompt, sampling_params, request_id, *args, **kwargs
             )

@@ -20,9 +20,11 @@ gate stages into the sink once, keyed by that digest (`_media_refs`).
 vLLM's processor cache sends an image's tensors to the engine core once and ``None``
 afterwards: the binder keeps the digest and the blob of every ``mm_hash`` it saw (content
 hashes: the gate refuses client UUIDs, `tokcap_vllm.fingerprints.image_digest`), the
-blobs up to `BLOB_BYTES` (oldest first out). An item whose tensors it does not hold fails
-the call (``media_tensors_unseen``); so does any disagreement between the admitted ids and
-vLLM's expansion (``media_mismatch``).
+blobs up to `BLOB_BYTES` (oldest first out), on captured calls and on uncaptured ones alike
+(`MediaBinder.observe`: an image first sent to plain ``/v1`` is then bound when a captured
+call carries it). An item whose tensors it does not hold fails the call
+(``media_tensors_unseen``); so does any disagreement between the admitted ids and vLLM's
+expansion (``media_mismatch``).
 """
 
 from __future__ import annotations
@@ -166,6 +168,15 @@ class MediaBinder:
         engine_input["prompt_token_ids"] = ids
         engine_input["mm_placeholders"] = {"image": placed}
         return engine_input, tuple(new), blobs
+
+    def observe(self, prompt: Mapping[str, Any]) -> None:
+        """Keep the tensor digests and blobs an uncaptured multimodal engine input carries."""
+        hashes = prompt.get("mm_hashes", {}).get("image", ())
+        items = prompt.get("mm_kwargs", {}).get("image", ())
+        for mm_hash, item in zip(hashes, items, strict=False):
+            data = None if item is None else item.get_data()
+            if data is not None and all(value is not None for value in data.values()):
+                self._tensors(mm_hash, item)
 
     def _item(self, offset: int, r: Any, mm_hash: str, tensors: str, digest: str) -> MediaItem:
         mask = None if r.is_embed is None else [bool(b) for b in r.is_embed.tolist()]

@@ -55,6 +55,7 @@ from ..gate import (
     ResponseObserver,
     Serve,
     decode_request,
+    fetch_remote_media,
     planned_on,
     request_renderer,
     route_request,
@@ -190,9 +191,14 @@ class GateMiddleware:
         try:
             body = await read_body(receive, self.gate.config.max_body_bytes)
             host = self._capture_host(scope)
+            allowed = self.gate.config.allow_remote_media
             decoded = await decode_request(
                 kind,
-                body,
+                body
+                if not allowed  # the gate fetches nothing (and makes no visit for it)
+                else await fetch_remote_media(
+                    body, allowed, timeout_s=self.gate.config.remote_media_timeout_s
+                ),
                 app_state=scope["app"].state,
                 book=self.gate.book,
                 rollout_id=rollout_id,

@@ -16,7 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...fingerprints import message_fingerprints, normalize_message, output_fingerprint
+from ...fingerprints import (
+    image_blind_fingerprints,
+    message_fingerprints,
+    normalize_message,
+    output_fingerprint,
+)
 from ._plan_text import ChatPlan, PriorCall
 
 if TYPE_CHECKING:
@@ -103,7 +108,7 @@ class ParentIndex:
     ) -> Learned:
         """What a call that returned ``result`` (seen as ``seen``) leaves for its children."""
         output_fp = output_fingerprint(seen.content, seen.tool_calls)
-        conversation_fp = None
+        conversation_fp = image_blind = None
         if kind == "chat":
             cum_text = plan.prompt_text + request.decode(result.output_ids)
             assistant: dict[str, Any] = {
@@ -112,13 +117,22 @@ class ParentIndex:
                 "tool_calls": seen.tool_calls,
             }
             turn = normalize_message(assistant)
-            conversation_fp = message_fingerprints([*(request.messages or []), turn])[-1]
+            conversation = [*(request.messages or []), turn]
+            conversation_fp = message_fingerprints(conversation)[-1]
+            if request.images:
+                image_blind = image_blind_fingerprints(conversation)[-1]
         else:
             cum_text = plan.prompt_text + result.text if plan.prompt_text else ""
         cum_ids = array("I", result.prompt_ids)
         cum_ids.extend(result.output_ids)
         prior = PriorCall(
-            call_id, kind, cum_text, cum_ids, conversation_fp, gen_len=len(result.output_ids)
+            call_id,
+            kind,
+            cum_text,
+            cum_ids,
+            conversation_fp,
+            gen_len=len(result.output_ids),
+            image_blind=image_blind,
         )
         return Learned(output_fp, prior)
 

@@ -11,7 +11,11 @@ text, or *spliced* to the tokenised new messages where the template renders the 
 turn differently from what it generated (special tokens, invalid UTF-8, re-serialised tool
 calls, whitespace). Only a history the harness really changed, a template that re-renders
 earlier turns, or reasoning the template strips (unless the gate keeps the model's own
-reasoning tokens) makes the call a new root, with a break cause (`BREAK_CAUSES`).
+reasoning tokens) makes the call a new root, with a break cause (`BREAK_CAUSES`). A request
+that names no call only because an image changed (other bytes where a call's conversation
+had an image, an image added or moved: ``image_changed``) or because images of that
+conversation were left out (``image_dropped``) says so, by the conversations' fingerprints
+blind to images (`tokcap_vllm.fingerprints.image_blind_fingerprints`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...fingerprints import _canonical, message_fingerprints
+from ...fingerprints import ImageBlind, _canonical, image_blind_fingerprints, message_fingerprints
 from ._splice import ChildTurn, Renderer, SpliceRules, form_child
 
 __all__ = [
@@ -47,6 +51,8 @@ class PriorCall:
     """Chat only: fingerprint of the request messages + the returned assistant message."""
     gen_len: int = 0
     """How many of ``cum_ids`` the call generated (its last ones; the id-level planner's)."""
+    image_blind: ImageBlind | None = None
+    """Chat only: the conversation's fingerprints blind to its images (None: it has none)."""
 
 
 @dataclass(slots=True)
@@ -115,7 +121,26 @@ def plan_chat(
         return _child(
             parent, encode(formed.carry), full, request_fp, formed.formation, formed.splice_cause
         )
-    return _root(encode(full), full, request_fp, "no_parent_match" if priors else None)
+    cause = _image_cause(messages, priors) if priors else None
+    return _root(encode(full), full, request_fp, cause or ("no_parent_match" if priors else None))
+
+
+def _image_cause(messages: Sequence[Mapping[str, Any]], priors: Sequence[PriorCall]) -> str | None:
+    """``image_changed`` or ``image_dropped`` when a prefix of ``messages`` ending at an
+    assistant message is a prior's conversation but for its images (None otherwise)."""
+    known = [p.image_blind for p in priors if p.image_blind is not None]
+    if not known:
+        return None
+    blind = image_blind_fingerprints(messages)
+    for k in range(len(messages) - 1, -1, -1):
+        if messages[k]["role"] != "assistant":
+            continue
+        for prior in known:
+            if blind[k].places == prior.places:
+                return "image_changed"
+            if blind[k].text == prior.text:
+                return "image_dropped" if blind[k].images < prior.images else "image_changed"
+    return None
 
 
 def _root(ids: list[int], text: str, request_fp: str, cause: str | None) -> ChatPlan:

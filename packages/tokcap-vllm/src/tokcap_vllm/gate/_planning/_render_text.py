@@ -8,7 +8,9 @@ fault and is refused with a typed 400 before anything reaches the ledger:
 ``chat_template_not_trusted``, ``bad_chat_template_kwargs`` (keys the gate sets itself),
 ``bad_chat_template`` (a template that does not render, or that the sandbox refuses) and
 ``prompt_too_long`` (more characters than the model's context could hold at
-``GateConfig.max_chars_per_token``; bounded before any tokenising).
+``GateConfig.max_chars_per_token``; bounded before any tokenising); for a model that takes
+images, an image that does not decode (``bad_image``) or is too large (``media_too_large``:
+`_images`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ...errors import BadRequest, Unsupported
 from ...fingerprints import content_chars, image_digests, normalize_message
 from .._vllm import require_vllm
 from .._wire import ChatBody, CompletionBody
+from ._images import ImageCheck
 from ._index import PlannedRequest, Planner
 from ._plan_text import ChatPlan, PriorCall, plan_chat, plan_completion
 from ._splice import SpliceRules
@@ -64,6 +67,7 @@ class RequestRenderer:
         self.takes_images = False
         """Whether the served model takes images (set by the server; else any image part is
         refused ``unsupported_content``)."""
+        self.images = ImageCheck()
         self.rules = SpliceRules(
             markers=config.reasoning_markers,
             special_texts=_special_texts(tokenizer),
@@ -104,8 +108,10 @@ class RequestRenderer:
                 "binds the server's)",
             )
         messages = [normalize_message(m) for m in parsed.messages]
-        if not self.takes_images and image_digests(messages):
-            raise BadRequest("unsupported_content", "the served model takes no images")
+        if image_digests(messages):
+            if not self.takes_images:
+                raise BadRequest("unsupported_content", "the served model takes no images")
+            self.images.check(parsed.messages)
         self._check_size(
             sum(content_chars(m["content"]) for m in messages) + len(json.dumps(parsed.tools or []))
         )

@@ -1,0 +1,66 @@
+"""What the tiny-VLM tests share: images as PNG bytes and data URLs, chat messages carrying
+them, and transformers' own processor as the reference for an expanded prompt."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A PNG of ``width`` x ``height`` pixels whose colours depend on ``seed``."""
+    from PIL import Image
+
+    image = Image.new("RGB", (width, height))
+    image.putdata(
+        [((x * 7 + seed) % 256, (y * 11 + seed) % 256, (x * y + seed) % 256)
+         for y in range(height) for x in range(width)]
+    )  # fmt: skip
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    """``data`` as a base64 data URL."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_message(data: bytes, text: str = "What is in the picture?") -> dict[str, Any]:
+    """A user chat message: the image, then ``text``."""
+    return {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": data_url(data)}},
+            {"type": "text", "text": text},
+        ],
+    }
+
+
+def token_id(model: Path, token: str) -> int:
+    """The id of the special ``token`` in the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    found: int = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(token)
+    return found
+
+
+def processor_ids(model: Path, messages: list[dict[str, Any]], images: list[bytes]) -> list[int]:
+    """The prompt ids transformers' processor (saved with the model) makes of ``messages``."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    parts = [
+        [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
+        if isinstance(m["content"], list)
+        else m["content"]
+        for m in messages
+    ]
+    chat = [{"role": m["role"], "content": c} for m, c in zip(messages, parts, strict=True)]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    ids: list[int] = processor(text=text, images=pil)["input_ids"][0]
+    return list(ids)
