@@ -1,19 +1,21 @@
-"""One served-gate fleet shared by the e2e modules that only *use* gates.
+"""One served-gate fleet shared by the modules that only *use* gates (e2e, TRL).
 
 Two ``tokcap-vllm serve --tokcap-sink tq`` processes (the real CLI, with the options
 ``tokcap train --gates`` gives its gates: `tokcap.compose.served_gate_options` on the
 default partitions, ``--tokcap-return-token-ids``, the demo's Qwen engine options) joined
 to the session's Ray + TransferQueue (``tq_cluster``). Starting them costs a minute or
 more on a 2-core box; every module that drives gates someone else started (served gates
-read from this process, trainers and the demo in their own processes with ``--gate URL
---ray-address``) shares one start.
+read from this process, TRL's trainers in this process, trainers and the demo in their own
+processes with ``--gate URL --ray-address``) shares one start.
 
 `SharedFleet.up` starts the gates on first use and restarts any that died (a test may
 kill one: the fault test kills the second gate last). `SharedFleet.initial_weights`
 puts every gate back on the tiny model's own weights (a push at a new version) when a
 previous test pushed trained weights, for tests whose first step checks parity against
-freshly loaded weights. ``tests/e2e/conftest.py`` runs the modules that use the fleet
-one after another and stops the gates after the last of them.
+freshly loaded weights; `SharedFleet.unpushed` gives gates never pushed to (version 0),
+starting again any that was, for a trainer that numbers its pushes from 0 (TRL's
+``GRPOTrainer``). ``tests/conftest.py`` runs the modules that use the fleet one after
+another (those that need it unpushed first) and stops the gates after the last of them.
 """
 
 from __future__ import annotations
@@ -80,6 +82,17 @@ class SharedFleet:
         """The gates' base URLs (after `up`)."""
         return [g.url for g in self.up()]
 
+    def unpushed(self) -> list[ServedGate]:
+        """The gates, each never pushed to (version 0, the model's own weights): a gate a
+        previous test pushed to is started again."""
+        gates = self.up()
+        versions = anyio.run(self._versions, [g.url for g in gates])
+        for i, version in enumerate(versions):
+            if version != 0:
+                gates[i].stop()
+                self._gates[i] = None
+        return self.up()
+
     def initial_weights(self) -> int:
         """Every gate on the model's own weights; returns the fleet's version then.
 
@@ -88,6 +101,12 @@ class SharedFleet:
         """
         urls = self.urls
         return anyio.run(self._reset, urls)
+
+    async def _versions(self, urls: list[str]) -> list[int]:
+        from tokcap_vllm.weights import FleetWeightSync
+
+        async with FleetWeightSync([(url, self.token) for url in urls]) as weights:
+            return [info.version for info in await weights.infos()]
 
     async def _reset(self, urls: list[str]) -> int:
         from tokcap.loop import load_policy

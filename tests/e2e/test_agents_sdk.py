@@ -1,7 +1,7 @@
 """An OpenAI Agents SDK agent as the harness, through gates started by hand.
 
 ``examples/agents_sdk_harness.py`` runs as a user runs it, in its own process, against the
-shared fleet's two ``tokcap-vllm serve`` gates (``served_fleet``, tests/e2e/conftest.py):
+shared fleet's two ``tokcap-vllm serve`` gates (``served_fleet``, tests/conftest.py):
 the SDK's own ``Runner`` drives an agent with a ``calc`` tool over chat completions and
 over the Responses API, two rollouts each. The example's ``--report`` gives what it saw;
 this test checks it from the raw material, not from the example's own verdict:

@@ -2,7 +2,7 @@
 ``tokcap-vllm serve`` processes someone else started.
 
 One small run (a subprocess, as a user runs it) against the shared fleet (``served_fleet``,
-tests/e2e/conftest.py: gates started with the real CLI and the options ``--gates N`` gives
+tests/conftest.py: gates started with the real CLI and the options ``--gates N`` gives
 its own, staging into the cluster's TransferQueue); every rollout is opened through
 `tokcap_vllm.GateFleet`; the summary and the report show the fleet. ``tokcap train --gates
 2`` (tests/e2e/test_train_gates.py) starts gates through the same `tokcap.compose` code

@@ -1,6 +1,6 @@
 """Trainers against gates started by hand, as a team with its own vLLM servers runs them.
 
-The gates are the shared fleet's (``served_fleet``, tests/e2e/conftest.py): two
+The gates are the shared fleet's (``served_fleet``, tests/conftest.py): two
 ``tokcap-vllm serve --tokcap-sink tq`` processes started with the real CLI against a Ray
 cluster running TransferQueue (the session's). Two trainers come and go, each in its own
 process, joining the cluster with ``--ray-address``: ``examples/custom_trainer.py --gate

@@ -2,7 +2,7 @@
 
 This process is the trainer: it runs Ray and TransferQueue (``tq_cluster``) and the two
 real ``tokcap-vllm serve --tokcap-sink tq`` gates of the shared fleet (``served_fleet``,
-tests/e2e/conftest.py) join that cluster as drivers; it plays chats through them with the
+tests/conftest.py) join that cluster as drivers; it plays chats through them with the
 real openai client, and reads the staged calls back through `TQSink` from its own process.
 """
 
@@ -192,15 +192,16 @@ def test_a_restarted_trainer_reclaims_what_the_dead_one_left_on_every_gate(
     anyio.run(run)
 
 
+@pytest.mark.kills_a_fleet_gate
 def test_a_gate_killed_mid_step_poisons_its_rollouts_and_the_run_goes_on(
     served_fleet: SharedFleet, sink: TQSink, token: str
 ) -> None:
-    """Runs last among the fleet's users (tests/e2e/conftest.py; were it not, the fleet
-    restarts a dead gate for the next): it kills the second gate's process (API server and
-    engine core) while a step plays, through the composition ``tokcap train --gates`` runs:
-    its rollouts are poisoned and counted, the step trains on the first gate's, nothing
-    stays in TransferQueue or on the live gate, the push goes to the live gate and the next
-    step trains at the pushed weights."""
+    """Runs last among the fleet's users (its marker, tests/conftest.py; were it not,
+    the fleet would start the dead gate again for the next): it kills the second gate's
+    process (API server and engine core) while a step plays, through the composition
+    ``tokcap train --gates`` runs: its rollouts are poisoned and counted, the step trains on
+    the first gate's, nothing stays in TransferQueue or on the live gate, the push goes to
+    the live gate and the next step trains at the pushed weights."""
     import torch
 
     from tokcap.compose import (

@@ -1,7 +1,8 @@
 """TRL's real ``AsyncGRPOTrainer`` trains through served gates (issue #34, the async half).
 
 Real parts throughout: two ``tokcap-vllm serve`` gates (OS processes, CPU engines on the
-tiny Qwen3) staging into TransferQueue on the session's local Ray (``tq_cluster``); the
+tiny Qwen3: the shared fleet's, ``served_fleet`` in tests/conftest.py) staging into
+TransferQueue on the session's local Ray (``tq_cluster``); the
 ``openai`` client over HTTP in the harness; TRL 1.16's own ``AsyncGRPOTrainer`` with
 `tokcap_trl.AsyncGRPOGates` as its ``rollout_worker`` and ``weight_transfer``. The only
 replacements are the two CUDA-only spots of TRL's trainer (tests/trl/_async_cpu.py).
@@ -22,16 +23,14 @@ from __future__ import annotations
 import queue
 import warnings
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.e2e._gates import ServedGate
+from tests.e2e._fleet import SharedFleet
 from tests.trl._async_cpu import CpuVarlenAttention, cpu_async_grpo
-from tokcap.compose import served_gate_options
 from tokcap_tq import TQSink, TQSinkConfig
 from tokcap_trl import AsyncGRPOGates, Episode, Scored, TRLAdapterError, chat_harness
 
@@ -54,36 +53,17 @@ def _import_trl() -> Any:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokcap.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "dense")
+def model_dir(served_fleet: SharedFleet) -> Path:
+    """The tiny model the gates serve (and TRL trains)."""
+    return served_fleet.model
 
 
 @pytest.fixture(scope="module")
-def gates(
-    tq_cluster: Any, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[list[str], str]]:
-    """Two served gates on the session's Ray + TransferQueue (ids returned to harnesses,
-    weight pushes from this process); their URLs and control token."""
-    import ray
-
-    token = "trl-async-test-token"
-    options = [
-        *served_gate_options(TQSinkConfig(), ray.get_runtime_context().gcs_address),
-        "--tokcap-return-token-ids",
-    ]
-    logs = tmp_path_factory.mktemp("gate-logs")
-    started = [
-        ServedGate(model_dir, options, token=token, log=logs / f"gate-{i}.log") for i in range(2)
-    ]
-    try:
-        for gate in started:
-            gate.wait_healthy(token)
-        yield [g.url for g in started], token
-    finally:
-        for gate in started:
-            gate.stop()
+def gates(served_fleet: SharedFleet) -> tuple[list[str], str]:
+    """The shared fleet's two gates on the session's Ray + TransferQueue (ids returned to
+    harnesses, weight pushes from this process), at whatever version they serve; their URLs
+    and control token."""
+    return [g.url for g in served_fleet.up()], served_fleet.token
 
 
 class TakenQueue(queue.Queue[Any]):

@@ -1,7 +1,8 @@
 """The real ``trl.GRPOTrainer`` trains the tiny model through two ``tokcap-vllm serve`` gates.
 
-This process is the trainer: Ray + TransferQueue (``tq_cluster``), two served gates that
-stage into it (``--tokcap-require-open``, weight pushes over shared memory), and TRL's own
+This process is the trainer: Ray + TransferQueue (``tq_cluster``), the shared fleet's two
+served gates that stage into it (``served_fleet``, tests/conftest.py: ``--tokcap-require-open``,
+weight pushes over shared memory; never pushed to before this module), and TRL's own
 ``GRPOTrainer`` on CPU (``use_vllm=False``) with `tokcap_trl.GRPORollouts` as its
 ``rollout_func`` and its `WeightPushCallback`. The harness is `tokcap_trl.chat_harness`
 (two turns, the environment's turn between them) asking vLLM for its own token ids on every
@@ -18,17 +19,18 @@ its step); the reward rises.
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
+    from tests.e2e._fleet import SharedFleet
     from tokcap_trl import Episode, Scored
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.needs_an_unpushed_fleet]
 
 STEPS = 10
 PROMPTS = 4
@@ -41,12 +43,9 @@ position, so each step samples each candidate many times: measured here with TRL
 generation, the vowel share rose 0.32 -> 0.62 in 10 steps at this learning rate."""
 POISONED_INDEX = 5
 """In every batch, the rollout at this index is scored with a witness no call matches."""
-STAGING, TRAINING = "trl_staging", "trl_training"
-"""The gates' TransferQueue partitions (this module's own).
-
-Everything heavy (TRL, transformers, torch, tokcap's adapters) is imported inside the
-fixtures, after the session's Ray is up: with torch imported first, a local Ray on a
-loaded 2-core box missed its 30 s raylet start-up window every time tried here."""
+# Everything heavy (TRL, transformers, torch, tokcap's adapters) is imported inside the
+# fixtures, after the session's Ray is up: with torch imported first, a local Ray on a
+# loaded 2-core box missed its 30 s raylet start-up window every time tried here.
 
 
 def score(answers: Sequence[str]) -> float:
@@ -79,34 +78,10 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def gates(tq_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Two served gates on this session's Ray + TransferQueue; their token and model."""
-    import ray
-
-    from tests.e2e._cli import REPO
-    from tests.e2e._gates import ServedGate
-    from tokcap.compose import served_gate_options
-    from tokcap.tiny import build_tiny_model
-    from tokcap_tq import TQSinkConfig
-
-    model = build_tiny_model(REPO / ".tokcap" / "tiny" / "dense", kind="dense")
-    token = "trl-" + secrets.token_hex(8)
-    options = [
-        *served_gate_options(
-            TQSinkConfig(staging_partition=STAGING, training_partition=TRAINING),
-            ray.get_runtime_context().gcs_address,
-        ),
-        "--tokcap-return-token-ids",
-    ]
-    logs = tmp_path_factory.mktemp("trl-gates")
-    started = [ServedGate(model, options, token=token, log=logs / f"gate{i}.log") for i in range(2)]
-    try:
-        for gate in started:
-            gate.wait_healthy(token)
-        yield [g.url for g in started], token, model
-    finally:
-        for gate in started:
-            gate.stop()
+def gates(served_fleet: SharedFleet) -> tuple[list[str], str, Path]:
+    """The shared fleet's two gates, never pushed to (TRL pushes its step as the version,
+    from 0); their URLs, token and model."""
+    return [g.url for g in served_fleet.unpushed()], served_fleet.token, served_fleet.model
 
 
 def _rows_of(inputs: dict[str, Any]) -> list[tuple[list[int], list[int], list[int], float]]:
@@ -126,13 +101,17 @@ def _rows_of(inputs: dict[str, Any]) -> list[tuple[list[int], list[int], list[in
 
 
 @pytest.fixture(scope="module")
-def run(gates: Any, tmp_path_factory: pytest.TempPathFactory) -> Run:
+def run(
+    gates: tuple[list[str], str, Path],
+    served_fleet: SharedFleet,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Run:
     """Train ``STEPS`` steps with TRL's GRPOTrainer through the gates; what each side saw."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokcap_tq import TQSink, TQSinkConfig
+    from tokcap_tq import TQSink
     from tokcap_trl import GRPORollouts, Scored, chat_harness, receipt_reward
 
     urls, token, model_dir = gates
@@ -193,7 +172,7 @@ def run(gates: Any, tmp_path_factory: pytest.TempPathFactory) -> Run:
             disable_tqdm=True,
             seed=0,
         )
-        sink = TQSink(TQSinkConfig(staging_partition=STAGING, training_partition=TRAINING))
+        sink = TQSink(served_fleet.sink)
         with GRPORollouts(
             urls, token=token, sink=sink, harness=harness, max_seq_len=1024
         ) as rollouts:
