@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -11,7 +13,11 @@ __all__ = ["token_logprobs"]
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: Batch, *, temperature: float = 1.0
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    temperature: float = 1.0,
+    inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` float32: ``log p(input_ids[t] | input_ids[:t])``; column 0 (no context) is 0.0.
 
@@ -20,8 +26,12 @@ def token_logprobs(
     reports the T=1 distribution whatever the sampling temperature). The softmax is a
     float32 ``log_softmax`` then a gather, as in vLLM's sampler, so an fp32 trainer and
     an fp32 engine agree to ~1e-7. Gradients flow unless the caller disables them.
+    ``inputs`` go to the model as well (a vision-language model's image tensors,
+    `tokcap.train.media_inputs`).
     """
-    out = model(input_ids=batch.input_ids_B_T, attention_mask=batch.attention_mask_B_T)
+    out = model(
+        input_ids=batch.input_ids_B_T, attention_mask=batch.attention_mask_B_T, **(inputs or {})
+    )
     logits = out.logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature

@@ -13,17 +13,19 @@ synchronous loop.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from tokcap_core import ConfigError, LogprobParity, TrainingRow, logprob_parity
 from tokcap_core.parity import sequence_ratio_mask, truncated_importance_weights
+from tokcap_core.staged import TensorBytes
 
 from ._batch import TrainInputError, collate
 from ._logprobs import token_logprobs
 from ._loss import policy_loss
+from ._media import media_inputs
 
 __all__ = ["StepReport", "TrainConfig", "Trainer", "staleness"]
 
@@ -142,12 +144,20 @@ class Trainer:
         """Where the model's parameters live (the batch is collated there)."""
         return next(self.model.parameters()).device
 
-    def step(self, rows: Sequence[TrainingRow], advantages_N: Sequence[float]) -> StepReport:
+    def step(
+        self,
+        rows: Sequence[TrainingRow],
+        advantages_N: Sequence[float],
+        *,
+        media: Mapping[str, Sequence[TensorBytes]] | None = None,
+    ) -> StepReport:
         """One optimizer step on ``rows`` with one advantage per row (0.0 for placeholders).
 
-        A batch without a loss token (all placeholders) takes no step and keeps the
-        version. Raises `TrainInputError` (``no_rows``, ``advantages_mismatch``,
-        ``non_finite_advantage``).
+        ``media``: the processed tensors of the images the rows name, by tensors digest, as
+        `tokcap_core.sink.fetch_media` read and verified them (`media_inputs`). A batch
+        without a loss token (all placeholders) takes no step and keeps the version. Raises
+        `TrainInputError` (``no_rows``, ``advantages_mismatch``, ``non_finite_advantage``,
+        ``media_missing``).
         """
         if len(advantages_N) != len(rows):
             raise TrainInputError(
@@ -157,7 +167,8 @@ class Trainer:
             raise TrainInputError("non_finite_advantage", "every advantage must be finite")
         config = self.config
         batch = collate(rows, pad_token_id=config.pad_token_id, device=self.device)
-        logprobs = token_logprobs(self.model, batch, temperature=config.temperature)
+        images = media_inputs(rows, media or {}, device=self.device)
+        logprobs = token_logprobs(self.model, batch, temperature=config.temperature, inputs=images)
         pre_update = logprobs.detach().cpu()
         trainer_N = [pre_update[i, : len(row.input_ids)].tolist() for i, row in enumerate(rows)]
         parity = logprob_parity(
