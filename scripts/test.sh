@@ -39,7 +39,7 @@ SECOND_LANE=()
 for path in tests/test_bench_trl.py tests/vllm/test_hostile3_fleet.py \
     tests/vllm/test_persistence.py tests/vllm/test_mistral.py tests/test_cli_errors.py \
     tests/e2e/test_demo.py \
-    tests/e2e/test_train_gates.py tests/e2e/test_demo_mistral.py \
+    tests/e2e/test_train_gates.py tests/e2e/test_demo_mistral.py tests/e2e/test_demo_vlm.py \
     tests/e2e/test_readme_deploy.py tests/e2e/test_example.py; do
     [[ -e "$path" ]] && SECOND_LANE+=("$path")
 done

@@ -106,9 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--ray-address", help=RAY_ADDRESS_HELP)
     _gate_arguments(demo)
     demo.add_argument(
-        "--model-family", choices=("qwen", "mistral"), default="qwen",
+        "--model-family", choices=("qwen", "mistral", "idefics3"), default="qwen",
         help="qwen: tiny Qwen3, ChatML + hermes tool calls (default); mistral: tiny Mistral "
-        "with the real Tekken tokenizer, --tokenizer-mode mistral, mistral tool calls",
+        "with the real Tekken tokenizer, --tokenizer-mode mistral, mistral tool calls; idefics3: "
+        "tiny Idefics3, a picture with each task and one in a tool answer (chat only)",
     )  # fmt: skip
     train = sub.add_parser(
         "train",

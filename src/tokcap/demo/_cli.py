@@ -73,6 +73,7 @@ def _run(
             vllm_args=family.vllm_args,
             force_tools=family.force_tools,
             tools_every_turn=family.tools_every_turn,
+            images=family.images,
         )
         with stages.stage("checks, summary, report"):
             from ._checks import check_rows
@@ -87,7 +88,10 @@ def _run(
             summary = build_summary(run, parity, drift, stages.timings_s)
             samples = _samples(run, drift)
             out.mkdir(parents=True, exist_ok=True)
-            page = render_report(summary, samples, tokenizer)
+            from ._images import sha256
+
+            sent = {sha256(image): image for e in run.episodes for image in e.images}
+            page = render_report(summary, samples, tokenizer, sent)
             (out / "report.html").write_text(page, encoding="utf-8")
     from ._summary import print_summary
 
@@ -107,6 +111,9 @@ def summary_problems(summary: dict[str, Any]) -> list[str]:
         problems.append(f"{par['rows_differing']} rows differ from the engine's own ids")
     if summary["advantages"]["placeholder_rows_nonzero"]:
         problems.append("a placeholder row got a non-zero advantage")
+    images = summary.get("images")
+    if images and images["named_by_their_ledgers"] != images["sent_in_verified_rollouts"]:
+        problems.append("an image the harness sent is not named by its rollout's ledger")
     for gate in summary.get("gates", []):
         if gate["rollouts"] == 0:
             problems.append(f"gate {gate['url']} served no rollout")

@@ -232,6 +232,7 @@ async def run_episode(
     seed: int,
     force_tools: Callable[[int], dict[str, Any]] | None = None,
     tools_every_turn: bool = False,
+    images: bool = False,
 ) -> Episode:
     """Play ``episode`` on the API it names (``episode.api``): chat completions through
     `tokcap.demo._harness.play_chat` (``tools_every_turn`` applies there only), Responses
@@ -247,6 +248,7 @@ async def run_episode(
             seed=seed,
             force_tools=force_tools,
             tools_every_turn=tools_every_turn,
+            images=images,
         )
     play = play_responses if episode.api == "responses" else play_messages
     forcing = force_tools or (lambda count: forced_tool_calls(TOOLS, count))

@@ -9,6 +9,12 @@
   mistral`` and the ``mistral`` tool parser, as Mistral's model cards ask; tool calls forced
   with a regex and a bias on ``[TOOL_CALLS]`` (`tokcap.tiny.force_tool_calls`). The
   gate plans prompts in token ids (``mistral_common`` renders requests straight to ids).
+- ``idefics3``: the tiny Idefics3 vision-language model of `tokcap.tiny` (`build_tiny_vlm`)
+  with `CHATML_TOOLS_IMAGES_TEMPLATE` (the ``qwen`` family's tools, images in user and tool
+  messages) and the ``hermes`` parser; the harness sends a picture with the task and one
+  inside the first tool answer (`tokcap.demo._images`); the engine expands each into its
+  image tokens and the gate binds the bytes and the processed tensors to the call. Chat
+  only (the Responses and Messages harnesses send no images).
 
 A family also says how the demo's independent checks load its tokenizer and re-tokenise a
 transcript (the text-based baseline the report compares the captured rows against).
@@ -26,7 +32,7 @@ from ._harness import TOOLS, Api, forced_tool_calls
 
 __all__ = ["FAMILIES", "ModelFamily", "episode_api", "model_family"]
 
-FAMILIES: Final = ("qwen", "mistral")
+FAMILIES: Final = ("qwen", "mistral", "idefics3")
 """The names ``--model-family`` accepts (the first is the default)."""
 
 _API_SLOTS: Final[dict[int, Api]] = {0: "responses", 2: "messages"}
@@ -62,6 +68,8 @@ class ModelFamily:
     """``(tokenizer, messages)`` → the ids a text-based trainer would train on."""
     tools_every_turn: bool = False
     """Whether the harness calls tools on every turn but the last (no user nudges)."""
+    images: bool = False
+    """Whether the harness sends images (a picture of the task, one in a tool answer)."""
 
 
 def model_family(name: str, cache: Path) -> ModelFamily:
@@ -73,7 +81,53 @@ def model_family(name: str, cache: Path) -> ModelFamily:
         return _qwen(cache)
     if name == "mistral":
         return _mistral(cache)
+    if name == "idefics3":
+        return _vlm(cache)
     raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def _image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as a chat template takes them: each ``image_url`` part an ``image``."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [{"type": "image"} if p.get("type") == "image_url" else p for p in content]
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
+
+
+def _vlm(cache: Path) -> ModelFamily:
+    from ..tiny import CHATML_TOOLS_IMAGES_TEMPLATE, VLM_TOOLS_VLLM_ARGS, build_tiny_vlm
+
+    model = build_tiny_vlm(cache / "tiny" / "vlm")
+
+    def load_tokenizer() -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+
+    def retokenize(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+        # a text-based trainer renders one <image> per picture: the engine expanded each
+        text = tokenizer.apply_chat_template(
+            _image_parts(messages),
+            tools=list(TOOLS),
+            chat_template=CHATML_TOOLS_IMAGES_TEMPLATE,
+            tokenize=False,
+            add_generation_prompt=False,
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return ModelFamily(
+        name="idefics3",
+        model=model,
+        vllm_args=VLM_TOOLS_VLLM_ARGS,
+        force_tools=lambda count: forced_tool_calls(TOOLS, count),
+        load_tokenizer=load_tokenizer,
+        retokenize=retokenize,
+        images=True,
+    )
 
 
 def _qwen(cache: Path) -> ModelFamily:

@@ -147,6 +147,8 @@ class Episode:
     """The final transcript, last assistant message included (what a re-tokeniser renders)."""
     reward: float = 0.0
     api: Api = "chat"
+    images: list[bytes] = field(default_factory=list)
+    """The images the harness sent the engine, in the order it first sent them."""
 
     @property
     def final(self) -> EngineCall:
@@ -238,6 +240,7 @@ async def play_chat(
     seed: int,
     force_tools: Callable[[int], dict[str, Any]] | None = None,
     tools_every_turn: bool = False,
+    images: bool = False,
 ) -> Episode:
     """Play ``turns`` chat calls of ``episode``; fills its calls, transcript and reward.
 
@@ -248,10 +251,13 @@ async def play_chat(
     history at every new user turn, which starts a new root); the
     assistant message goes back as vLLM returned it (``content`` and ``tool_calls``),
     followed by one ``role: "tool"`` answer per call, or by a user nudge after free text.
+    With ``images`` (a model that takes them), the first user message carries a picture of
+    the task and the first tool answer a picture of its result (`tokcap.demo._images`);
+    ``episode.images`` lists them.
     """
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": episode.task.prompt},
+        {"role": "user", "content": _user_content(episode, images)},
     ]
     for turn in range(turns):
         if episode.behaviour == "rewrite" and turn == max(1, turns // 2):
@@ -259,6 +265,7 @@ async def play_chat(
         last = turn == turns - 1
         forced = not last and (tools_every_turn or turn % 2 == 0)
         extra: dict[str, Any] = {"return_token_ids": True}
+        _note_images(episode, messages)
         if forced:
             count = 2 if turn == 0 else 1
             extra.update(force_tools(count) if force_tools else forced_tool_calls(TOOLS, count))
@@ -302,7 +309,12 @@ async def play_chat(
             assistant["tool_calls"] = calls
         messages.append(assistant)
         messages += [
-            {"role": "tool", "tool_call_id": c["id"], "content": tool_result(c)} for c in calls
+            {
+                "role": "tool",
+                "tool_call_id": c["id"],
+                "content": _tool_content(c, calls[0], episode, images),
+            }
+            for c in calls
         ]
         if not calls and not last:
             messages.append({"role": "user", "content": NUDGE})
@@ -311,8 +323,52 @@ async def play_chat(
     return episode
 
 
+def _user_content(episode: Episode, images: bool) -> str | list[dict[str, Any]]:
+    """The first user message: the task, after a picture of it when ``images``."""
+    if not images:
+        return episode.task.prompt
+    from ._images import image_part, picture
+
+    image = image_part(picture(f"task/{episode.task.prompt}"))
+    return [image, {"type": "text", "text": episode.task.prompt}]
+
+
+def _tool_content(
+    call: Mapping[str, Any], first: Mapping[str, Any], episode: Episode, images: bool
+) -> str | list[dict[str, Any]]:
+    """A tool answer: the result, and a picture of it in the episode's first tool answer
+    (``call`` is ``first``, the first call of the first turn) when ``images``."""
+    result = tool_result(call)
+    if not images or len(episode.calls) != 1 or call is not first:
+        return result
+    from ._images import image_part, picture
+
+    image = image_part(picture(f"result/{episode.rollout_id}/{result}"))
+    return [{"type": "text", "text": result}, image]
+
+
+def _note_images(episode: Episode, messages: Sequence[Mapping[str, Any]]) -> None:
+    """Add the images ``messages`` carry that ``episode.images`` does not hold yet."""
+    import base64
+
+    for message in messages:
+        content = message["content"]
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") == "image_url":
+                data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+                if data not in episode.images:
+                    episode.images.append(data)
+
+
+def _text(content: str | Sequence[Mapping[str, Any]]) -> str:
+    """A message's text: the string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
 def _compact(messages: list[dict[str, Any]], task: Task) -> list[dict[str, Any]]:
     """Context compaction: everything after the system prompt becomes one summary message."""
-    results = [m["content"] for m in messages if m["role"] == "tool"]
+    results = [_text(m["content"]) for m in messages if m["role"] == "tool"]
     summary = f"{task.prompt} (Summary: the calculator said {'; '.join(results) or 'nothing'}.)"
     return [messages[0], {"role": "user", "content": summary}]

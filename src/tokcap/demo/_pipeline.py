@@ -116,14 +116,16 @@ def run_pipeline(
     vllm_args: tuple[str, ...] = QWEN_VLLM_ARGS,
     force_tools: Callable[[int], dict[str, Any]] | None = None,
     tools_every_turn: bool = False,
+    images: bool = False,
 ) -> DemoRun:
     """Start everything, run the rollouts, reassemble, and shut everything down again.
 
-    ``vllm_args`` serve ``config.model``; ``force_tools`` and ``tools_every_turn`` go to
-    `tokcap.demo._clients.run_episode` (default: the Hermes structural tag, every other turn).
+    ``vllm_args`` serve ``config.model``; ``force_tools``, ``tools_every_turn`` and
+    ``images`` go to `tokcap.demo._clients.run_episode` (default: the Hermes structural tag,
+    every other turn, no images).
     """
     harness = functools.partial(
-        run_episode, force_tools=force_tools, tools_every_turn=tools_every_turn
+        run_episode, force_tools=force_tools, tools_every_turn=tools_every_turn, images=images
     )
     run = DemoRun(config)
     capture = capture_config(config)

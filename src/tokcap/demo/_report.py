@@ -9,11 +9,14 @@ where the call was *spliced*: it kept its parent's exact ids although the templa
 the parent's turn differently), the receipt's chain with how each prompt was formed and
 shortened digests (the full value on hover, copied on click), and the first position where
 re-tokenising the transcript would have changed the ids, the captured ids beside the
-re-tokenised ones.
+re-tokenised ones. An image's tokens (the engine's expansion of its placeholder, as the
+row's ``media`` places them) are tinted violet behind a thumbnail of the image as the
+harness sent it, found by the SHA-256 the receipt names.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 from collections.abc import Mapping, Sequence
@@ -21,6 +24,7 @@ from typing import Any
 
 from tokcap_core import Receipt, TrainingRow
 from tokcap_core.receipts import ReceiptCall
+from tokcap_core.staged import MediaItem
 
 from .._fleet_view import fleet_table
 from ._checks import Drift
@@ -61,6 +65,8 @@ font-size:12px}select{font:inherit;padding:3px 6px;max-width:100%}.plots{display
 flex-wrap:wrap;gap:12px}.plots svg{background:#fff;border:1px solid var(--line);border-radius:8px}
 svg text{font:11px system-ui,sans-serif;fill:#57606a}
 table.cmp td{font-family:ui-monospace,monospace}
+.im{background:#f3e8ff;color:#6e40c9}.thumb{height:56px;vertical-align:middle;
+border:2px solid #8250df;border-radius:4px;margin:2px 4px;image-rendering:pixelated}
 button{font:inherit;font-size:12px;padding:2px 8px;border:1px solid var(--line);border-radius:6px;
 background:#fff;cursor:pointer}
 """
@@ -124,14 +130,27 @@ def _token_text(piece: str) -> str:
     return piece.replace("\n", "↵\n").replace("\t", "⇥\t")
 
 
+def _thumb(item: MediaItem, images: Mapping[str, bytes]) -> str:
+    """A thumbnail of the image ``item`` binds (by its bytes' SHA-256), its span in the title."""
+    where = f"image · tokens [{item.offset}, {item.end}) · sha256 {item.bytes_sha256}"
+    data = images.get(item.bytes_sha256)
+    if data is None:
+        return f'<span class="cb" title="{_e(where)}">image {_digest(item.bytes_sha256)}</span>'
+    src = "data:image/png;base64," + base64.b64encode(data).decode()
+    return f'<img class="thumb" src="{src}" alt="image" title="{_e(where)}">'
+
+
 def _tokens(
     row: TrainingRow,
     pieces: Sequence[str],
     drift: Drift | None,
     box_id: str,
     links: Mapping[str, ReceiptCall],
+    images: Mapping[str, bytes],
 ) -> str:
     starts = {s.start: s for s in row.call_spans}
+    media = {m.offset: m for m in row.media}
+    inside = {i for m in row.media for i in range(m.offset, m.end)}
     cut = drift.first_diff if drift is not None else None
     prompt: list[str] = []
     rest: list[str] = []
@@ -147,6 +166,8 @@ def _tokens(
                 f'title="carry {span.carry_len} · gen {span.gen_len}{_e(note)}">'
                 f"{_e(span.call_id)}</span>"
             )
+        if i in media:
+            out.append(_thumb(media[i], images))
         text = _token_text(piece)
         classes = ["t"]
         title = f"#{i} · id {tid}"
@@ -158,7 +179,7 @@ def _tokens(
             style = f' style="--a:{alpha:.2f}"'
             title += f" · logprob {row.logprobs[i]:.3f} (p={p:.2f})"
         else:
-            classes.append("c")
+            classes.append("im" if i in inside else "c")
             style = ""
         if cut is not None and i == cut:
             classes.append("drift")
@@ -206,13 +227,15 @@ def _drift_compare(
 
 def _trajectory(
     n: int, row: TrainingRow, receipt: Receipt, info: dict[str, Any], pieces: Sequence[str],
-    drift: Drift | None, retok_pieces: Sequence[str],
+    drift: Drift | None, retok_pieces: Sequence[str], images: Mapping[str, bytes],
 ) -> str:  # fmt: skip
     tags = [f'<span class="tag">{_e(info["behaviour"])}</span>']
     tags.append(f'<span class="tag">API: {_e(info.get("api", "chat"))}</span>')
     tags.append(f'<span class="tag">terminal: {_e(receipt.terminal_selection)}</span>')
     tags += [f'<span class="tag bad">break: {_e(c)}</span>' for c in receipt.break_causes]
     tags += [f'<span class="tag sp">splice: {_e(c)}</span>' for c in receipt.splice_causes]
+    if row.media:
+        tags.append(f'<span class="tag">images: {len(row.media)}</span>')
     if row.segment:
         tags.append(f'<span class="tag">extra segment {row.segment}</span>')
     if drift is not None and drift.first_diff is not None:
@@ -220,6 +243,7 @@ def _trajectory(
     elif drift is not None:
         tags.append('<span class="tag">re-tokenising: identical</span>')
     box = f"tok{n}"
+    links = {c.call_id: c for c in receipt.segments[row.segment]}
     compare = _drift_compare(row, drift, pieces, retok_pieces)
     meta = (
         f"{len(row.input_ids)} tokens ({row.num_generated} generated) · reward "
@@ -230,7 +254,7 @@ def _trajectory(
         f'<section class="traj" id="t{n}"><h3>{_e(row.key)} {"".join(tags)} '
         f'<button data-ids="{box}">show token ids</button></h3><div class="meta">{meta}</div>'
         f"{_chain_table(receipt, row.segment)}{compare}"
-        f"{_tokens(row, pieces, drift, box, {c.call_id: c for c in receipt.segments[row.segment]})}"
+        f"{_tokens(row, pieces, drift, box, links, images)}"
         "</section>"
     )
 
@@ -299,8 +323,11 @@ def render_report(
     summary: dict[str, Any],
     samples: Sequence[tuple[TrainingRow, Receipt, Drift | None]],
     tokenizer: Any,
+    images: Mapping[str, bytes] | None = None,
 ) -> str:
-    """The whole page, as one HTML string."""
+    """The whole page, as one HTML string; ``images`` (the harness's, by the SHA-256 of their
+    bytes) give the thumbnails of the images the rows carry."""
+    images = images or {}
     ro, rows, tok = summary["rollouts"], summary["rows"], summary["tokens"]
     par, drift = summary["engine_parity"], summary["drift"]
     cards = "".join(
@@ -370,7 +397,7 @@ def render_report(
     sections = "".join(
         _trajectory(
             n, row, receipt, info[row.rollout_id], decode(row.input_ids.tolist()), d,
-            decode(d.retok_ids) if d is not None and d.first_diff is not None else [],
+            decode(d.retok_ids) if d is not None and d.first_diff is not None else [], images,
         )
         for n, (row, receipt, d) in enumerate(samples)
     )  # fmt: skip
@@ -394,7 +421,14 @@ def render_report(
         '<span><i class="cb">c000001</i>call starts</span>'
         '<span><i class="cb sp">c000002</i>call spliced on its parent\'s exact ids</span>'
         '<span><i class="sw" style="outline:2px solid #d1242f"></i>'
-        "first token re-tokenising changes (wavy after it)</span></div>"
+        "first token re-tokenising changes (wavy after it)</span>"
+        + (
+            '<span><i class="sw" style="background:#f3e8ff;border:1px solid #8250df"></i>'
+            "an image's tokens (the engine's expansion), after its thumbnail</span>"
+            if any(row.media for row, _, _ in samples)
+            else ""
+        )
+        + "</div>"
     )
     cfg = summary["config"]
     return (

@@ -111,6 +111,7 @@ def build_summary(
             b: {"rollouts": n, "what": BEHAVIOUR_NOTES[b]} for b, n in behaviours.items()
         },
         "apis": _per_api(run),
+        **({"images": _images(run)} if any(e.images for e in run.episodes) else {}),
         "engine_parity": {
             "rows_checked": len(parity),
             "calls_checked": sum(p.calls_checked for p in parity),
@@ -174,6 +175,37 @@ def build_summary(
         ],
         "pool": {k: v for k, v in sorted(pool.items()) if k.startswith(("time/", "groups/"))},
         "timings_s": {k: round(v, 3) for k, v in timings_s.items()},
+    }
+
+
+def _images(run: DemoRun) -> dict[str, int]:
+    """What became of the images the harness sent: how many the ledgers of its verified
+    rollouts name (each call's ``Staged`` entry names the SHA-256 of the bytes of every image
+    it first carried, so the manifest alone shows which images a call saw), how many the
+    valid rows carry and their tokens (the engine's expansion, placeholders included)."""
+    from tokcap_core.ledger import Staged
+
+    from ._images import sha256
+
+    sent = named = 0
+    for e in run.episodes:
+        receipt, manifest = run.receipts.get(e.rollout_id), run.manifests.get(e.rollout_id)
+        if receipt is None or not receipt.ok or manifest is None:
+            continue
+        in_ledger = {
+            d
+            for entry in manifest.entries
+            if isinstance(entry.event, Staged)
+            for d in entry.event.media_digests or ()
+        }
+        sent += len(e.images)
+        named += sum(sha256(image) in in_ledger for image in e.images)
+    items = [m for r in run.rows if r.sample_mask for m in r.media]
+    return {
+        "sent_in_verified_rollouts": sent,
+        "named_by_their_ledgers": named,
+        "in_valid_rows": len(items),
+        "tokens_in_valid_rows": sum(m.length for m in items),
     }
 
 
@@ -263,6 +295,19 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     for name, info in summary["behaviours"].items():
         behaviours.add_row(name, str(info["rollouts"]), info["what"])
     console.print(behaviours)
+
+    images = summary.get("images")
+    if images:
+        table = _table("Images (the engine's tokens, bound by their bytes)", "", "count")
+        table.add_row("images sent in verified rollouts", str(images["sent_in_verified_rollouts"]))
+        table.add_row(
+            "named by their ledgers (SHA-256 of the bytes)", str(images["named_by_their_ledgers"])
+        )
+        table.add_row(
+            "image items in valid rows (their tokens)",
+            f"{images['in_valid_rows']} ({images['tokens_in_valid_rows']})",
+        )
+        console.print(table)
 
     apis = _table("APIs the harness spoke", "API", "rollouts", "calls", "verified", "client")
     apis.columns[4].justify = "left"

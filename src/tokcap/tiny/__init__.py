@@ -7,14 +7,20 @@
   ``mistral_common`` tokenizer, with the vLLM options and tool forcing Mistral's cards ask for;
 - `build_tiny_vlm`: a tiny random Idefics3 vision-language model with its processor
   (`VLM_VLLM_ARGS`, `VLM_CHAT_TEMPLATE`: each image part one `IMAGE_TOKEN`, expanded by
-  the engine);
+  the engine; `VLM_TOOLS_VLLM_ARGS` with tool calls, `CHATML_TOOLS_IMAGES_TEMPLATE`);
 - `ENGINE_ARGS` / `QWEN_VLLM_ARGS`: the CPU engine's options, and the tiny Qwen model's
   (its tool calls: `CHATML_TOOLS_TEMPLATE`, vLLM's ``hermes`` parser, `chatml_tool_args`).
 
 Every build is deterministic and cached under the folder it is given.
 """
 
-from ._engine import CHATML_TOOLS_TEMPLATE, ENGINE_ARGS, QWEN_VLLM_ARGS, chatml_tool_args
+from ._engine import (
+    CHATML_TOOLS_IMAGES_TEMPLATE,
+    CHATML_TOOLS_TEMPLATE,
+    ENGINE_ARGS,
+    QWEN_VLLM_ARGS,
+    chatml_tool_args,
+)
 from ._mistral import (
     MISTRAL_TOKENIZERS,
     MistralTokenizerKind,
@@ -31,10 +37,18 @@ from ._qwen import (
     build_tiny_tokenizer,
 )
 from ._small import SMALL_SHAPE, build_small_model, parameter_count
-from ._vlm import IMAGE_TOKEN, VLM_CHAT_TEMPLATE, VLM_IMAGE_TOKENS, VLM_VLLM_ARGS, build_tiny_vlm
+from ._vlm import (
+    IMAGE_TOKEN,
+    VLM_CHAT_TEMPLATE,
+    VLM_IMAGE_TOKENS,
+    VLM_TOOLS_VLLM_ARGS,
+    VLM_VLLM_ARGS,
+    build_tiny_vlm,
+)
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "CHATML_TOOLS_IMAGES_TEMPLATE",
     "CHATML_TOOLS_TEMPLATE",
     "ENGINE_ARGS",
     "IMAGE_TOKEN",
@@ -44,6 +58,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "VLM_CHAT_TEMPLATE",
     "VLM_IMAGE_TOKENS",
+    "VLM_TOOLS_VLLM_ARGS",
     "VLM_VLLM_ARGS",
     "MistralTokenizerKind",
     "build_small_model",

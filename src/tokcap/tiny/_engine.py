@@ -73,6 +73,77 @@ re-serialised by ``tojson``, consecutive tool results grouped in one user turn a
 `CHATML_TEMPLATE`."""
 
 
+_PARTS = (
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] == 'image' %}{{- '<image>' }}{%- endif %}"
+)
+
+
+def _content(message: str) -> str:
+    """Jinja that writes ``message``'s content: a string as is, a list of parts part by part
+    (text as is, each image one ``<image>``). Inline loops, so that vLLM reads the template
+    as taking OpenAI-style content lists."""
+    return (
+        f"{{%- if {message}['content'] is none %}}"
+        f"{{%- elif {message}['content'] is string %}}{{{{- {message}['content'] }}}}"
+        f"{{%- else %}}{{%- for part in {message}['content'] %}}{_PARTS}{{%- endfor %}}"
+        "{%- endif %}"
+    )
+
+
+CHATML_TOOLS_IMAGES_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}" + _content("messages[0]") + "{{- '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' }}" + _content("messages[0]") + "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.get('tool_calls') %}"
+    "{%- if message['content'] is string and message['content'] or message['content'] is not "
+    "string and message['content'] and (message['content'] | map(attribute='text', default='')"
+    " | join or message['content'] | selectattr('type', 'equalto', 'image') | list) %}"
+    "{{- '\\n' }}" + _content("message") + "{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- else %}{{- '\\n' }}" + _content("message") + "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}" + _content("message") + "{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    + _content("message")
+    + "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""`CHATML_TOOLS_TEMPLATE` for a model that takes images (the tiny VLM of `tokcap demo
+--model-family idefics3`): it renders the same text, but any message's content may be a
+list of parts (vLLM hands a template that iterates parts every content as a list), each
+image one ``<image>`` that the engine expands (an image inside a tool result sits in its
+``<tool_response>`` block)."""
+
+
 def chatml_tool_args(template: str) -> tuple[str, ...]:
     """vLLM options for the tiny Qwen model's tool calls: ``hermes`` parser, ``template``."""
     return (

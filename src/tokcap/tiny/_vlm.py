@@ -26,13 +26,14 @@ from ._cache import (
     stamp_matches,
     write_stamp,
 )
-from ._engine import ENGINE_ARGS
+from ._engine import CHATML_TOOLS_IMAGES_TEMPLATE, ENGINE_ARGS, chatml_tool_args
 from ._qwen import EOS_TOKEN, PAD_TOKEN, PROBES, _tokenizer_hash, build_tiny_tokenizer
 
 __all__ = [
     "IMAGE_TOKEN",
     "VLM_CHAT_TEMPLATE",
     "VLM_IMAGE_TOKENS",
+    "VLM_TOOLS_VLLM_ARGS",
     "VLM_VLLM_ARGS",
     "build_tiny_vlm",
 ]
@@ -81,6 +82,9 @@ _IMAGE_SEQ_LEN: Final = (64 // 16) ** 2 // _SCALE_FACTOR**2
 
 VLM_VLLM_ARGS: Final = (*ENGINE_ARGS, "--limit-mm-per-prompt", '{"image": 4}')
 """The tiny VLM's engine options: the CPU engine's, at most 4 images per prompt."""
+VLM_TOOLS_VLLM_ARGS: Final = (*VLM_VLLM_ARGS, *chatml_tool_args(CHATML_TOOLS_IMAGES_TEMPLATE))
+"""`VLM_VLLM_ARGS` with tool calls (``hermes`` parser, `CHATML_TOOLS_IMAGES_TEMPLATE`):
+`tokcap demo --model-family idefics3`."""
 
 
 def build_tiny_vlm(out_dir: Path, *, tokenizer_dir: Path | None = None) -> Path:
