@@ -4,7 +4,8 @@ Public here: the harness's tool list and tool-call helpers (tests reuse them), t
 families the demo serves (the tiny Qwen model's engine options are `tokcap.tiny`'s,
 re-exported here), and the report's page and plots (`render_report`, `Drift`,
 `group_strips`, `histogram`; `fleet_table` and `print_fleet`, a run's served gates, shared
-with ``tokcap train``'s report and summary).
+with ``tokcap train``'s report and summary), and the pictures the ``idefics3`` family's
+harness sends (`picture`, `image_part`).
 The command: `run_demo` on `DemoOptions` (what ``tokcap demo`` runs, from `tokcap.__main__`),
 its summary printed by `print_summary` (``tokcap show``).
 """
@@ -15,6 +16,7 @@ from ._checks import Drift
 from ._cli import DemoOptions, run_demo
 from ._families import FAMILIES, ModelFamily, model_family
 from ._harness import TOOLS, forced_tool_calls, tool_result
+from ._images import image_part, picture
 from ._plots import group_strips, histogram
 from ._report import render_report
 from ._summary import print_summary, summary_console
@@ -33,7 +35,9 @@ __all__ = [
     "forced_tool_calls",
     "group_strips",
     "histogram",
+    "image_part",
     "model_family",
+    "picture",
     "print_fleet",
     "print_summary",
     "render_report",
