@@ -102,38 +102,22 @@ def _vlm(cache: Path) -> ModelFamily:
     from ..tiny import CHATML_TOOLS_IMAGES_TEMPLATE, VLM_TOOLS_VLLM_ARGS, build_tiny_vlm
 
     model = build_tiny_vlm(cache / "tiny" / "vlm")
-
-    def load_tokenizer() -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model)
-
-    def retokenize(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-        # a text-based trainer renders one <image> per picture: the engine expanded each
-        text = tokenizer.apply_chat_template(
-            _image_parts(messages),
-            tools=list(TOOLS),
-            chat_template=CHATML_TOOLS_IMAGES_TEMPLATE,
-            tokenize=False,
-            add_generation_prompt=False,
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    return ModelFamily(
-        name="idefics3",
-        model=model,
-        vllm_args=VLM_TOOLS_VLLM_ARGS,
-        force_tools=lambda count: forced_tool_calls(TOOLS, count),
-        load_tokenizer=load_tokenizer,
-        retokenize=retokenize,
-        images=True,
-    )
+    return _chatml("idefics3", model, CHATML_TOOLS_IMAGES_TEMPLATE, VLM_TOOLS_VLLM_ARGS, True)
 
 
 def _qwen(cache: Path) -> ModelFamily:
     from ..tiny import build_tiny_model
 
     model = build_tiny_model(cache / "tiny" / "dense", kind="dense")
+    return _chatml("qwen", model, CHATML_TOOLS_TEMPLATE, QWEN_VLLM_ARGS, False)
+
+
+def _chatml(
+    name: str, model: Path, template: str, vllm_args: tuple[str, ...], images: bool
+) -> ModelFamily:
+    """A family served with a ChatML tool ``template`` and vLLM's ``hermes`` parser, tool
+    calls forced with the Hermes structural tag; its checks re-tokenise with ``template``
+    (one ``<image>`` per picture, where the engine expanded each)."""
 
     def load_tokenizer() -> Any:
         from transformers import AutoTokenizer
@@ -142,21 +126,22 @@ def _qwen(cache: Path) -> ModelFamily:
 
     def retokenize(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = tokenizer.apply_chat_template(
-            list(messages),
+            _image_parts(messages),
             tools=list(TOOLS),
-            chat_template=CHATML_TOOLS_TEMPLATE,
+            chat_template=template,
             tokenize=False,
             add_generation_prompt=False,
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     return ModelFamily(
-        name="qwen",
+        name=name,
         model=model,
-        vllm_args=QWEN_VLLM_ARGS,
+        vllm_args=vllm_args,
         force_tools=lambda count: forced_tool_calls(TOOLS, count),
         load_tokenizer=load_tokenizer,
         retokenize=retokenize,
+        images=images,
     )
 
 
