@@ -4,7 +4,8 @@ and a trainer-side read that verifies every blob before use (`tokcap_core.sink.f
 
 from __future__ import annotations
 
-import anyio
+import asyncio
+
 import pytest
 
 from tests.core.test_media import item, two_calls
@@ -69,7 +70,7 @@ async def _stored(sink: TokenSink, blob: bytes) -> VerificationError:
 
 
 def test_the_memory_sink_serves_a_flipped_pixel_byte_and_the_trainer_refuses_it() -> None:
-    error = anyio.run(_stored, MemorySink(), flipped(BLOB, BLOB.index(PIXELS) + 5))
+    error = asyncio.run(_stored(MemorySink(), flipped(BLOB, BLOB.index(PIXELS) + 5)))
     assert error.code == "media_tensors_mismatch"
     assert DIGEST in str(error)
 
@@ -90,7 +91,7 @@ def test_blobs_are_stored_once_and_a_different_one_under_a_held_digest_is_refuse
             await fetch_media(sink, [DIGEST])
         assert missing.value.missing == (DIGEST,)
 
-    anyio.run(main)
+    asyncio.run(main())
 
 
 def test_rows_name_their_images_where_they_lie() -> None:
