@@ -55,8 +55,12 @@ def test_transferqueue_controller_and_storage_run_on_different_nodes(
 def test_a_killed_nodes_groups_are_redone_on_the_nodes_left(step: dict[str, Any]) -> None:
     assert step["killed"] == 2
     assert step["in_flight_at_kill"] == GROUPS
-    assert step["stats"]["actor_deaths"] == 1  # the kill hit an actor with work queued
-    assert step["stats"]["retries"] >= 1
+    # The kill hit an actor with work queued. Its replacement may itself land on the dying
+    # node (SPREAD picks it while the cluster still counts it alive; seen once in CI) and
+    # die too: then a third actor redoes the groups. Each death is followed by a retry.
+    deaths = step["stats"]["actor_deaths"]
+    assert deaths in (1, 2)
+    assert step["stats"]["retries"] >= deaths
     after = step["after"]["pool"]
     assert len(after) == 3  # the dead actor was replaced ...
     assert 2 not in after  # ... on a node that is still there
