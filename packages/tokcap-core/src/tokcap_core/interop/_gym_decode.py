@@ -12,7 +12,7 @@ from typing import Any
 
 from ._gym_digest import EMPTY_EXTRAS_DIGEST, check_versions
 from ._gym_errors import GymFormatError
-from ._gym_json import FieldReader, load_json, load_json_lines
+from ._gym_json import FieldReader, load_json, load_json_lines, read_fields
 from ._gym_records import (
     GYM_MODES,
     GYM_TERMINAL_SELECTIONS,
@@ -63,92 +63,86 @@ def _call_fields(fields: FieldReader) -> dict[str, Any]:
 
 def staged_record_from_json(obj: object) -> GymStagedRecord:
     """Strictly read one staged record (an object already parsed from JSON)."""
-    fields = FieldReader(obj, "staged record")
-    shared = _call_fields(fields)
-    loaded = fields.has("extras")
-    extras = fields.raw("extras", default=None)
-    if extras is not None and not isinstance(extras, dict):
-        raise _bad("wrong_type", "staged record.extras must be an object or null")
-    record = GymStagedRecord(
-        **shared,
-        rollout_id=fields.identifier("rollout_id"),
-        mode=fields.choice("mode", GYM_MODES),
-        token_ids_delta=fields.int_column("token_ids_delta"),
-        token_mask_delta=fields.float_column("token_mask_delta"),
-        generation_log_probs_delta=fields.float_column("generation_log_probs_delta"),
-        extras_digest=fields.hexdigest("extras_digest", default=EMPTY_EXTRAS_DIGEST),
-        extras=extras,
-        extras_loaded=loaded,
-    )
-    fields.finish()
-    return record
+    with read_fields(obj, "staged record") as fields:
+        shared = _call_fields(fields)
+        loaded = fields.has("extras")
+        extras = fields.raw("extras", default=None)
+        if extras is not None and not isinstance(extras, dict):
+            raise _bad("wrong_type", "staged record.extras must be an object or null")
+        return GymStagedRecord(
+            **shared,
+            rollout_id=fields.identifier("rollout_id"),
+            mode=fields.choice("mode", GYM_MODES),
+            token_ids_delta=fields.int_column("token_ids_delta"),
+            token_mask_delta=fields.float_column("token_mask_delta"),
+            generation_log_probs_delta=fields.float_column("generation_log_probs_delta"),
+            extras_digest=fields.hexdigest("extras_digest", default=EMPTY_EXTRAS_DIGEST),
+            extras=extras,
+            extras_loaded=loaded,
+        )
 
 
 def call_record_from_json(obj: object) -> GymCallRecord:
     """Strictly read one manifest call record."""
-    fields = FieldReader(obj, "call record")
-    record = GymCallRecord(
-        **_call_fields(fields),
-        extras_digest=fields.hexdigest("extras_digest"),
-        staging_key=fields.identifier("staging_key"),
-        mode=fields.choice("mode", GYM_MODES, default="token_in"),
-        response_id=fields.identifier("response_id"),
-        admitted_at=fields.number("admitted_at", null=True, default=None),
-        output_fingerprint=fields.hexdigest("output_fingerprint", null=True, default=None),
-        continuation_fingerprint=fields.hexdigest(
-            "continuation_fingerprint", null=True, default=None
-        ),
-        fingerprint_version=fields.uint("fingerprint_version", default=0),
-        logical_request_id=fields.identifier("logical_request_id", null=True, default=None),
-    )
-    fields.finish()
-    return record
+    with read_fields(obj, "call record") as fields:
+        return GymCallRecord(
+            **_call_fields(fields),
+            extras_digest=fields.hexdigest("extras_digest"),
+            staging_key=fields.identifier("staging_key"),
+            mode=fields.choice("mode", GYM_MODES, default="token_in"),
+            response_id=fields.identifier("response_id"),
+            admitted_at=fields.number("admitted_at", null=True, default=None),
+            output_fingerprint=fields.hexdigest("output_fingerprint", null=True, default=None),
+            continuation_fingerprint=fields.hexdigest(
+                "continuation_fingerprint", null=True, default=None
+            ),
+            fingerprint_version=fields.uint("fingerprint_version", default=0),
+            logical_request_id=fields.identifier("logical_request_id", null=True, default=None),
+        )
 
 
 def receipt_from_json(obj: object) -> GymReceipt:
     """Strictly read a ``RolloutReceipt`` object."""
-    fields = FieldReader(obj, "receipt")
-    receipt = GymReceipt(
-        **_versions(fields),
-        rollout_id=fields.identifier("rollout_id"),
-        reward=fields.number("reward", null=True, default=None),
-        terminal_model_call_id=fields.identifier("terminal_model_call_id", null=True, default=None),
-        manifest=fields.items("manifest", call_record_from_json, default=()),
-        capture_poisoned=fields.boolean("capture_poisoned", default=False),
-        failure_reason=fields.text("failure_reason", null=True, default=None),
-        terminal_selection=fields.choice(
-            "terminal_selection", GYM_TERMINAL_SELECTIONS, null=True, default=None
-        ),
-        terminal_attribution_reason=fields.text(
-            "terminal_attribution_reason", null=True, default=None
-        ),
-    )
-    fields.finish()
-    return receipt
+    with read_fields(obj, "receipt") as fields:
+        return GymReceipt(
+            **_versions(fields),
+            rollout_id=fields.identifier("rollout_id"),
+            reward=fields.number("reward", null=True, default=None),
+            terminal_model_call_id=fields.identifier(
+                "terminal_model_call_id", null=True, default=None
+            ),
+            manifest=fields.items("manifest", call_record_from_json, default=()),
+            capture_poisoned=fields.boolean("capture_poisoned", default=False),
+            failure_reason=fields.text("failure_reason", null=True, default=None),
+            terminal_selection=fields.choice(
+                "terminal_selection", GYM_TERMINAL_SELECTIONS, null=True, default=None
+            ),
+            terminal_attribution_reason=fields.text(
+                "terminal_attribution_reason", null=True, default=None
+            ),
+        )
 
 
 def _failure_from_json(obj: object) -> GymManifestFailure:
-    fields = FieldReader(obj, "manifest failure")
-    failure = GymManifestFailure(
-        schema_version=fields.version("schema_version"),
-        model_call_id=fields.identifier("model_call_id"),
-        reason=fields.identifier("reason"),
-    )
-    fields.finish()
+    with read_fields(obj, "manifest failure") as fields:
+        failure = GymManifestFailure(
+            schema_version=fields.version("schema_version"),
+            model_call_id=fields.identifier("model_call_id"),
+            reason=fields.identifier("reason"),
+        )
     check_versions(failure.schema_version, 2, 1)
     return failure
 
 
 def manifest_from_json(obj: object) -> GymManifest:
     """Strictly read a ``RolloutManifest`` object (the control plane's body)."""
-    fields = FieldReader(obj, "manifest")
-    manifest = GymManifest(
-        schema_version=fields.version("schema_version"),
-        rollout_id=fields.identifier("rollout_id"),
-        records=fields.items("records", call_record_from_json, default=()),
-        failures=fields.items("failures", _failure_from_json, default=()),
-    )
-    fields.finish()
+    with read_fields(obj, "manifest") as fields:
+        manifest = GymManifest(
+            schema_version=fields.version("schema_version"),
+            rollout_id=fields.identifier("rollout_id"),
+            records=fields.items("records", call_record_from_json, default=()),
+            failures=fields.items("failures", _failure_from_json, default=()),
+        )
     check_versions(manifest.schema_version, 2, 1)
     return manifest
 

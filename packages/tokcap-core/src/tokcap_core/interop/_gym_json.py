@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Final, TypeVar
 
 from ._gym_digest import is_hex_digest
 from ._gym_errors import GymFormatError
 
-__all__ = ["MAX_DOCUMENT_BYTES", "FieldReader", "load_json", "load_json_lines"]
+__all__ = [
+    "MAX_DOCUMENT_BYTES",
+    "FieldReader",
+    "load_json",
+    "load_json_lines",
+    "read_fields",
+]
 
 MAX_DOCUMENT_BYTES: Final = 256 * 1024 * 1024
 _MISSING: Final = object()
@@ -176,6 +183,15 @@ class FieldReader:
         unknown = sorted(set(self._obj) - self._read)
         if unknown:
             raise GymFormatError("unknown_field", f"{self._what}: unknown keys {unknown[:8]}")
+
+
+@contextmanager
+def read_fields(obj: object, what: str) -> Iterator[FieldReader]:
+    """A `FieldReader` of ``obj`` whose `FieldReader.finish` runs when the block ends
+    without an error (a block that raised has its own error to report)."""
+    fields = FieldReader(obj, what)
+    yield fields
+    fields.finish()
 
 
 def _is_int(value: object) -> bool:

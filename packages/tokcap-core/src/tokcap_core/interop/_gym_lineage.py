@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from ._gym_digest import GYM_DIGEST_VERSION, GYM_EXTRAS_DIGEST_VERSION
 from ._gym_errors import GymFormatError
-from ._gym_json import FieldReader, load_json_lines
+from ._gym_json import FieldReader, load_json_lines, read_fields
 from ._gym_records import GymCallRecord, GymManifest, GymManifestFailure
 
 __all__ = [
@@ -100,19 +100,15 @@ def _key(value: object) -> str:
 
 def lineage_row_from_json(obj: object) -> GymLineageRow:
     """Strictly read one lineage row (commit or failure)."""
-    fields = FieldReader(obj, "lineage row")
-    row: GymLineageRow
-    if fields.has("failure_reason"):
-        row = GymLineageFailure(
-            model_call_id=fields.identifier("model_call_id"),
-            failure_reason=fields.identifier("failure_reason"),
-        )
-    elif fields.has("staging_key"):
-        row = _commit(fields)
-    else:
+    with read_fields(obj, "lineage row") as fields:
+        if fields.has("failure_reason"):
+            return GymLineageFailure(
+                model_call_id=fields.identifier("model_call_id"),
+                failure_reason=fields.identifier("failure_reason"),
+            )
+        if fields.has("staging_key"):
+            return _commit(fields)
         raise GymFormatError("unknown_row", "a lineage row is a commit or a failure row")
-    fields.finish()
-    return row
 
 
 def decode_gym_lineage(data: bytes | str) -> list[GymLineageRow]:
