@@ -26,17 +26,47 @@ ENGINE_ARGS: Final = (
 """The CPU engine's options, the same for every tiny model (and model family of `tokcap demo`)."""
 
 
-CHATML_TOOLS_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+_TOOLS_SYSTEM = (
     "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
     'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
     '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- elif messages[0]['role'] == 'system' %}"
+)
+"""The tool list and calling instructions that close the system turn when tools are given."""
+
+_TOOL_CALLS = (
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+)
+"""An assistant message's calls, each one ``<tool_call>`` JSON object."""
+
+_TOOL_GROUP_OPEN = (
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+)
+_TOOL_GROUP_CLOSE = (
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+)
+_END = (
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+CHATML_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    + _TOOLS_SYSTEM
+    + "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -46,25 +76,14 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- elif message['role'] == 'assistant' %}"
     "{{- '<|im_start|>assistant' }}"
     "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
-    "{%- for call in message['tool_calls'] %}"
-    "{%- set fn = call['function'] if call['function'] is defined else call %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
-    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
-    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
+    + _TOOL_CALLS
+    + "{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    + _TOOL_GROUP_OPEN
+    + "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    + _TOOL_GROUP_CLOSE
+    + "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}" + _END
 )
 """The tiny Qwen model's tool-calling chat template: Qwen2.5-style ChatML with tools (the
 tool list in the system turn, each call as one ``<tool_call>`` JSON object with arguments
@@ -95,14 +114,7 @@ CHATML_TOOLS_IMAGES_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}" + _content("messages[0]") + "{{- '\\n\\n' }}"
-    "{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
-    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- elif messages[0]['role'] == 'system' %}"
+    "{%- endif %}" + _TOOLS_SYSTEM + "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' }}" + _content("messages[0]") + "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -113,29 +125,25 @@ CHATML_TOOLS_IMAGES_TEMPLATE = (
     "{%- if message['content'] is string and message['content'] or message['content'] is not "
     "string and message['content'] and (message['content'] | map(attribute='text', default='')"
     " | join or message['content'] | selectattr('type', 'equalto', 'image') | list) %}"
-    "{{- '\\n' }}" + _content("message") + "{%- endif %}"
-    "{%- for call in message['tool_calls'] %}"
-    "{%- set fn = call['function'] if call['function'] is defined else call %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
-    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
-    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{%- else %}{{- '\\n' }}" + _content("message") + "{%- endif %}"
+    "{{- '\\n' }}"
+    + _content("message")
+    + "{%- endif %}"
+    + _TOOL_CALLS
+    + "{%- else %}{{- '\\n' }}"
+    + _content("message")
+    + "{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' }}" + _content("message") + "{{- '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
+    + _TOOL_GROUP_OPEN
+    + "{{- '\\n<tool_response>\\n' }}"
+    + _content("message")
+    + "{{- '\\n</tool_response>' }}"
+    + _TOOL_GROUP_CLOSE
+    + "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     + _content("message")
     + "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    + _END
 )
 """`CHATML_TOOLS_TEMPLATE` for a model that takes images (the tiny VLM of `tokcap demo
 --model-family idefics3`): it renders the same text, but any message's content may be a
