@@ -63,41 +63,48 @@ _STAGED_FORMATS: Final = {
 }
 
 
+def _two_turns(rollout_id: str, first: dict[str, Any], second: dict[str, Any]) -> SimulatedRollout:
+    """A call and its child, as `stage_call` arguments ``first`` and ``second``: admitted at
+    1 and 2 with request fingerprints ``req-<tag>1``/``2``, answered as ``resp-<tag>1``/``2``
+    (``<tag>``: the id's last letter), closed with reward 1.0 on the child's response id."""
+    tag = rollout_id[-1]
+    ledger = Ledger(rollout_id)
+    parent: StagedCall | None = None
+    staged: dict[str, StagedCall] = {}
+    for turn, arguments in enumerate((first, second), start=1):
+        call_id = admit_call(
+            ledger, parent, admitted_at=turn, request_fingerprint=f"req-{tag}{turn}"
+        )
+        parent = stage_call(ledger, call_id, parent, response_id=f"resp-{tag}{turn}", **arguments)
+        staged[parent.key] = parent
+    ledger.append(Closed(reward=1.0, witnesses=Witnesses(response_id=f"resp-{tag}2")))
+    return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
+
+
 def _pushed_in_flight() -> SimulatedRollout:
     """Two calls generated across pushes: the first under ``recompute`` (its KV follows
     its weights), the second under ``keep`` (tokens after the push sit on older KV)."""
-    ledger = Ledger("golden-e")
-    first = admit_call(ledger, None, admitted_at=1, request_fingerprint="req-e1")
     spans = (VersionSpan(version=3, start=0, end=2), VersionSpan(version=4, start=2, end=5))
-    parent = stage_call(
-        ledger,
-        first,
-        None,
-        prompt_ids=[1, 2, 3],
-        output_ids=[4, 5, 6, 7, 8],
-        logprobs=[-0.5, -1.0, -1.5, -2.0, -2.5],
-        weight_version=3,
-        weight_versions=spans,
-        kv_versions=spans,
-        response_id="resp-e1",
+    child_spans = (VersionSpan(version=4, start=0, end=3), VersionSpan(version=5, start=3, end=6))
+    return _two_turns(
+        "golden-e",
+        {
+            "prompt_ids": [1, 2, 3],
+            "output_ids": [4, 5, 6, 7, 8],
+            "logprobs": [-0.5, -1.0, -1.5, -2.0, -2.5],
+            "weight_version": 3,
+            "weight_versions": spans,
+            "kv_versions": spans,
+        },
+        {
+            "prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+            "output_ids": [11, 12, 13, 14, 15, 16],
+            "logprobs": [-0.25] * 6,
+            "weight_version": 4,
+            "weight_versions": child_spans,
+            "kv_versions": (VersionSpan(version=4, start=0, end=6),),
+        },
     )
-    second = admit_call(ledger, parent, admitted_at=2, request_fingerprint="req-e2")
-    spans = (VersionSpan(version=4, start=0, end=3), VersionSpan(version=5, start=3, end=6))
-    child = stage_call(
-        ledger,
-        second,
-        parent,
-        prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-        output_ids=[11, 12, 13, 14, 15, 16],
-        logprobs=[-0.25] * 6,
-        weight_version=4,
-        weight_versions=spans,
-        kv_versions=(VersionSpan(version=4, start=0, end=6),),
-        response_id="resp-e2",
-    )
-    ledger.append(Closed(reward=1.0, witnesses=Witnesses(response_id="resp-e2")))
-    staged: dict[str, StagedCall] = {c.key: c for c in (parent, child)}
-    return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
 
 
 def _media_inputs(index: int, length: int) -> dict[str, Any]:
@@ -137,34 +144,23 @@ def _golden_image(index: int, offset: int, length: int) -> MediaItem:
 def _images_two_turns() -> SimulatedRollout:
     """An image in the first call's prompt, a second one in the second call's carry: each
     item is bound by the call that first carries it, and named in its ``Staged`` entry."""
-    ledger = Ledger("golden-f")
-    first = admit_call(ledger, None, admitted_at=1, request_fingerprint="req-f1")
-    parent = stage_call(
-        ledger,
-        first,
-        None,
-        prompt_ids=[1, 2, *[900] * 6, 3],
-        output_ids=[4, 5, 6],
-        logprobs=[-0.5, -1.0, -1.5],
-        weight_version=2,
-        media=[_golden_image(1, offset=2, length=6)],
-        response_id="resp-f1",
+    return _two_turns(
+        "golden-f",
+        {
+            "prompt_ids": [1, 2, *[900] * 6, 3],
+            "output_ids": [4, 5, 6],
+            "logprobs": [-0.5, -1.0, -1.5],
+            "weight_version": 2,
+            "media": [_golden_image(1, offset=2, length=6)],
+        },
+        {
+            "prompt_ids": [1, 2, *[900] * 6, 3, 4, 5, 6, 7, *[900] * 4, 8],
+            "output_ids": [9, 10],
+            "logprobs": [-0.25, -0.75],
+            "weight_version": 2,
+            "media": [_golden_image(2, offset=13, length=4)],
+        },
     )
-    second = admit_call(ledger, parent, admitted_at=2, request_fingerprint="req-f2")
-    child = stage_call(
-        ledger,
-        second,
-        parent,
-        prompt_ids=[1, 2, *[900] * 6, 3, 4, 5, 6, 7, *[900] * 4, 8],
-        output_ids=[9, 10],
-        logprobs=[-0.25, -0.75],
-        weight_version=2,
-        media=[_golden_image(2, offset=13, length=4)],
-        response_id="resp-f2",
-    )
-    ledger.append(Closed(reward=1.0, witnesses=Witnesses(response_id="resp-f2")))
-    staged: dict[str, StagedCall] = {c.key: c for c in (parent, child)}
-    return SimulatedRollout(ledger=ledger, manifest=manifest_of(ledger), staged=staged)
 
 
 def build_golden_vectors() -> dict[str, Any]:
