@@ -12,6 +12,7 @@ stamp with the hash of its recipe, and a later call with the same recipe returns
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import shutil
@@ -135,20 +136,25 @@ def build_beside_tokenizer(
     recipe_hash = hash_recipe(recipe)
     if stamp_matches(out_dir, recipe_hash):
         return out_dir
-    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
-        tok_dir = (
-            Path(tokenizer_dir)
-            if tokenizer_dir is not None
-            else build_tiny_tokenizer(Path(scratch) / "tok")
-        )
-        with staging_dir(out_dir) as tmp:
-            save(tok_dir, tmp)
-            for path in sorted(tok_dir.iterdir()):
-                if path.is_file() and path.name != STAMP:
-                    shutil.copy2(path, tmp / path.name)
-            _assert_same_ids(_load_trained(tok_dir), tmp)
-            write_stamp(tmp, recipe, recipe_hash)
+    with tokenizer_or_built(tokenizer_dir, prefix) as tok_dir, staging_dir(out_dir) as tmp:
+        save(tok_dir, tmp)
+        for path in sorted(tok_dir.iterdir()):
+            if path.is_file() and path.name != STAMP:
+                shutil.copy2(path, tmp / path.name)
+        _assert_same_ids(_load_trained(tok_dir), tmp)
+        write_stamp(tmp, recipe, recipe_hash)
     return out_dir
+
+
+@contextlib.contextmanager
+def tokenizer_or_built(tokenizer_dir: Path | None, prefix: str) -> Iterator[Path]:
+    """``tokenizer_dir``, or (None) a tokenizer built by `build_tiny_tokenizer` in a temporary
+    folder named with ``prefix``, removed when the block ends."""
+    if tokenizer_dir is not None:
+        yield Path(tokenizer_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        yield build_tiny_tokenizer(Path(scratch) / "tok")
 
 
 def _tokenizer_hash(tokenizer_dir: Path | None) -> str:

@@ -14,7 +14,6 @@ per tile). The processor resizes an image's longest edge to 128 and splits it in
 from __future__ import annotations
 
 import importlib
-import tempfile
 from pathlib import Path
 from typing import Any, Final
 
@@ -27,7 +26,7 @@ from ._cache import (
     write_stamp,
 )
 from ._engine import CHATML_TOOLS_IMAGES_TEMPLATE, ENGINE_ARGS, chatml_tool_args
-from ._qwen import EOS_TOKEN, PAD_TOKEN, PROBES, _tokenizer_hash, build_tiny_tokenizer
+from ._qwen import EOS_TOKEN, PAD_TOKEN, PROBES, _tokenizer_hash, tokenizer_or_built
 
 __all__ = [
     "IMAGE_TOKEN",
@@ -112,15 +111,12 @@ def build_tiny_vlm(out_dir: Path, *, tokenizer_dir: Path | None = None) -> Path:
     recipe_hash = hash_recipe(recipe)
     if stamp_matches(out_dir, recipe_hash):
         return out_dir
-    with tempfile.TemporaryDirectory(prefix="tokcap-vlm-tok-") as scratch:
-        tok_dir = (
-            Path(tokenizer_dir)
-            if tokenizer_dir is not None
-            else build_tiny_tokenizer(Path(scratch) / "tok")
-        )
-        with staging_dir(out_dir) as tmp:
-            _save_vlm(tok_dir, tmp)
-            write_stamp(tmp, recipe, recipe_hash)
+    with (
+        tokenizer_or_built(tokenizer_dir, "tokcap-vlm-tok-") as tok_dir,
+        staging_dir(out_dir) as tmp,
+    ):
+        _save_vlm(tok_dir, tmp)
+        write_stamp(tmp, recipe, recipe_hash)
     return out_dir
 
 
