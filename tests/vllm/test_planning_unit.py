@@ -169,6 +169,12 @@ class Rollout:
         self.cum_ids.append([*plan.prompt_ids, *output])
         return returned
 
+    def answered(self, generated: str, then: str = "b") -> list[dict[str, Any]]:
+        """A second request's history: user ``a``, the `call` whose model generated
+        ``generated``, user ``then``."""
+        messages = [_user("a")]
+        return [*messages, self.call(messages, generated), _user(then)]
+
     def carried(self, plan: ChatPlan) -> str:
         """The text of what a child's prompt carries after its parent's ids."""
         return self.decode(plan.prompt_ids[plan.prefix_len :])
@@ -293,8 +299,7 @@ def test_special_tokens_the_returned_content_lacks_are_a_splice_after_the_templa
     tokenizer: Any,
 ) -> None:
     rollout = Rollout(tokenizer)
-    messages = [_user("a")]
-    messages += [rollout.call(messages, "x<|im_start|>y<|im_end|>"), _user("b")]
+    messages = rollout.answered("x<|im_start|>y<|im_end|>")
     child = rollout.plan(messages)
     _on_parent(rollout, child, 1)
     assert (child.formation, child.splice_cause) == ("splice", "special_tokens")
@@ -305,8 +310,7 @@ def test_special_tokens_the_returned_content_lacks_are_a_splice_after_the_templa
 def test_the_splice_rules_default_when_none_are_given(tokenizer: Any) -> None:
     """`plan_chat` without rules splices as `SpliceRules()` says: no special texts known."""
     rollout = Rollout(tokenizer, LLAMA3_TOOLS_TEMPLATE)
-    messages = [_user("a")]
-    messages += [rollout.call(messages, "  padded  "), _user("b")]
+    messages = rollout.answered("  padded  ")
 
     def render(msgs: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
         text: str = tokenizer.apply_chat_template(
@@ -338,8 +342,7 @@ def test_a_template_that_rewrites_the_turn_past_recognition_is_a_template_mismat
 ) -> None:
     """No end-of-turn text can be found after the turn's content (it is upper-cased)."""
     rollout = Rollout(tokenizer, UPPER_TEMPLATE)
-    messages = [_user("a")]
-    messages += [rollout.call(messages, "quiet<|im_end|>"), _user("b")]
+    messages = rollout.answered("quiet<|im_end|>")
     _root(rollout.plan(messages), "template_mismatch", rollout)
 
 
@@ -357,23 +360,20 @@ def test_a_template_that_re_renders_history_when_messages_are_added_is_template_
     tokenizer: Any,
 ) -> None:
     rollout = Rollout(tokenizer, LAST_USER_SYSTEM_TEMPLATE)
-    messages = [_user("a")]
-    messages += [rollout.call(messages, "b<|im_end|>"), _user("c")]
+    messages = rollout.answered("b<|im_end|>", then="c")
     _root(rollout.plan(messages), "template_unstable", rollout)
 
 
 def test_a_history_the_template_now_renders_otherwise_is_history_rewritten(tokenizer: Any) -> None:
     rollout = Rollout(tokenizer, CHATML_TOOLS_TEMPLATE, tools=TOOLS)
-    messages = [_user("a")]
-    messages += [rollout.call(messages, "b<|im_end|>"), _user("c")]
+    messages = rollout.answered("b<|im_end|>", then="c")
     rollout.tools = [*TOOLS, {"type": "function", "function": {"name": "sub", "parameters": {}}}]
     _root(rollout.plan(messages), "history_rewritten", rollout)
 
 
 def test_a_render_mismatch_breaks_when_the_gate_is_told_to(tokenizer: Any) -> None:
     rollout = Rollout(tokenizer, config=GateConfig(on_render_mismatch="break"))
-    messages = [_user("a")]
-    messages += [rollout.call(messages, "x<|im_start|>y<|im_end|>"), _user("b")]
+    messages = rollout.answered("x<|im_start|>y<|im_end|>")
     _root(rollout.plan(messages), "template_mismatch", rollout)
 
 
