@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
 import openai
 import pytest
 
-from tokcap_core import StagedCall, TrainingRow, assemble_receipt, reassemble, verify_manifest
+from tokcap_core import (
+    CaptureConfig,
+    StagedCall,
+    TokenSink,
+    TrainingRow,
+    assemble_receipt,
+    reassemble,
+    verify_manifest,
+)
 from tokcap_core.ledger import manifest_of
-from tokcap_vllm import ControlPlaneClient, InProcessServer
+from tokcap_vllm import ControlPlaneClient, Gate, GateConfig, InProcessServer
 
 CONTROL_TOKEN = "tokcap-test-token-" + secrets.token_hex(12)
 """The session gate's control-plane token (tests assert it never shows up in any output)."""
@@ -55,6 +65,34 @@ STRIP_REASONING_TEMPLATE = (
     "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
 )
+
+
+@contextlib.contextmanager
+def gate_server(
+    model: Path,
+    vllm_args: Sequence[str],
+    *,
+    sink: TokenSink | None = None,
+    ledger_dir: Path | None = None,
+    start_timeout: float = 600.0,
+    **config: Any,
+) -> Iterator[InProcessServer]:
+    """A gate on vLLM's OpenAI server for the block, configured as the tests' gates are:
+    `CONTROL_TOKEN`, token ids returned, a 30 s parent-commit timeout, ``config`` on top,
+    its ledger persisted in ``ledger_dir`` when given."""
+    ledger_path = str(ledger_dir / "ledger.jsonl") if ledger_dir is not None else None
+    gate_config = GateConfig(
+        parent_commit_timeout_s=30,
+        capture=CaptureConfig(control_token=CONTROL_TOKEN, return_token_ids=True),
+        ledger_path=ledger_path,
+        **config,
+    )
+    srv = InProcessServer(str(model), gate=Gate(gate_config, sink=sink), vllm_args=vllm_args)
+    srv.start(start_timeout)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def client(server: InProcessServer, rollout_id: str) -> openai.AsyncOpenAI:

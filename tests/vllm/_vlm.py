@@ -1,12 +1,17 @@
 """What the tiny-VLM tests share: images as PNG bytes and data URLs, chat messages carrying
-them, and transformers' own processor as the reference for an expanded prompt."""
+them, a loopback HTTP host serving them, and transformers' own processor as the reference
+for an expanded prompt."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -37,6 +42,67 @@ def image_message(data: bytes, text: str = "What is in the picture?") -> dict[st
             {"type": "text", "text": text},
         ],
     }
+
+
+Routes = dict[str, tuple[int, str, bytes]]
+"""What an `ImageRoutes` serves: path -> status, content type, body."""
+
+
+class ImageRoutes(BaseHTTPRequestHandler):
+    """Answers a GET of a path in ``routes`` (path -> status, content type, body) with that
+    route, anything else with a 404; subclasses set ``routes``."""
+
+    routes: ClassVar[Routes] = {}
+
+    def do_GET(self) -> None:
+        self.reply(*self.routes.get(self.path, (404, "text/plain", b"no")))
+
+    def reply(self, status: int, mime: str, data: bytes) -> None:
+        """Send ``data`` as a whole response."""
+        self.send_response(status)
+        self.send_header("Content-Type", mime)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve_images(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on 127.0.0.1 from a thread of its own, for the block: ``host:port``."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def chat_turns(
+    oai: Any, model: str, messages: list[dict[str, Any]], follow_ups: list[dict[str, Any]]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """One chat call (``return_token_ids``, 4 tokens) on ``messages``, then one more after
+    each follow-up: the reply's content goes back as the assistant's turn, then the
+    follow-up. The engine's prompt ids and output ids of each call; every call's prompt
+    must extend its parent's exact ids (asserted)."""
+    prompts: list[list[int]] = []
+    outputs: list[list[int]] = []
+    for follow_up in [*follow_ups, None]:
+        reply = oai.chat.completions.create(
+            model=model, messages=messages, max_tokens=4, extra_body={"return_token_ids": True}
+        )
+        prompts.append((reply.model_extra or {})["prompt_token_ids"])
+        outputs.append((reply.choices[0].model_extra or {})["token_ids"])
+        if follow_up is not None:
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            messages.append(follow_up)
+    for parent_prompt, parent_output, prompt in zip(prompts, outputs, prompts[1:], strict=False):
+        parent = parent_prompt + parent_output
+        assert prompt[: len(parent)] == parent
+    return prompts, outputs
 
 
 def token_id(model: Path, token: str) -> int:

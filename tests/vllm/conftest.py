@@ -15,9 +15,9 @@ from tests.engine_env import set_cpu_engine_env
 
 set_cpu_engine_env()
 
-from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS  # noqa: E402
-from tokcap_core import CaptureConfig, MemorySink, SinkError, StagedCall  # noqa: E402
-from tokcap_vllm import Gate, GateConfig, InProcessServer  # noqa: E402
+from tests.vllm._helpers import VLLM_ARGS, gate_server  # noqa: E402
+from tokcap_core import MemorySink, SinkError, StagedCall  # noqa: E402
+from tokcap_vllm import InProcessServer  # noqa: E402
 
 
 class FailingSink(MemorySink):
@@ -38,15 +38,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm() -> Path:
+    """The tiny Idefics3 (`tokcap.tiny.build_tiny_vlm`, cached)."""
+    from tokcap.tiny import build_tiny_vlm
+
+    cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
+    return build_tiny_vlm(cache / "vlm")
+
+
+@pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     """The gate (control token set, ledger persisted to a file) on vLLM's OpenAI server."""
-    config = GateConfig(
-        parent_commit_timeout_s=30,
-        capture=CaptureConfig(control_token=CONTROL_TOKEN, return_token_ids=True),
-        ledger_path=str(tmp_path_factory.mktemp("gate") / "ledger.jsonl"),
-    )
-    gate = Gate(config, sink=FailingSink())
-    srv = InProcessServer(str(tiny_model), gate=gate, vllm_args=VLLM_ARGS)
-    srv.start()
-    yield srv
-    srv.stop()
+    ledger_dir = tmp_path_factory.mktemp("gate")
+    with gate_server(tiny_model, VLLM_ARGS, sink=FailingSink(), ledger_dir=ledger_dir) as srv:
+        yield srv

@@ -28,11 +28,16 @@ import anyio
 import httpx
 import pytest
 
-from tests.vllm._helpers import CONTROL_TOKEN, VLLM_ARGS, client, close_and_reassemble, events
+from tests.vllm._helpers import (
+    VLLM_ARGS,
+    client,
+    close_and_reassemble,
+    events,
+    gate_server,
+)
 from tokcap.tiny import force_tool_calls, tiny_mistral, tool_calls_token_id
-from tokcap_core import CaptureConfig
 from tokcap_core.ledger import Admitted
-from tokcap_vllm import Gate, GateConfig, InProcessServer
+from tokcap_vllm import InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -72,14 +77,8 @@ def mistral(request: pytest.FixtureRequest) -> Iterator[tuple[str, InProcessServ
     kind = request.param
     cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
     model, mistral_args = tiny_mistral(cache, tokenizer=kind)
-    config = GateConfig(
-        parent_commit_timeout_s=30,
-        capture=CaptureConfig(control_token=CONTROL_TOKEN, return_token_ids=True),
-    )
-    srv = InProcessServer(str(model), gate=Gate(config), vllm_args=[*VLLM_ARGS, *mistral_args])
-    srv.start()
-    yield kind, srv
-    srv.stop()
+    with gate_server(model, [*VLLM_ARGS, *mistral_args]) as srv:
+        yield kind, srv
 
 
 async def _call(

@@ -8,12 +8,12 @@ import hashlib
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
 
+from tests.vllm._vlm import ImageRoutes, Routes, serve_images
 from tokcap_core import ConfigError
 from tokcap_vllm import GateConfig
 from tokcap_vllm.errors import BadRequest, TooLarge
@@ -23,16 +23,16 @@ from tokcap_vllm.gate._remote_media import fetch_remote_media, host_allowed
 IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(200))
 
 
-class _Images(BaseHTTPRequestHandler):
+class _Images(ImageRoutes):
+    routes: ClassVar[Routes] = {
+        "/a.png": (200, "image/png", IMAGE),
+        "/page": (200, "text/html", b"<html></html>"),
+        "/empty.png": (200, "image/png", b""),
+        "/huge.png": (200, "image/png", b"\0" * (MAX_IMAGE_BYTES + 1)),
+    }
     release = threading.Event()
 
     def do_GET(self) -> None:
-        routes: dict[str, tuple[int, str, bytes]] = {
-            "/a.png": (200, "image/png", IMAGE),
-            "/page": (200, "text/html", b"<html></html>"),
-            "/empty.png": (200, "image/png", b""),
-            "/huge.png": (200, "image/png", b"\0" * (MAX_IMAGE_BYTES + 1)),
-        }
         if self.path == "/moved":
             self.send_response(302)
             self.send_header("Location", "/a.png")
@@ -41,26 +41,14 @@ class _Images(BaseHTTPRequestHandler):
         if self.path == "/stalls.png":
             self.release.wait(60)
             return
-        status, mime, data = routes.get(self.path, (404, "text/plain", b"no"))
-        self.send_response(status)
-        self.send_header("Content-Type", mime)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        super().do_GET()
 
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Images)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    _Images.release.set()
-    server.shutdown()
-    server.server_close()
+    with serve_images(_Images) as served:
+        yield served
+        _Images.release.set()
 
 
 def _chat(url: str) -> bytes:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,34 +18,23 @@ import anyio
 import openai
 import pytest
 
-from tests.vllm._helpers import CONTROL_TOKEN, close_and_reassemble, control, events
-from tests.vllm._vlm import data_url, image_message, png, processor_ids
-from tokcap.tiny import IMAGE_TOKEN, VLM_VLLM_ARGS, build_tiny_vlm
-from tokcap_core import CaptureConfig, MemorySink, StagedCall
+from tests.vllm._helpers import close_and_reassemble, control, events, gate_server
+from tests.vllm._vlm import chat_turns, data_url, image_message, png, processor_ids, token_id
+from tokcap.tiny import IMAGE_TOKEN, VLM_VLLM_ARGS
+from tokcap_core import MemorySink, StagedCall
 from tokcap_core.ledger import Admitted, Staged
 from tokcap_core.sink import fetch_media
-from tokcap_vllm import Gate, GateConfig, InProcessServer
+from tokcap_vllm import InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def vlm() -> Path:
-    cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
-    return build_tiny_vlm(cache / "vlm")
-
-
-@pytest.fixture(scope="module")
 def vlm_server(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    config = GateConfig(
-        parent_commit_timeout_s=30,
-        capture=CaptureConfig(control_token=CONTROL_TOKEN, return_token_ids=True),
-        ledger_path=str(tmp_path_factory.mktemp("vlm-gate") / "ledger.jsonl"),
-    )
-    srv = InProcessServer(str(vlm), gate=Gate(config, sink=MemorySink()), vllm_args=VLM_VLLM_ARGS)
-    srv.start(timeout=1800)  # a loaded 2-core box took 450 s
-    yield srv
-    srv.stop()
+    ledger_dir = tmp_path_factory.mktemp("vlm-gate")
+    # a loaded 2-core box took 450 s to start
+    with gate_server(vlm, VLM_VLLM_ARGS, ledger_dir=ledger_dir, start_timeout=1800) as srv:
+        yield srv
 
 
 def test_engine_expands_images_as_the_processor_does(
@@ -54,9 +42,7 @@ def test_engine_expands_images_as_the_processor_does(
 ) -> None:
     """Uncaptured (plain ``/v1``): vLLM's expanded prompt ids equal transformers' processor's,
     for a square and a wide image; each square image is 2x2 tiles + a global view."""
-    from transformers import AutoTokenizer
-
-    image_id = AutoTokenizer.from_pretrained(vlm).convert_tokens_to_ids(IMAGE_TOKEN)
+    image_id = token_id(vlm, IMAGE_TOKEN)
     oai = openai.OpenAI(base_url=f"{vlm_server.base_url}/v1", api_key="x", max_retries=0)
     for size in ((48, 48), (96, 40)):
         data = png(*size, seed=size[0])
@@ -72,16 +58,6 @@ def test_engine_expands_images_as_the_processor_does(
         if size == (48, 48):
             assert engine_ids.count(image_id) == 20
             assert len(engine_ids) == 55
-
-
-def fake_token_id(model: Path) -> int:
-    """The id of Idefics3's ``<fake_token_around_image>`` (first and last of a placeholder)."""
-    from transformers import AutoTokenizer
-
-    token: int = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(
-        "<fake_token_around_image>"
-    )
-    return token
 
 
 def captured_call(
@@ -109,7 +85,7 @@ def test_a_captured_image_call_stages_the_expanded_ids_and_binds_the_image(
     messages = [image_message(data)]
     engine_ids = captured_call(vlm_server, "vlm-cap-a", messages)
     assert engine_ids == processor_ids(vlm, messages, [data])
-    fake = fake_token_id(vlm)
+    fake = token_id(vlm, "<fake_token_around_image>")
     start = engine_ids.index(fake)
     end = len(engine_ids) - engine_ids[::-1].index(fake)  # the placeholder's first to last
     image = slice(start, end)
@@ -236,32 +212,12 @@ def test_images_in_history_stay_on_one_chain_expanded_once(
     second image. Each prompt is the parent's exact expanded ids plus the rendered suffix:
     one chain, the first image expanded once at the offset turn 1 recorded, each image bound
     by the call that first carried it."""
-    from transformers import AutoTokenizer
-
-    global_img = AutoTokenizer.from_pretrained(vlm).convert_tokens_to_ids("<global-img>")
+    global_img = token_id(vlm, "<global-img>")
     oai = openai.OpenAI(base_url=vlm_server.rollout_url("vlm-turns"), api_key="x", max_retries=0)
     first, second = png(48, 48, seed=11), png(40, 40, seed=12)
     messages: list[dict[str, Any]] = [image_message(first)]
-    prompts, outputs = [], []
-    for turn in range(3):
-        reply = oai.chat.completions.create(
-            model=vlm_server.model,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=4,
-            extra_body={"return_token_ids": True},
-        )
-        extra = reply.model_extra or {}
-        prompts.append(extra["prompt_token_ids"])
-        outputs.append((reply.choices[0].model_extra or {})["token_ids"])
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-        messages.append(
-            image_message(second, "and this one?")
-            if turn == 0
-            else {"role": "user", "content": "go on"}
-        )
-    for turn in (1, 2):
-        parent = prompts[turn - 1] + outputs[turn - 1]
-        assert prompts[turn][: len(parent)] == parent
+    follow_ups = [image_message(second, "and this one?"), {"role": "user", "content": "go on"}]
+    prompts, outputs = chat_turns(oai, vlm_server.model, messages, follow_ups)
     assert [p.count(global_img) for p in prompts] == [1, 2, 2]
     admitted = [e for e in events(vlm_server, "vlm-turns") if isinstance(e, Admitted)]
     assert [e.parent_id for e in admitted] == [None, "c000001", "c000002"]

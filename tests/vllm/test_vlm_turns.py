@@ -14,23 +14,29 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import openai
 import pytest
 
-from tests.vllm._helpers import CONTROL_TOKEN, close_and_reassemble, events
-from tests.vllm._vlm import data_url, image_message, png, token_id
-from tokcap.tiny import VLM_VLLM_ARGS, build_tiny_vlm
-from tokcap_core import CaptureConfig, MemorySink, StagedCall, TrainingRow
+from tests.vllm._helpers import close_and_reassemble, events, gate_server
+from tests.vllm._vlm import (
+    ImageRoutes,
+    Routes,
+    chat_turns,
+    data_url,
+    image_message,
+    png,
+    serve_images,
+    token_id,
+)
+from tokcap.tiny import VLM_VLLM_ARGS
+from tokcap_core import StagedCall, TrainingRow
 from tokcap_core.ledger import Admitted
-from tokcap_vllm import Gate, GateConfig, InProcessServer
+from tokcap_vllm import InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,51 +44,30 @@ FIRST, SECOND = png(48, 48, seed=31), png(40, 40, seed=32)
 REMOTE = png(48, 48, seed=33)
 
 
-class _Images(BaseHTTPRequestHandler):
+class _Images(ImageRoutes):
     """Serves `REMOTE` at ``/a.png``; anything else is a 404."""
 
-    def do_GET(self) -> None:
-        found = self.path == "/a.png"
-        data = REMOTE if found else b"no"
-        self.send_response(200 if found else 404)
-        self.send_header("Content-Type", "image/png" if found else "text/plain")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    routes: ClassVar[Routes] = {"/a.png": (200, "image/png", REMOTE)}
 
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Images)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture(scope="module")
-def vlm() -> Path:
-    cache = Path(os.environ.get("TOKCAP_TINY_CACHE", "/tmp/tokcap-tiny"))
-    return build_tiny_vlm(cache / "vlm")
+    with serve_images(_Images) as host:
+        yield host
 
 
 @pytest.fixture(scope="module")
 def vlm_server(
     vlm: Path, image_host: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[InProcessServer]:
-    config = GateConfig(
-        parent_commit_timeout_s=30,
+    with gate_server(
+        vlm,
+        VLM_VLLM_ARGS,
+        ledger_dir=tmp_path_factory.mktemp("vlm-turns"),
+        start_timeout=1800,
         allow_remote_media=(image_host,),
-        capture=CaptureConfig(control_token=CONTROL_TOKEN, return_token_ids=True),
-        ledger_path=str(tmp_path_factory.mktemp("vlm-turns") / "ledger.jsonl"),
-    )
-    srv = InProcessServer(str(vlm), gate=Gate(config, sink=MemorySink()), vllm_args=VLM_VLLM_ARGS)
-    srv.start(timeout=1800)
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 def assert_one_chain_two_images(
@@ -135,21 +120,8 @@ def test_chat_an_image_in_a_tool_result_is_captured_at_the_turn_it_first_appears
             {"type": "image_url", "image_url": {"url": data_url(SECOND)}},
         ],
     }
-    prompts, outputs = [], []
-    for turn in range(3):
-        reply = oai.chat.completions.create(
-            model=vlm_server.model,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=4,
-            extra_body={"return_token_ids": True},
-        )
-        prompts.append((reply.model_extra or {})["prompt_token_ids"])
-        outputs.append((reply.choices[0].model_extra or {})["token_ids"])
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-        messages.append(tool_result if turn == 0 else {"role": "user", "content": "go on"})
-    for turn in (1, 2):
-        parent = prompts[turn - 1] + outputs[turn - 1]
-        assert prompts[turn][: len(parent)] == parent
+    follow_ups = [tool_result, {"role": "user", "content": "go on"}]
+    prompts, outputs = chat_turns(oai, vlm_server.model, messages, follow_ups)
     row, _ = assert_one_chain_two_images(vlm_server, vlm, "vlmt-chat")
     assert list(row.input_ids) == prompts[2] + outputs[2]
 
