@@ -86,6 +86,13 @@ def gate(tq_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         served.stop()
 
 
+async def opened(gate: ServedGate, rid: str) -> str:
+    """Open rollout ``rid`` on ``gate``; its rollout URL."""
+    async with ControlPlaneClient(gate.url, TOKEN) as cp:
+        await cp.open(rid)
+    return f"{gate.url}/tokcap/rollouts/{rid}/v1"
+
+
 async def chat(url: str, messages: list[dict[str, Any]]) -> Any:
     client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
     try:
@@ -105,9 +112,7 @@ def test_three_turns_with_two_images_are_one_verified_chain(gate: ServedGate) ->
 
     async def run() -> None:
         rid = "served-vlm-chat"
-        url = f"{gate.url}/tokcap/rollouts/{rid}/v1"
-        async with ControlPlaneClient(gate.url, TOKEN) as cp:
-            await cp.open(rid)
+        url = await opened(gate, rid)
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": [image(FIRST), {"type": "text", "text": "Look."}]}
         ]
@@ -165,9 +170,7 @@ def test_the_responses_api_captures_an_image_likewise(gate: ServedGate) -> None:
 
     async def run() -> None:
         rid = "served-vlm-responses"
-        url = f"{gate.url}/tokcap/rollouts/{rid}/v1"
-        async with ControlPlaneClient(gate.url, TOKEN) as cp:
-            await cp.open(rid)
+        url = await opened(gate, rid)
         client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
         data = "data:image/png;base64," + base64.b64encode(THIRD).decode()
         try:
@@ -209,9 +212,7 @@ def test_an_image_named_by_a_uuid_alone_is_refused(gate: ServedGate) -> None:
     rid = "served-vlm-uuid"
 
     async def run() -> None:
-        async with ControlPlaneClient(gate.url, TOKEN) as cp:
-            await cp.open(rid)
-        url = f"{gate.url}/tokcap/rollouts/{rid}/v1"
+        url = await opened(gate, rid)
         with_bytes = {**image(FIRST), "uuid": "img-7"}
         alone = {"type": "image_url", "image_url": None, "uuid": "img-7"}
         for part in (with_bytes, alone):
