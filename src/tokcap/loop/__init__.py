@@ -8,7 +8,7 @@ train`` runs, from `tokcap.__main__`).
 """
 
 from ._cli import run_train
-from ._config import LoopConfig
+from ._config import MODEL_FAMILIES, LoopConfig, ModelFamily
 from ._loop import run_loop, train
 from ._meters import BusyMeter, CpuMeter
 from ._policy import load_policy
@@ -24,6 +24,7 @@ from ._task import (
     TASKS,
     DigitsEpisode,
     HarnessApi,
+    group_image,
     long_tail_shape,
     tool_response,
 )
@@ -31,6 +32,7 @@ from ._watchdog import LagWatch, Stall
 
 __all__ = [
     "HARNESS_APIS",
+    "MODEL_FAMILIES",
     "MORE",
     "STALE",
     "SYSTEM",
@@ -42,6 +44,7 @@ __all__ = [
     "LagWatch",
     "LoopConfig",
     "LoopError",
+    "ModelFamily",
     "Provenance",
     "SkipCount",
     "StalenessPolicy",
@@ -50,6 +53,7 @@ __all__ = [
     "StepTail",
     "TrainRun",
     "build_train_summary",
+    "group_image",
     "load_policy",
     "long_tail_shape",
     "print_train_summary",
