@@ -238,7 +238,7 @@ def test_a_push_through_the_weight_routes_makes_the_engine_encode_a_seen_image_a
     import torch
     import transformers
 
-    from tests.vllm._vlm import engine_state, vision_moved, vlm_parity
+    from tests.vllm._vlm import moved, vlm_parity
     from tokcap_core import TrainingRow
     from tokcap_vllm.weights import GateWeightClient
 
@@ -249,7 +249,7 @@ def test_a_push_through_the_weight_routes_makes_the_engine_encode_a_seen_image_a
     )
     model.train(False)
     original = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    moved = vision_moved(model, seed=0)
+    vision = moved(model, seed=0, only="model.vision_model.")
 
     async def rollout(rid: str) -> tuple[list[TrainingRow], dict[str, Any]]:
         async with ControlPlaneClient(gate.url, TOKEN) as cp:
@@ -270,16 +270,16 @@ def test_a_push_through_the_weight_routes_makes_the_engine_encode_a_seen_image_a
         return list(rows), media
 
     async def push(client: GateWeightClient, weights: dict[str, torch.Tensor]) -> None:
-        await client.push(engine_state(weights), (await client.info()).version + 1)
+        await client.push(weights, (await client.info()).version + 1)
 
     async def run() -> None:
         async with GateWeightClient(gate.url, TOKEN) as client:
             rows, media = await rollout("served-vlm-push-a")  # encoded by the original weights
             assert vlm_parity(model, original, rows, media).k3 <= 1e-9
-            await push(client, moved)
+            await push(client, vision)
             try:
                 rows, media = await rollout("served-vlm-push-b")
-                assert vlm_parity(model, moved, rows, media).k3 <= 1e-9
+                assert vlm_parity(model, vision, rows, media).k3 <= 1e-9
                 assert vlm_parity(model, original, rows, media).k3 > 1e-4
             finally:
                 await push(client, original)

@@ -66,22 +66,17 @@ def processor_ids(model: Path, messages: list[dict[str, Any]], images: list[byte
     return list(ids)
 
 
-def vision_moved(model: Any, seed: int, scale: float = 0.05) -> dict[str, Any]:
-    """``model``'s state dict with seeded noise on its vision tower only (``model`` keeps it)."""
+def moved(model: Any, seed: int, scale: float = 0.05, only: str = "") -> dict[str, Any]:
+    """``model``'s state dict with seeded noise on its parameters named ``only*`` (the tied
+    head follows the text embedding; ``model`` keeps the noise)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.startswith("model.vision_model."):
+            if name.startswith(only):
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
-
-
-def engine_state(weights: dict[str, Any]) -> dict[str, Any]:
-    """What a push into vLLM's Idefics3 carries: all but the tied head (vLLM holds it as the
-    text embeddings, under no name of its own)."""
-    return {name: t for name, t in weights.items() if name != "lm_head.weight"}
 
 
 def vlm_parity(model: Any, weights: dict[str, Any], rows: Any, media: Any) -> Any:

@@ -36,8 +36,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 from anyio.abc import TaskGroup
@@ -136,7 +135,7 @@ async def train(
                     functools.partial(trainer.step, rows, advantages, media=media)
                 )
                 seconds["train"] = time.perf_counter() - start
-                pushed = await placed.push(_TiedHead(trainer) if config.images else trainer)
+                pushed = await placed.push(trainer)
                 seconds["push"] = time.perf_counter() - start - seconds["train"]
                 seconds["total"] = time.perf_counter() - started
                 feed.trained(taken)  # its rows freed, its rollouts released, in the background
@@ -152,23 +151,6 @@ async def train(
                 advance(1)
         run.loop_lag_ms_max = meters.lag.run_ms
         run.gates = await placed.gate_entries(run.gate_calls)
-
-
-class _TiedHead:
-    """A trainer pushed without ``lm_head.weight``: vLLM's Idefics3 ties its head to the
-    text embeddings and holds no tensor of that name (the push refuses unknown names)."""
-
-    def __init__(self, trainer: Policy) -> None:
-        self.trainer = trainer
-
-    @property
-    def version(self) -> int:
-        """The trainer's version."""
-        return self.trainer.version
-
-    def weights(self) -> Mapping[str, Any]:
-        """The trainer's weights but the tied head."""
-        return {k: v for k, v in self.trainer.weights().items() if k != "lm_head.weight"}
 
 
 async def _verified_media(
