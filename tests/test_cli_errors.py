@@ -64,6 +64,7 @@ def test_a_usage_error_is_exit_2() -> None:
         (("--rollouts", "1"), "bad_rollouts"),
         (("--task", "agent", "--turns", "1"), "bad_turns"),
         (("--gate", "http://127.0.0.1:9"), "bad_gates"),
+        (("--model-family", "idefics3", "--gates", "2"), "bad_model_family"),
     ],
 )
 def test_a_train_option_the_loop_refuses_is_exit_2_before_anything_starts(

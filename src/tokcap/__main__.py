@@ -158,6 +158,12 @@ def _parser() -> argparse.ArgumentParser:
         help="--async: train no token sampled more than K versions behind (default 2)",
     )  # fmt: skip
     train.add_argument(
+        "--model-family", choices=("qwen", "idefics3"), default="qwen",
+        help="qwen: the tiny Qwen3 (default); idefics3: a tiny vision-language model, each "
+        "rollout's first message carrying an image whose processed tensors the trainer reads "
+        "back from the sink, verified, for its forward pass",
+    )  # fmt: skip
+    train.add_argument(
         "--no-importance", dest="importance", action="store_const", const=False, default=None,
         help="--async: no decoupled-PPO importance weights (TIS/MIS; on by default)",
     )  # fmt: skip

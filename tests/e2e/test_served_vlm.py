@@ -226,3 +226,63 @@ def test_an_image_named_by_a_uuid_alone_is_refused(gate: ServedGate) -> None:
             await cp.release(rid)
 
     anyio.run(run)
+
+
+def test_a_push_through_the_weight_routes_makes_the_engine_encode_a_seen_image_anew(
+    gate: ServedGate,
+) -> None:
+    """`GateWeightClient` (vLLM's weight routes, ``tokcap_shm``) moves only the vision tower,
+    then the same image again: the engine's logprobs are the trainer's with the new weights.
+    vLLM's weight-transfer finish keeps the encoder cache; without the client's
+    ``/reset_encoder_cache`` the engine reused the image's old encoding. The original weights
+    are pushed back after."""
+    import torch
+    import transformers
+
+    from tests.vllm._vlm import moved, vlm_parity
+    from tokcap_core import TrainingRow
+    from tokcap_vllm.weights import GateWeightClient
+
+    sink = TQSink(PARTITIONS)
+    picture = png(48, 41)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(
+        gate.model, dtype=torch.float32
+    )
+    model.train(False)
+    original = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    vision = moved(model, seed=0, only="model.vision_model.")
+
+    async def rollout(rid: str) -> tuple[list[TrainingRow], dict[str, Any]]:
+        async with ControlPlaneClient(gate.url, TOKEN) as cp:
+            await cp.open(rid)
+        url = f"{gate.url}/tokcap/rollouts/{rid}/v1"
+        await chat(
+            url,
+            [{"role": "user", "content": [image(picture), {"type": "text", "text": "?"}]}],
+        )
+        async with ControlPlaneClient(gate.url, TOKEN) as cp:
+            head = await cp.close(rid, reward=1.0)
+            (receipt,) = await cp.fetch_receipts([rid], expected_heads={rid: head})
+            assert receipt.status == "verified"
+            rows = reassemble(receipt, await sink.get(list(receipt.sink_keys)), max_seq_len=4096)
+            media = await fetch_media(sink, [m.tensors_digest for row in rows for m in row.media])
+            await sink.clear(list(receipt.sink_keys))
+            await cp.release(rid)
+        return list(rows), media
+
+    async def push(client: GateWeightClient, weights: dict[str, torch.Tensor]) -> None:
+        await client.push(weights, (await client.info()).version + 1)
+
+    async def run() -> None:
+        async with GateWeightClient(gate.url, TOKEN) as client:
+            rows, media = await rollout("served-vlm-push-a")  # encoded by the original weights
+            assert vlm_parity(model, original, rows, media).k3 <= 1e-9
+            await push(client, vision)
+            try:
+                rows, media = await rollout("served-vlm-push-b")
+                assert vlm_parity(model, vision, rows, media).k3 <= 1e-9
+                assert vlm_parity(model, original, rows, media).k3 > 1e-4
+            finally:
+                await push(client, original)
+
+    anyio.run(run)

@@ -130,3 +130,35 @@ def processor_ids(model: Path, messages: list[dict[str, Any]], images: list[byte
     pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
     ids: list[int] = processor(text=text, images=pil)["input_ids"][0]
     return list(ids)
+
+
+def moved(model: Any, seed: int, scale: float = 0.05, only: str = "") -> dict[str, Any]:
+    """``model``'s state dict with seeded noise on its parameters named ``only*`` (the tied
+    head follows the text embedding; ``model`` keeps the noise)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.startswith(only):
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def vlm_parity(model: Any, weights: dict[str, Any], rows: Any, media: Any) -> Any:
+    """The engine's captured logprobs in ``rows`` against ``model`` holding ``weights``, fed
+    the rows' verified image tensors ``media`` (`tokcap_core.LogprobParity`)."""
+    import torch
+
+    from tokcap.train import collate, media_inputs, token_logprobs
+    from tokcap_core import logprob_parity
+
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        recomputed = token_logprobs(model, collate(rows), inputs=media_inputs(rows, media))
+    return logprob_parity(
+        [row.logprobs for row in rows],
+        [recomputed[i, : len(row.input_ids)].tolist() for i, row in enumerate(rows)],
+        [row.loss_mask for row in rows],
+        valid_N=[row.sample_mask for row in rows],
+    )

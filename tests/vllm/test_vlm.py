@@ -19,7 +19,16 @@ import openai
 import pytest
 
 from tests.vllm._helpers import close_and_reassemble, control, events, gate_server
-from tests.vllm._vlm import chat_turns, data_url, image_message, png, processor_ids, token_id
+from tests.vllm._vlm import (
+    chat_turns,
+    data_url,
+    image_message,
+    moved,
+    png,
+    processor_ids,
+    token_id,
+    vlm_parity,
+)
 from tokcap.tiny import IMAGE_TOKEN, VLM_VLLM_ARGS
 from tokcap_core import MemorySink, StagedCall
 from tokcap_core.ledger import Admitted, Staged
@@ -28,12 +37,15 @@ from tokcap_vllm import InProcessServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+WEIGHT_SYNC = ("--worker-extension-cls", "tokcap_vllm.WeightSyncWorker")
+
 
 @pytest.fixture(scope="module")
 def vlm_server(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     ledger_dir = tmp_path_factory.mktemp("vlm-gate")
+    args = [*VLM_VLLM_ARGS, *WEIGHT_SYNC]
     # a loaded 2-core box took 450 s to start
-    with gate_server(vlm, VLM_VLLM_ARGS, ledger_dir=ledger_dir, start_timeout=1800) as srv:
+    with gate_server(vlm, args, ledger_dir=ledger_dir, start_timeout=1800) as srv:
         yield srv
 
 
@@ -385,3 +397,67 @@ def test_the_trainer_recomputes_the_engines_logprobs_on_the_verified_tensors(
     assert report.parity.tokens == sum(r.num_generated for r in rows)
     # measured: K3 2.8e-14, max |diff| 4.8e-7 over 36 tokens (the text-only figure's order)
     assert report.parity.k3 <= 1e-9, report.parity
+
+
+def test_a_push_makes_the_engine_encode_an_image_it_saw_again_with_the_new_weights(
+    vlm_server: InProcessServer, vlm: Path
+) -> None:
+    """A push resets the engine's encoder cache: an image encoded before a push that moved
+    only the vision tower is encoded again by the new weights (the engine's logprobs are the
+    trainer's with the new weights, not the old). Without the reset the engine core died on
+    that call (vLLM's "Encoder cache miss": the reload empties the worker's cache, not the
+    scheduler's book of it). Then a push moving everything: the text model and the head tied
+    to its embedding land too (before, the push left the head out and CPU vLLM's packed copy
+    of it stayed stale: K3 1.6e-3 for noise of 1e-2 on the text model). The original weights
+    are pushed back after."""
+    import torch
+    import transformers
+
+    from tokcap_core import LogprobParity, TrainingRow
+    from tokcap_vllm import WeightSync
+
+    sink = vlm_server.gate.sink
+    assert isinstance(sink, MemorySink)
+    image = png(48, 48, seed=41)
+
+    def rollout(name: str) -> list[TrainingRow]:
+        oai = openai.OpenAI(base_url=vlm_server.rollout_url(name), api_key="x", max_retries=0)
+        messages: list[dict[str, Any]] = [image_message(image, "Digits?")]
+        oai.chat.completions.create(
+            model=vlm_server.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=1.0,
+            seed=0,
+        )
+        receipt, rows, _ = close_and_reassemble(vlm_server, name)
+        assert receipt.ok
+        return rows
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32)
+    model.train(False)
+    original = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    vision = moved(model, seed=0, only="model.vision_model.")
+    everything = moved(model, seed=1)  # the text model and its tied head too
+
+    def parity(weights: dict[str, torch.Tensor], rows: list[TrainingRow]) -> LogprobParity:
+        digests = [item.tensors_digest for row in rows for item in row.media]
+        return vlm_parity(model, weights, rows, vlm_server.call(fetch_media, sink, digests))
+
+    def push(weights: dict[str, torch.Tensor]) -> None:
+        vlm_server.call(sync.push, weights, sync.state.version + 1)
+
+    engine = vlm_server._server.config.app.state.engine_client
+    sync = vlm_server.call(WeightSync.connect, engine)
+    before = rollout("vlm-push-a")  # the engine encodes the image with the original weights
+    assert parity(original, before).k3 <= 1e-9
+    push(vision)
+    try:
+        after = rollout("vlm-push-b")
+        assert parity(vision, after).k3 <= 1e-9, parity(vision, after)
+        assert parity(original, after).k3 > 1e-4  # the vision tower's move reached the engine
+        push(everything)
+        last = rollout("vlm-push-c")
+        assert parity(everything, last).k3 <= 1e-9, parity(everything, last)
+    finally:
+        push(original)

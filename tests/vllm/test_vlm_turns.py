@@ -368,3 +368,36 @@ def test_an_image_that_does_not_decode_or_is_a_bomb_is_refused_typed(
     )
     assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
     assert rollout_id not in vlm_server.gate.rollouts()
+
+
+def test_an_image_refused_after_vllm_processed_it_fails_one_call_then_is_sent_again(
+    vlm_server: InProcessServer, vlm: Path
+) -> None:
+    """A prompt past the context is refused after vLLM processed its image, so vLLM believes
+    the engine holds the image's tensors and sends none with the next call: that call fails
+    (500 ``gate_failed``, logged ``media_tensors_unseen``: the gate never saw them) and has
+    vLLM send them again, so the next rollout with the image is captured and binds it
+    (before: every later captured call failed until vLLM's cache evicted the image)."""
+    from transformers import AutoTokenizer
+
+    data = png(48, 48, seed=37)
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    per_word = len(tokenizer.encode("hello " * 1000, add_special_tokens=False)) / 1000
+    too_long = {
+        "model": vlm_server.model,
+        "max_tokens": 2,
+        "messages": [image_message(data, "hello " * int(4070 / per_word))],
+    }
+    url = vlm_server.rollout_url("vlmt-resend-long")
+    assert httpx.post(f"{url}/chat/completions", json=too_long, timeout=120).status_code == 400
+    short = {**too_long, "messages": [image_message(data, "Digits?")]}
+    url = vlm_server.rollout_url("vlmt-resend-a")
+    failed = httpx.post(f"{url}/chat/completions", json=short, timeout=120)
+    assert (failed.status_code, failed.json()["error"]["code"]) == (500, "gate_failed")
+    url = vlm_server.rollout_url("vlmt-resend-b")
+    assert httpx.post(f"{url}/chat/completions", json=short, timeout=120).status_code == 200
+    receipt, _, staged = close_and_reassemble(vlm_server, "vlmt-resend-b")
+    assert receipt.ok
+    assert [m.bytes_sha256 for m in staged["c000001"].media or ()] == [
+        hashlib.sha256(data).hexdigest()
+    ]

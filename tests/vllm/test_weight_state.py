@@ -162,6 +162,11 @@ def test_the_spec_comes_from_the_headers_with_the_engine_dtype_and_the_tied_head
     untied, none = expected_spec(checkpoint, dtype="float32", tie_word_embeddings=False)
     assert "lm_head.weight" not in untied
     assert none == ()
+    # a vision-language model's text embedding (Idefics3's): the head is tied to it
+    nested = {"model.text_model.embed_tokens.weight": ("bfloat16", (10, 4))}
+    spec, tied = expected_spec(nested, dtype="float32", tie_word_embeddings=True)
+    assert spec["lm_head.weight"] == ("float32", (10, 4))
+    assert tied == (("lm_head.weight", "model.text_model.embed_tokens.weight"),)
 
 
 def test_a_folder_without_safetensors_has_no_spec(tmp_path: Path) -> None:

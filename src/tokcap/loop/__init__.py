@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._cli import run_train
-    from ._config import LoopConfig
+    from ._config import MODEL_FAMILIES, LoopConfig, ModelFamily
     from ._loop import run_loop, train
     from ._meters import BusyMeter, CpuMeter
     from ._policy import load_policy
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         TASKS,
         DigitsEpisode,
         HarnessApi,
+        group_image,
         long_tail_shape,
         tool_response,
     )
@@ -47,6 +48,8 @@ _HOME = {
     "HarnessApi": "._task",
     "LagWatch": "._watchdog",
     "LoopConfig": "._config",
+    "MODEL_FAMILIES": "._config",
+    "ModelFamily": "._config",
     "LoopError": "._staleness",
     "MORE": "._task",
     "Provenance": "._staleness",
@@ -60,6 +63,7 @@ _HOME = {
     "TASKS": "._task",
     "TrainRun": "._step",
     "build_train_summary": "._summary",
+    "group_image": "._task",
     "load_policy": "._policy",
     "long_tail_shape": "._task",
     "print_train_summary": "._summary",
@@ -75,6 +79,7 @@ _HOME = {
 
 __all__ = [
     "HARNESS_APIS",
+    "MODEL_FAMILIES",
     "MORE",
     "STALE",
     "SYSTEM",
@@ -86,6 +91,7 @@ __all__ = [
     "LagWatch",
     "LoopConfig",
     "LoopError",
+    "ModelFamily",
     "Provenance",
     "SkipCount",
     "StalenessPolicy",
@@ -94,6 +100,7 @@ __all__ = [
     "StepTail",
     "TrainRun",
     "build_train_summary",
+    "group_image",
     "load_policy",
     "long_tail_shape",
     "print_train_summary",

@@ -53,7 +53,7 @@ from ..compose import Batch, Policy, clear_orphaned
 from ._harness import Harness, finished
 from ._staleness import SkipCount, StalenessPolicy
 from ._step import Taken
-from ._task import WITNESSES, DigitsEpisode, group_prompt
+from ._task import WITNESSES, DigitsEpisode, group_image, group_prompt
 
 __all__ = ["Pumps", "pumping"]
 
@@ -197,6 +197,7 @@ class Pumps:
                     group_id=group_id,
                     witness=WITNESSES[i % len(WITNESSES)],
                     prompt=group_prompt(config.seed, index),
+                    image=group_image(config.seed, index) if config.images else None,
                 )
                 for i in range(config.rollouts)
             ],

@@ -30,17 +30,21 @@ __all__ = ["TINY_MODEL", "loop_config", "run_train"]
 
 TINY_MODEL = RunOptions().cache / "tiny" / "dense"
 """Where ``tokcap train`` builds (once, then reuses) the tiny model it trains."""
+TINY_VLM = RunOptions().cache / "tiny" / "vlm"
+"""Where ``tokcap train --model-family idefics3`` builds its tiny vision-language model."""
 
 
 def loop_config(flags: Mapping[str, Any]) -> LoopConfig:
     """The loop's config from ``tokcap train``'s ``flags`` (those naming a `LoopConfig`
-    field): the tiny model, ``turns`` (None) 2 for the agent task and 1 for the others.
+    field): the family's tiny model, ``turns`` (None) 2 for the agent task and 1 for the
+    others.
     Raises `ConfigError` for a bad value (`LoopConfig`)."""
     names = {field.name for field in dataclasses.fields(LoopConfig)}
     given = {name: value for name, value in flags.items() if name in names}
     turns = given.get("turns") or (2 if given.get("task", "agent") == "agent" else 1)
     gate_urls = tuple(given.get("gate_urls", ()))
-    return LoopConfig(**{**given, "model": TINY_MODEL, "turns": turns, "gate_urls": gate_urls})
+    model = TINY_VLM if given.get("model_family") == "idefics3" else TINY_MODEL
+    return LoopConfig(**{**given, "model": model, "turns": turns, "gate_urls": gate_urls})
 
 
 def run_train(flags: Mapping[str, Any], console: Console | None = None) -> int:
@@ -68,10 +72,13 @@ def _run(config: LoopConfig, out: Path, console: Console) -> int:
     from .._stages import Stages
 
     with Stages(Console(stderr=True)) as stages:
-        with stages.stage("build tiny model (cached)"):
-            from ..tiny import build_tiny_model
+        with stages.stage(f"build tiny {config.model_family} model (cached)"):
+            from ..tiny import build_tiny_model, build_tiny_vlm
 
-            model = build_tiny_model(config.model, kind="dense")
+            if config.images:
+                model = build_tiny_vlm(config.model)
+            else:
+                model = build_tiny_model(config.model, kind="dense")
             from ._loop import run_loop
             from ._step import StepRecord
 

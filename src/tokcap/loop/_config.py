@@ -11,7 +11,12 @@ from tokcap_core import ConfigError
 
 from ._task import HARNESS_APIS, TASKS, HarnessApi, Task
 
-__all__ = ["LoopConfig"]
+__all__ = ["MODEL_FAMILIES", "LoopConfig", "ModelFamily"]
+
+ModelFamily = Literal["qwen", "idefics3"]
+MODEL_FAMILIES: tuple[ModelFamily, ...] = ("qwen", "idefics3")
+"""The tiny models ``tokcap train --model-family`` trains: ``qwen`` (text, the default) and
+``idefics3`` (a vision-language model; every rollout's first message carries an image)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +61,14 @@ class LoopConfig:
     ``max(groups, steps * groups // 2)``)."""
     importance: bool | None = None
     """Decoupled PPO with TIS/MIS from the engine's logprobs (None: on in async mode)."""
+    model_family: ModelFamily = "qwen"
+    """The tiny model trained (`MODEL_FAMILIES`); ``idefics3`` plays chat with one image per
+    group, staged once in the sink and read back, verified, by the trainer."""
+
+    @property
+    def images(self) -> bool:
+        """Whether the family sees images (the harness sends one per rollout)."""
+        return self.model_family == "idefics3"
 
     @property
     def skip_bound(self) -> int:
@@ -90,6 +103,16 @@ class LoopConfig:
         if self.harness_api not in HARNESS_APIS:
             raise ConfigError(
                 "bad_harness_api", f"harness_api is one of {HARNESS_APIS}: {self.harness_api!r}"
+            )
+        if self.model_family not in MODEL_FAMILIES:
+            raise ConfigError(
+                "bad_model_family",
+                f"model_family is one of {MODEL_FAMILIES}: {self.model_family!r}",
+            )
+        if self.images and (self.harness_api != "chat" or self.gates or self.gate_urls):
+            raise ConfigError(
+                "bad_model_family",
+                "the idefics3 family plays chat completions on one gate in this process",
             )
         if self.task == "agent" and self.turns < 2:
             raise ConfigError(

@@ -12,7 +12,9 @@ the loop; each step:
 3. **reassemble**: in the same `collect`, metadata-only requests to the Ray pool, the
    group policy, the accepted rows read from TransferQueue and GRPO advantages;
 4. **train**: one `tokcap.train.Trainer` step, whose parity report compares the trainer's
-   pre-update logprobs with the engine's on exactly these rows;
+   pre-update logprobs with the engine's on exactly these rows (rows with images: the
+   processed tensors the engine's encoder consumed, read back from the sink and verified
+   against their digests first, `tokcap_core.sink.fetch_media`);
 5. **push**: the full state dict into every engine (`tokcap.compose.Run.push`) under the
    next version; the gate watches the push and would refuse captured calls if it failed;
    then the step's rows are freed and its rollouts released while the next step runs.
@@ -31,20 +33,23 @@ holds the engine's weights agrees to ~1e-14 (K3): a step whose K3 exceeds
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 from anyio.abc import TaskGroup
 from rich.markup import escape
 
-from tokcap_core import CaptureConfig
+from tokcap_core import CaptureConfig, TrainingRow
+from tokcap_core.sink import MediaStore, fetch_media
+from tokcap_core.staged import TensorBytes
 from tokcap_tq import TQSink, TQSinkConfig
 
 from .._stages import Stages
 from ..compose import Policy, Site, place, tq_sink
-from ..tiny import QWEN_VLLM_ARGS
+from ..tiny import QWEN_VLLM_ARGS, VLM_VLLM_ARGS
 from ._async import pumping
 from ._config import LoopConfig
 from ._harness import Harness, harness_on
@@ -86,7 +91,7 @@ def run_loop(
         config,
         sink,
         capture,
-        vllm_args=QWEN_VLLM_ARGS,
+        vllm_args=VLM_VLLM_ARGS if config.images else QWEN_VLLM_ARGS,
         push_mode=config.push_mode,
         stage=stages.stage,
         log=stages.log,
@@ -104,7 +109,7 @@ async def train(
 ) -> None:
     """Open ``site`` and train ``run.config.steps`` steps on it, each recorded in ``run``."""
     config = run.config
-    policy = PolicyLoad(config.model, config.seed)  # loads while the stack starts
+    policy = PolicyLoad(config.model, config.seed, vision=config.images)  # while the stack starts
     async with site.open(alongside=[policy.load], label=f"{site.label}, trainer") as placed:
         trainer = new_trainer(policy.policy, config.lr, placed.version, decoupled=config.decoupled)
         run.params = sum(p.numel() for p in policy.policy.parameters())
@@ -125,7 +130,10 @@ async def train(
                 version, seconds = trainer.version, taken.seconds
                 start = time.perf_counter()
                 rows, advantages = taken.batch.rows, taken.batch.advantages
-                report = await anyio.to_thread.run_sync(trainer.step, rows, advantages)
+                media = await _verified_media(placed.stack.sink, rows)
+                report = await anyio.to_thread.run_sync(
+                    functools.partial(trainer.step, rows, advantages, media=media)
+                )
                 seconds["train"] = time.perf_counter() - start
                 pushed = await placed.push(trainer)
                 seconds["push"] = time.perf_counter() - start - seconds["train"]
@@ -134,6 +142,7 @@ async def train(
                 record = step_record(
                     run, placed.fleet, step, taken, report=report, trained_version=version,
                     pushed=pushed, loop_lag_ms_max=meters.lag.take(),
+                    image_blobs=len(media or {}),
                 )  # fmt: skip
                 record.seconds.update(await meters.take())
                 run.steps.append(record)
@@ -142,6 +151,18 @@ async def train(
                 advance(1)
         run.loop_lag_ms_max = meters.lag.run_ms
         run.gates = await placed.gate_entries(run.gate_calls)
+
+
+async def _verified_media(
+    sink: object, rows: Sequence[TrainingRow]
+) -> dict[str, tuple[TensorBytes, ...]] | None:
+    """The processed tensors of the images ``rows`` name, read from ``sink`` and verified
+    against their digests (`fetch_media`); None when no row names one."""
+    digests = [item.tensors_digest for row in rows for item in row.media]
+    if not digests:
+        return None
+    assert isinstance(sink, MediaStore)
+    return await fetch_media(sink, digests)
 
 
 @contextlib.asynccontextmanager

@@ -66,6 +66,14 @@ class StepRecord:
     """The driver's largest event-loop lag during the step (ms)."""
     parity_by_staleness: dict[str, dict[str, float]] = field(default_factory=dict)
     """Parity over rows by their staleness (``"0"``, ``"1"``, ...)."""
+    images_sent: int = 0
+    """Images the harness sent (one per rollout of a vision-language family; 0: text)."""
+    images_bound: int = 0
+    """Images the verified receipts' calls bind (distinct per rollout: the ledgers' view)."""
+    images: int = 0
+    """Images the step's valid rows name (their placeholders in the rows' ids)."""
+    image_blobs: int = 0
+    """Distinct blobs of processed tensors the trainer read back and verified for them."""
     placeholders: dict[str, int] = field(default_factory=dict)
     """Placeholder rows by failure bucket (why a receipt or reassembly failed)."""
     receipts_lost: dict[str, int] = field(default_factory=dict)
@@ -105,6 +113,16 @@ class StepRecord:
             "skipped": dict(self.skipped),
             "loop_lag_ms_max": round(self.loop_lag_ms_max, 3),
             "parity_by_staleness": self.parity_by_staleness,
+            **(
+                {
+                    "images_sent": self.images_sent,
+                    "images_bound": self.images_bound,
+                    "images": self.images,
+                    "image_blobs": self.image_blobs,
+                }
+                if self.images_sent
+                else {}
+            ),
             "placeholders": dict(self.placeholders),
             "receipts_lost": dict(self.receipts_lost),
             "calls_per_rollout": dict(self.calls_per_rollout),
@@ -173,10 +191,12 @@ def step_record(
     trained_version: int,
     pushed: Pushed,
     loop_lag_ms_max: float,
+    image_blobs: int = 0,
 ) -> StepRecord:
     """Step ``step``'s record from what it trained (``report``: a `tokcap.train.StepReport`
-    of a step against ``trained_version``), its sampled answers and (``fleet``: served
-    gates) calls per gate noted in ``run``."""
+    of a step against ``trained_version``, on ``image_blobs`` blobs of processed tensors
+    read back and verified), its sampled answers and (``fleet``: served gates) calls per
+    gate noted in ``run``."""
     episodes, rows = taken.episodes, taken.batch.rows
     receipts = list(taken.batch.receipts.values())
     if step % 5 == 0 or step == run.config.steps - 1:
@@ -225,6 +245,14 @@ def step_record(
         parity_by_staleness={
             str(k): _parity_json(v) for k, v in sorted(report.parity_by_staleness.items())
         },
+        images_sent=sum(e.image is not None for e in episodes),
+        images_bound=sum(
+            len({d for calls in r.segments for call in calls for d in call.media_digests or ()})
+            for r in receipts
+            if r.ok
+        ),
+        images=sum(len(r.media) for r in rows if r.sample_mask),
+        image_blobs=image_blobs,
     )
 
 

@@ -40,6 +40,8 @@ TASK_NOTES = {
 }
 WINDOW = 5
 """Steps averaged at each end of the run for the reward gain."""
+IMAGE_COUNTS = ("images_sent", "images_bound", "images", "image_blobs")
+"""A vision-language run's image counts, per step and in total (absent for text)."""
 
 
 def _mean(values: list[float]) -> float:
@@ -60,6 +62,7 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
         for s, p in zip(steps, fresh, strict=True)
     ]
     staleness = [s["staleness_max"] for s in steps if s["staleness_max"] is not None]
+    images = {name: sum(s.get(name, 0) for s in steps) for name in IMAGE_COUNTS}
     return {
         "version": SUMMARY_VERSION,
         "kind": "train",
@@ -73,6 +76,7 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
             "seed": config.seed,
             "ray_address": config.ray_address,
             "task": TASK_NOTES[config.task],
+            "model_family": config.model_family,
             "model_params": run.params,
         },
         "train": {
@@ -106,6 +110,7 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
             "seconds_per_step_median": statistics.median(totals) if totals else 0.0,
             "stage_seconds": {k: round(v, 3) for k, v in stage_s.items()},
             "stage_shares": {k: round(v / all_stages, 4) for k, v in stage_s.items()},
+            **(images if images["images_sent"] else {}),
         },
         "gates": run.gates,
         "samples": [
@@ -178,6 +183,7 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
             problems.append(f"{at}: {failed} receipts fail ({s.get('placeholders', {})})")
         if s["rows_valid"] == 0:
             problems.append(f"{at}: no valid row")
+        problems += _image_problems(at, s)
         if s["engine_version"] != str(s["weight_version"]):
             problems.append(f"{at}: the engine serves {s['engine_version']!r}, not the push")
         if previous is not None:
@@ -195,6 +201,22 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
     for gate in summary.get("gates", []):
         if gate["rollouts"] == 0:
             problems.append(f"gate {gate['url']} served no rollout")
+    return problems
+
+
+def _image_problems(at: str, step: dict[str, Any]) -> list[str]:
+    """A vision-language step's images: every image sent is bound by its verified receipt
+    and named by its row (unless a row was lost to a placeholder), and the trainer read
+    back and verified at least one blob."""
+    sent = step.get("images_sent", 0)
+    if not sent:
+        return []
+    problems = []
+    if step["rows_placeholder"] == 0 and not sent == step["images_bound"] == step["images"]:
+        problems.append(f"{at}: {sent} images sent, {step['images_bound']} bound by the "
+                        f"receipts, {step['images']} in the rows")  # fmt: skip
+    if step["images"] and not step["image_blobs"]:
+        problems.append(f"{at}: rows name images but no blob was read back")
     return problems
 
 
@@ -256,3 +278,10 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
         f"{train.get('samples_per_s', 0.0):.2f} samples/s",
         highlight=False,
     )
+    if train.get("images_sent"):
+        console.print(
+            f"images: {train['images_sent']} sent, {train['images_bound']} bound by the "
+            f"verified receipts, {train['images']} in the trained rows; {train['image_blobs']} "
+            "blobs of processed tensors read back from the sink and verified",
+            highlight=False,
+        )

@@ -29,7 +29,7 @@ from anyio.abc import TaskGroup
 from ..compose import Batch, CollectTimings, Stack
 from ._harness import Harness, finished
 from ._step import Taken
-from ._task import WITNESSES, DigitsEpisode, group_prompt
+from ._task import WITNESSES, DigitsEpisode, group_image, group_prompt
 
 __all__ = ["LockStep", "StepTail"]
 
@@ -52,6 +52,7 @@ class LockStep:
                 group_id=f"{config.tag}-s{step:04d}-g{g:02d}",
                 witness=WITNESSES[i % len(WITNESSES)],
                 prompt=group_prompt(config.seed, g),
+                image=group_image(config.seed, g) if config.images else None,
             )
             for g in range(config.groups)
             for i in range(config.rollouts)

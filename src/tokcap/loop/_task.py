@@ -26,6 +26,10 @@ steps.
 The scorer's witnesses follow the demo: per rollout slot, the scored response id, the
 scored content, a declared terminal, or none (the gate's deepest-chain choice).
 
+With a vision-language model (``--model-family idefics3``) every rollout's first user
+message carries its group's image (`group_image`, a small PNG sent as a base64 data URL),
+so the group's rollouts share one staged blob of processed tensors.
+
 The harness speaks one of three APIs (``--harness-api``): ``chat`` (chat completions, the
 default), ``responses`` (the ``openai`` client's Responses API, each call after the first
 naming the one before by ``previous_response_id`` and sending only the environment's new
@@ -35,8 +39,11 @@ each call). The gate plans all three as the same chat turns, so the rows are ali
 
 from __future__ import annotations
 
+import base64
 import json
 import random
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,6 +58,7 @@ __all__ = [
     "Task",
     "Witness",
     "digit_share",
+    "group_image",
     "long_tail_shape",
     "play_digits",
     "tool_response",
@@ -102,6 +110,28 @@ def group_prompt(seed: int, group: int) -> str:
     return f"Write a long number that starts with {rng.randint(10, 99)}."
 
 
+def group_image(seed: int, group: int, size: int = 48) -> bytes:
+    """The PNG (``size`` x ``size`` RGB, colours from ``seed`` and ``group``) every rollout
+    of a group sees; made with the standard library (zlib), no image package."""
+    rng = random.Random(f"image/{seed}/{group}")
+    base = [rng.randrange(256) for _ in range(3)]
+    rows = b"".join(
+        b"\x00"
+        + bytes((base[c] + (x * 7, y * 11, x * y)[c]) % 256 for x in range(size) for c in range(3))
+        for y in range(size)
+    )
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)
+    return b"".join(
+        [b"\x89PNG\r\n\x1a\n", chunk(b"IHDR", header), chunk(b"IDAT", zlib.compress(rows)),
+         chunk(b"IEND", b"")]
+    )  # fmt: skip
+
+
 def long_tail_shape(seed: int, max_tokens: int) -> tuple[int, int]:
     """``(calls, max_tokens)`` of the ``long-tail`` rollout seeded ``seed``: with
     probability `LONG_TAIL_SHARE` 6 to 10 calls of ``LONG_TAIL_TOKENS * max_tokens``, else
@@ -120,6 +150,8 @@ class DigitsEpisode:
     group_id: str
     witness: Witness
     prompt: str
+    image: bytes | None = None
+    """A PNG the first user message carries (a vision-language model's task)."""
     response_ids: list[str] = field(default_factory=list)
     contents: list[str] = field(default_factory=list)
     reward: float = 0.0
@@ -155,7 +187,14 @@ async def play_digits(
     instead (`long_tail_shape`; ``turns`` is not used)."""
     if task == "long-tail":
         turns, max_tokens = long_tail_shape(seed, max_tokens)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": episode.prompt}]
+    first: str | list[dict[str, Any]] = episode.prompt
+    if episode.image is not None:
+        url = f"data:image/png;base64,{base64.b64encode(episode.image).decode()}"
+        first = [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": episode.prompt},
+        ]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": first}]
     call = _CALLERS[api]
     for turn in range(turns):
         if turn:

@@ -24,13 +24,15 @@ with the gate's bearer token (vLLM's own HTTP weight-sync client sends no header
    labels outputs with it), ``/reset_prefix_cache?reset_running_requests=true`` (vLLM's
    finish does not: cached KV of the old weights gave measured errors; skipped in mode
    ``keep``, where calls in flight keep their KV and the gate salts new prompts by
-   version instead), ``/resume``, and last
+   version instead), ``/reset_encoder_cache`` (every mode: an image's encoder output is
+   the old weights', and vLLM's finish keeps it), ``/resume``, and last
    ``/tokcap/v1/weights/release`` (lifts a hold; ``release=False`` leaves that to a fleet).
 
 A failure in 3 raises `WeightSyncError` ``<step>_failed``. Before the weights were touched
 (pause, start) the engine is resumed; after, it stays paused and the gate, which watched
 the failing route, refuses captured calls (503 ``weights_unavailable``) until a full push
-succeeds. A failed prefix-cache reset, which the gate cannot see, is turned into a hold.
+succeeds. A failed prefix- or encoder-cache reset, which the gate cannot see, is turned
+into a hold.
 """
 
 from __future__ import annotations
@@ -214,6 +216,8 @@ class GateWeightClient(AsyncClosing):
             )
             step = "prefix_cache"
             await self._reset_kv(step)
+            step = "encoder_cache"
+            await self._reset_encoder(step)
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException as e:
@@ -227,11 +231,12 @@ class GateWeightClient(AsyncClosing):
 
     @asynccontextmanager
     async def external_update(self, version: int, *, release: bool = True) -> AsyncIterator[None]:
-        """Steps 3's pause before, and label, prefix-cache reset, resume (and release)
-        after, a push that another engine drives through vLLM's routes: vLLM's ``nccl`` or
-        ``ipc`` trainer engines on GPU, or any `WeightTransferTrainerFactory` engine, with
-        `tokcap_vllm.transfer.BearerWeightSyncClient` (run its blocking ``send_weights`` in
-        a thread). A failure inside, or after, holds the gate until a push releases it.
+        """Steps 3's pause before, and label, prefix- and encoder-cache resets, resume (and
+        release) after, a push that another engine drives through vLLM's routes: vLLM's
+        ``nccl`` or ``ipc`` trainer engines on GPU, or any `WeightTransferTrainerFactory`
+        engine, with `tokcap_vllm.transfer.BearerWeightSyncClient` (run its blocking
+        ``send_weights`` in a thread). A failure inside, or after, holds the gate until a
+        push releases it.
         """
         await self.check_version(version)
         await self._call("pause", "POST", "/pause", params=self._pause_params())
@@ -247,6 +252,8 @@ class GateWeightClient(AsyncClosing):
             await self._call(step, "POST", "/update_weight_version", json=label)
             step = "prefix_cache"
             await self._reset_kv(step)
+            step = "encoder_cache"
+            await self._reset_encoder(step)
             step = "resume"
             await self._call(step, "POST", "/resume")
         except BaseException:
@@ -269,6 +276,11 @@ class GateWeightClient(AsyncClosing):
         if not reset.json().get("success"):
             raise WeightSyncError("prefix_cache_failed", "the engine kept its prefix cache")
 
+    async def _reset_encoder(self, step: str) -> None:
+        """Drop the engine's encoder outputs (every mode): an image's was computed by the old
+        weights, and vLLM's weight-transfer finish keeps them (reused, they would be inexact)."""
+        await self._call(step, "POST", "/reset_encoder_cache")
+
     async def _start(self) -> None:
         try:
             await self._call("start", "POST", "/start_weight_update")
@@ -282,7 +294,7 @@ class GateWeightClient(AsyncClosing):
         try:
             if step in ("pause", "start"):
                 await self._call("resume", "POST", "/resume")
-            elif step in ("prefix_cache", "resume"):
+            elif step in ("prefix_cache", "encoder_cache", "resume"):
                 await self.hold(f"push of version {version} failed at {step}")
         except WeightSyncError:
             pass

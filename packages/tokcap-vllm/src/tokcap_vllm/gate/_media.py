@@ -23,8 +23,9 @@ hashes: the gate refuses client UUIDs, `tokcap_vllm.fingerprints.image_digest`),
 blobs up to `BLOB_BYTES` (oldest first out), on captured calls and on uncaptured ones alike
 (`MediaBinder.observe`: an image first sent to plain ``/v1`` is then bound when a captured
 call carries it). An item whose tensors it does not hold fails the call
-(``media_tensors_unseen``); so does any disagreement between the admitted ids and vLLM's
-expansion (``media_mismatch``).
+(``media_tensors_unseen``: vLLM believed the engine held them, after a request refused once
+its images were processed) and has vLLM send them with the next call; any disagreement
+between the admitted ids and vLLM's expansion fails the call too (``media_mismatch``).
 """
 
 from __future__ import annotations
@@ -198,10 +199,11 @@ class MediaBinder:
         if data is None or any(value is None for value in data.values()):
             seen = self._seen.get(mm_hash)
             if seen is None:
+                self._send_again(mm_hash)
                 raise _fail(
                     "media_tensors_unseen",
                     "the engine holds this image's tensors from a call the gate did not see "
-                    "(or whose tensors it no longer keeps)",
+                    "(or whose tensors it no longer keeps); a retry sends them again",
                 )
             self._seen.move_to_end(mm_hash)
             return seen
@@ -209,6 +211,15 @@ class MediaBinder:
         digest, blob = tensors_digest(tensors), media_blob(tensors)
         self._keep(mm_hash, digest, blob)
         return digest, blob
+
+    def _send_again(self, mm_hash: str) -> None:
+        """Make vLLM's processor send this image's tensors with its next call. Its record of
+        what the engine core holds can be wrong: a request refused after its images were
+        processed (a prompt past the context) reached neither the gate nor the engine. vLLM
+        drops the entry the same way when its engine core reports such a miss."""
+        cache = getattr(self.engine.renderer, "mm_processor_cache", None)
+        if cache is not None:
+            cache.invalidate(mm_hash)
 
     def _keep(self, mm_hash: str, digest: str, blob: bytes) -> None:
         old = self._seen.pop(mm_hash, None)

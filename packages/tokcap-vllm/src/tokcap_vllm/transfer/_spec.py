@@ -80,19 +80,32 @@ def expected_spec(
     *,
     dtype: str,
     tie_word_embeddings: bool,
-    embedding: str = "model.embed_tokens.weight",
+    embedding: str | None = None,
     head: str = "lm_head.weight",
 ) -> tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]]:
     """What a full push carries (floating tensors in ``dtype``, the tied head included), and
-    the ``(head, embedding)`` pairs that must hold equal values (the engine has one tensor)."""
+    the ``(head, embedding)`` pairs that must hold equal values (the engine has one tensor).
+    ``embedding`` (None) is ``model.embed_tokens.weight``, else the checkpoint's one tensor
+    named ``*.embed_tokens.weight`` (a vision-language model's text model:
+    ``model.text_model.embed_tokens.weight``)."""
     spec = {
         name: (dtype if kind in FLOATING else kind, shape)
         for name, (kind, shape) in checkpoint.items()
     }
+    if embedding is None:
+        embedding = _embedding_of(spec)
     if not (tie_word_embeddings and embedding in spec):
         return spec, ()
     spec.setdefault(head, spec[embedding])
     return spec, ((head, embedding),)
+
+
+def _embedding_of(spec: Mapping[str, TensorSpec]) -> str:
+    default = "model.embed_tokens.weight"
+    if default in spec:
+        return default
+    nested = [name for name in spec if name.endswith(".embed_tokens.weight")]
+    return nested[0] if len(nested) == 1 else default
 
 
 def engine_spec(model_config: Any) -> tuple[dict[str, TensorSpec], tuple[tuple[str, str], ...]]:

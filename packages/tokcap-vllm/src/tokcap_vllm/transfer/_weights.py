@@ -17,6 +17,7 @@
 3. **swap** (phase PUSHING): ``pause_generation(mode)``, commit (one in-place
    ``reload_weights``), ``update_weight_version(str(version))``, reset the prefix cache
    (cached KV was computed by the old weights: 4e-2 off on a cached prompt, measured),
+   reset the encoder cache (every mode: images' encoder outputs are the old weights'),
    ``resume_generation()``; phase READY at ``version``.
 
 In-flight requests, by push ``mode`` (`PushMode`): ``"wait"`` (default) lets them
@@ -347,6 +348,12 @@ class WeightSync:
                 reset_running_requests=True
             ):
                 raise RuntimeError("the engine did not reset its prefix cache")
+            step = "encoder_cache"
+            # Every mode. An image's encoder output is the old weights' (reusing it after
+            # the push would be inexact), and the commit's ``reload_weights`` has already
+            # emptied the worker's cache but not the scheduler's book of it: without this
+            # the next call with an image seen before fails "Encoder cache miss".
+            await self.engine.reset_encoder_cache()
             step = "resume"
             await self.engine.resume_generation()
         except BaseException as e:

@@ -1,0 +1,106 @@
+"""``tokcap train --model-family idefics3`` without an engine: its config, its images and
+the image counts of its summary and checks, from records."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from tokcap.loop import (
+    LoopConfig,
+    StepRecord,
+    TrainRun,
+    build_train_summary,
+    group_image,
+    print_train_summary,
+    train_problems,
+)
+from tokcap.loop._cli import TINY_MODEL, TINY_VLM, loop_config
+from tokcap_core import ConfigError
+
+
+def _record(
+    step: int, images_sent: int = 0, images_bound: int = 0, images: int = 0, image_blobs: int = 0
+) -> StepRecord:
+    return StepRecord(
+        step=step, reward_mean=0.5, reward_max=1.0,
+        parity={"tokens": 10, "mean_abs": 1e-8, "max_abs": 1e-7, "k3": 1e-14},
+        sampled_version=step, weight_version=step + 1, engine_version=str(step + 1),
+        staleness_max=0, rows_valid=4, rows_placeholder=0, receipts_verified=4,
+        receipts_total=4, gate_versions=(), groups_accepted=2, tokens=40,
+        loss=0.1, clip_fraction=0.0, grad_norm=1.0, seconds={"total": 1.0},
+        images_sent=images_sent, images_bound=images_bound, images=images, image_blobs=image_blobs,
+    )  # fmt: skip
+
+
+IMAGES = {"images_sent": 4, "images_bound": 4, "images": 4, "image_blobs": 2}
+
+
+def _summary(*records: StepRecord) -> dict[str, Any]:
+    run = TrainRun(LoopConfig(model=Path("tiny"), steps=len(records), model_family="idefics3"))
+    run.steps = list(records)
+    return build_train_summary(run, {})
+
+
+def test_the_summary_counts_images_per_step_and_in_total_and_prints_them() -> None:
+    summary = _summary(_record(0, **IMAGES), _record(1, **IMAGES))
+    train = summary["train"]
+    assert train["steps"][1]["images_bound"] == 4
+    assert {k: train[k] for k in IMAGES} == {k: 2 * v for k, v in IMAGES.items()}
+    assert train_problems(summary) == []
+    out = io.StringIO()
+    print_train_summary(summary, Console(file=out, width=200))
+    assert "images: 8 sent, 8 bound by the verified receipts, 8 in the trained rows; 4 blobs" in (
+        out.getvalue()
+    )
+
+
+def test_an_image_sent_but_not_bound_or_not_in_its_row_is_a_problem() -> None:
+    unbound = _record(0, **{**IMAGES, "images_bound": 3})
+    unread = _record(1, **{**IMAGES, "image_blobs": 0})
+    assert train_problems(_summary(unbound, unread)) == [
+        "step 0: 4 images sent, 3 bound by the receipts, 4 in the rows",
+        "step 1: rows name images but no blob was read back",
+    ]
+    # a row lost to a placeholder takes its image with it: not counted against the step
+    lost = replace(unbound, rows_valid=3, rows_placeholder=1, images=3)
+    assert train_problems(_summary(lost)) == []
+
+
+def test_a_text_run_has_no_image_counts() -> None:
+    run = TrainRun(LoopConfig(model=Path("tiny"), steps=1))
+    run.steps = [_record(0)]
+    summary = build_train_summary(run, {})
+    assert summary["config"]["model_family"] == "qwen"
+    assert "images_sent" not in summary["train"]
+    assert "images_sent" not in summary["train"]["steps"][0]
+
+
+def test_the_family_picks_the_tiny_model_and_idefics3_plays_chat_on_one_gate() -> None:
+    assert loop_config({"model_family": "idefics3", "task": "digits"}).model == TINY_VLM
+    assert loop_config({"task": "digits"}).model == TINY_MODEL
+    assert loop_config({"model_family": "idefics3", "task": "digits"}).images
+    for flags in (
+        {"model_family": "llava"},
+        {"model_family": "idefics3", "gates": 2},
+        {"model_family": "idefics3", "harness_api": "responses"},
+    ):
+        with pytest.raises(ConfigError) as refused:
+            loop_config(flags)
+        assert refused.value.code == "bad_model_family"
+
+
+def test_a_groups_image_is_a_png_that_decodes_the_same_every_time_and_differs_by_group() -> None:
+    from PIL import Image
+
+    first = group_image(0, 0)
+    assert first == group_image(0, 0)
+    assert first != group_image(0, 1) != group_image(1, 1)
+    image = Image.open(io.BytesIO(first))
+    assert (image.format, image.mode, image.size) == ("PNG", "RGB", (48, 48))
+    image.load()  # the pixel data decodes (CRCs and zlib stream intact)
