@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._cli import run_train
+    from ._cli import loop_config, run_train
     from ._config import MODEL_FAMILIES, LoopConfig, ModelFamily
     from ._loop import run_loop, train
     from ._meters import BusyMeter, CpuMeter
@@ -66,6 +66,7 @@ _HOME = {
     "group_image": "._task",
     "load_policy": "._policy",
     "long_tail_shape": "._task",
+    "loop_config": "._cli",
     "print_train_summary": "._summary",
     "provenance": "._staleness",
     "render_train_report": "._report",
@@ -103,6 +104,7 @@ __all__ = [
     "group_image",
     "load_policy",
     "long_tail_shape",
+    "loop_config",
     "print_train_summary",
     "provenance",
     "render_train_report",
