@@ -260,8 +260,10 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
     shares = ", ".join(f"{k} {v:.0%}" for k, v in train["stage_shares"].items())
     ok = train["parity_k3_max"] <= train["parity_k3_limit"]
     fresh_note = " (rows sampled by the trained version)" if train.get("mode") == "async" else ""
+    window = min(WINDOW, len(steps))
+    overlap = ", the windows overlap" if len(steps) < 2 * WINDOW else ""
     console.print(
-        f"reward (mean of {WINDOW} steps): first {train['reward_first5']:.3f} → last "
+        f"reward (mean of {window} steps{overlap}): first {train['reward_first5']:.3f} → last "
         f"{train['reward_last5']:.3f} ([bold]{train['reward_gain']:+.3f}[/])\n"
         f"parity: max K3 {train['parity_k3_max']:.1e} "
         f"({'[green]≤' if ok else '[red]>'} {train['parity_k3_limit']:.0e}[/]) over "
