@@ -162,6 +162,19 @@ def _legend(items: Sequence[tuple[str, str]]) -> str:
     return f'<div class="legend">{spans}</div>'
 
 
+def _image_cards(train: dict[str, Any]) -> list[str]:
+    """With images (``--model-family idefics3``): sent, bound by verified receipts, in the
+    trained rows (all three equal, or the run failed), and the blobs read back verified."""
+    if not train.get("images_sent"):
+        return []
+    counts = (train["images_sent"], train["images_bound"], train["images"])
+    kind = "ok" if len(set(counts)) == 1 else "bad"
+    return [
+        _card("images sent / bound / in rows", " / ".join(map(str, counts)), kind),
+        _card("image blobs read back, verified", str(train["image_blobs"])),
+    ]
+
+
 def _card(label: str, value: str, kind: str = "") -> str:
     return f'<div class="card {kind}"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
 
@@ -212,15 +225,17 @@ def render_train_report(summary: dict[str, Any]) -> str:
     k3_kind = "ok" if ok else "bad"
     receipts = f"{train['receipts_verified']}/{train['receipts_total']}"
     receipts += f" ({lost} lost with their gate)" if lost else ""
+    window = min(5, len(steps))  # the summary's reward window (`build_train_summary`)
     cards = "".join(
         [
-            _card("mean reward, first 5 steps", f"{train['reward_first5']:.3f}"),
-            _card("mean reward, last 5 steps", f"{train['reward_last5']:.3f}"),
+            _card(f"mean reward, first {window} steps", f"{train['reward_first5']:.3f}"),
+            _card(f"mean reward, last {window} steps", f"{train['reward_last5']:.3f}"),
             _card("reward gain", f"{train['reward_gain']:+.3f}", "ok"),
             _card("max parity K3 (bound 1e-9)", f"{train['parity_k3_max']:.1e}", k3_kind),
             _card("receipts verified", receipts, "ok" if receipts_ok else "bad"),
             _card("weight version pushed", f"{train['weight_versions'][-1] if steps else '-'}"),
             _card("seconds per step (median)", f"{train['seconds_per_step_median']:.2f}"),
+            *_image_cards(train),
         ]
     )
     reward_chart = svg_chart(
@@ -273,7 +288,8 @@ def render_train_report(summary: dict[str, Any]) -> str:
     title = (
         f"{config['steps']} steps of {config['groups']} groups x {config['rollouts']} rollouts, "
         f"{config['turns']} call(s) of {config['max_tokens']} tokens each, lr {config['lr']}, "
-        f"seed {config['seed']}; tiny model, {config['model_params']:,} parameters"
+        f"seed {config['seed']}; tiny {config.get('model_family', 'qwen')} model, "
+        f"{config['model_params']:,} parameters"
     )
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <title>tokcap train</title><style>{_CSS}</style></head><body><main>
