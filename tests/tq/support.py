@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,21 +34,24 @@ def rows_of(rollout: SimulatedRollout) -> list[TrainingRow]:
     return reassemble(receipt, rollout.staged, max_seq_len=1 << 20)
 
 
-async def max_loop_lag(work: Callable[[], Awaitable[None]], *, settle_s: float = 0.01) -> float:
-    """The longest a 1 ms ticker on this loop waited beyond its period while ``work`` ran."""
-    lag = 0.0
+async def loop_turns_during(work: Callable[[], Awaitable[None]]) -> int:
+    """How many times another task on this loop ran while ``work`` was in flight: 0 when
+    ``work`` blocks the loop from start to end. Counted, not timed: a loaded box slows both
+    sides alike and cannot turn a blocking call into a free loop or back."""
+    turns = 0
     done = anyio.Event()
 
-    async def ticker() -> None:
-        nonlocal lag
+    async def other_task() -> None:
+        nonlocal turns
         while not done.is_set():
-            start = time.perf_counter()
-            await anyio.sleep(0.001)
-            lag = max(lag, time.perf_counter() - start - 0.001)
+            turns += 1
+            await anyio.sleep(0)
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        await anyio.sleep(settle_s)
+        tg.start_soon(other_task)
+        await anyio.sleep(0.01)
+        before = turns
         await work()
+        during = turns - before
         done.set()
-    return lag
+    return during
