@@ -115,6 +115,58 @@ def test_the_batch_leaves_each_ledger_as_a_single_close_would(server: InProcessS
     assert [type(e.event).__name__ for e in manifest.entries] == ["Admitted", "Staged", "Closed"]
 
 
+def test_a_batch_close_declares_a_harness_terminal_without_a_request_of_its_own(
+    server: InProcessServer,
+) -> None:
+    """An item's ``terminal_response_id`` is declared just before its close, in the same
+    request: the ledger holds what ``declare_terminal`` then ``close`` leave, the receipt's
+    terminal is the declared call. A declaration the gate refuses is that rollout's typed
+    answer alone; the rollout stays open, and closes later."""
+    rids = ["cm-declared-a", "cm-declared-b", "cm-declared-bad"]
+
+    async def main() -> tuple[list[CloseResult], list[CloseResult], list[Receipt], list[str]]:
+        async with client(server, rids[0]) as c:  # two calls: the first is the declared one
+            first = await c.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "one"}], max_tokens=3
+            )
+            await c.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "two"}], max_tokens=3
+            )
+        answered = await _play(server, rids[1:])
+        async with control(server) as cp:
+            results = await cp.close_many(
+                [
+                    RolloutClose(rollout_id=rids[0], reward=1.0, terminal_response_id=first.id),
+                    RolloutClose(
+                        rollout_id=rids[1], reward=0.5, terminal_response_id=answered[rids[1]]
+                    ),
+                    RolloutClose(rollout_id=rids[2], reward=0.5, terminal_response_id="nope"),
+                ]
+            )
+            later = await cp.close_many([RolloutClose(rollout_id=rids[2], reward=0.0)])
+            heads = {r.rollout_id: r.head for r in [*results[:2], *later]}
+            receipts = await cp.fetch_receipts(rids, expected_heads=heads)  # type: ignore[arg-type]
+            ledger = manifest_of(server.gate.ledger(rids[0]))
+            await cp.release_many(rids)
+        return results, later, receipts, [type(e.event).__name__ for e in ledger.entries]
+
+    results, later, receipts, events = anyio.run(main)
+    assert [r.ok for r in results] == [True, True, False]
+    refused = results[2].error
+    assert refused is not None
+    assert (refused.status, refused.code) == (422, "unknown_terminal")
+    assert later[0].ok  # left open by the refusal, closed by the next batch
+    assert [(r.terminal_call_id, r.terminal_selection) for r in receipts[:2]] == [
+        ("c000001", "declared"),
+        ("c000001", "declared"),
+    ]
+    assert receipts[2].terminal_selection != "declared"
+    assert [r.status for r in receipts] == ["verified"] * 3
+    assert events[-2:] == ["TerminalDeclared", "Closed"]
+    with pytest.raises(ValueError, match="not both"):
+        RolloutClose(rollout_id=rids[0], terminal_call_id="c000001", terminal_response_id="x")
+
+
 def test_a_failed_fsync_is_reported_for_every_rollout_of_the_batch(
     server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -123,6 +123,9 @@ class Finished:
     """The scored response's id (a witness naming the terminal call)."""
     content: str | None = None
     """Or the scored content itself (the gate fingerprints it)."""
+    terminal_response_id: str | None = None
+    """The terminal call the harness declared, by its response id: declared by the close
+    itself (`tokcap_vllm.RolloutClose.terminal_response_id`), not by a request of its own."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,7 +218,11 @@ async def collect(
     t0 = time.perf_counter()
     closes = [
         RolloutClose(
-            rollout_id=f.rollout_id, reward=f.reward, response_id=f.response_id, content=f.content
+            rollout_id=f.rollout_id,
+            reward=f.reward,
+            response_id=f.response_id,
+            content=f.content,
+            terminal_response_id=f.terminal_response_id,
         )
         for f in finished
     ]

@@ -5,10 +5,10 @@ The shape is NeMo-RL's single controller, with tokcap's custody in between:
 - the **rollout pump** starts groups (G rollouts of one prompt each) while the staleness
   policy admits them (`StalenessPolicy.may_start`: at most ``(steps_done + K + 1) * G``
   live groups), a bounded number at a time, and hands every played group to
-- the **collectors** (one task per group; the harness has declared terminals as each
-  rollout ended): the group is collected as soon as it has played, with the same
-  `tokcap.compose.Stack.collect` as a lock-step run (close in one batch, one shared fsync;
-  receipts verified against the closes' heads; reassembly on the Ray pool; the group
+- the **collectors** (one task per group): the group is collected as soon as it has
+  played, with the same `tokcap.compose.Stack.collect` as a lock-step run (close in one
+  batch that declares the declared terminals too, one shared fsync; receipts verified
+  against the closes' heads; reassembly on the Ray pool; the group
   policy; an accepted group's rows read and its advantages), off the loop's path; then the
   replay buffer (`tokcap_tq.TQGroupBuffer`) takes custody of its rows (``reserve``,
   ``commit_finalized``: READY, its staged calls cleared); a group the policy rejects is

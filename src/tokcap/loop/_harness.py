@@ -51,12 +51,12 @@ class Harness:
     ) -> None:
         """Play ``episodes``; ``index`` (step or group) seeds them.
 
-        A ``declared`` rollout names its terminal call as soon as it ends, as a harness
-        would, while the others still play. ``played(episode, answered)`` is called once
-        each rollout is done (also when it failed), ``answered`` being when its last answer
-        came back.
+        A ``declared`` rollout's terminal call (its last answer) is declared by its close
+        (`finished`: the close's ``terminal_response_id``), not by a request of its own
+        after its last answer. ``played(episode, answered)`` is called once each rollout is
+        done (also when it failed), ``answered`` being when its last answer came back.
         """
-        config, control = self.config, self.stack.control
+        config = self.config
 
         async def one(
             client: openai.AsyncOpenAI, model: str, episode: DigitsEpisode, n: int
@@ -79,10 +79,6 @@ class Harness:
                 finally:
                     self.busy.leave()
                 answered = time.perf_counter()
-                if episode.witness == "declared" and episode.response_ids:
-                    await control.declare_terminal(
-                        episode.rollout_id, response_id=episode.response_ids[-1]
-                    )
             finally:
                 if played is not None:
                     played(episode, answered)
@@ -111,15 +107,17 @@ async def harness_on(config: LoopConfig, run: Run, busy: BusyMeter) -> AsyncIter
 
 
 def finished(e: DigitsEpisode) -> Finished:
-    """What the scorer hands over for ``e``: its reward and witness. A rollout whose gate was
-    lost mid-play has no answer: it closes without a witness (its receipt is poisoned
-    ``gate_unreachable``) and trains no row."""
+    """What the scorer hands over for ``e``: its reward and witness, or, for a ``declared``
+    rollout, its last answer declared as its terminal call by the close. A rollout whose
+    gate was lost mid-play has no answer: it closes without a witness (its receipt is
+    poisoned ``gate_unreachable``) and trains no row."""
     return Finished(
         rollout_id=e.rollout_id,
         group_id=e.group_id,
         reward=e.reward,
         response_id=_last(e.response_ids) if e.scored == "response_id" else None,
         content=_last(e.contents) if e.scored == "content" else None,
+        terminal_response_id=_last(e.response_ids) if e.witness == "declared" else None,
     )
 
 

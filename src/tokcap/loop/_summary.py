@@ -132,12 +132,13 @@ def _lost_by_gate(steps: list[dict[str, Any]]) -> dict[str, int]:
 def tokcap_share(seconds: dict[str, float]) -> float:
     """The share of a step's wall time the loop spent blocked on tokcap's own work.
 
-    Sync: what was left of collecting the groups (declares, closes, receipts, reassembly,
-    reading rows) once the last answer came back (``capture_verify`` + ``reassemble``; the
-    collecting done while other groups still generated blocks nothing). Async (a step
-    with ``wait``): collecting runs beside generation and training; what blocks the train
-    pump is waiting for a group that has played but is not collected yet
-    (``collect_wait``), and reading rows if it does (``fetch_rows``).
+    Sync: what was left of collecting the groups (closes with their declarations,
+    receipts, reassembly, reading rows) once the last answer came back
+    (``capture_verify`` + ``reassemble``; the collecting done while other groups still
+    generated blocks nothing). Async (a step with ``wait``): collecting runs beside
+    generation and training; what blocks the train pump is waiting for a group that has
+    played but is not collected yet (``collect_wait``), and reading rows if it does
+    (``fetch_rows``).
     """
     total = seconds.get("total", 0.0)
     if not total:

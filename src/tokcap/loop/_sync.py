@@ -72,8 +72,8 @@ class StepTail:
     of what was left to do after the last answer.
 
     Stages are wall-clock segments of the step: ``generate`` ends when the harness got its
-    last answer (a ``declared`` rollout's declaration comes after it: tokcap's work);
-    ``capture_verify`` runs from there until every receipt is verified (the batch close);
+    last answer; ``capture_verify`` runs from there until every receipt is verified (the
+    batch close, which declares the ``declared`` rollouts' terminals too);
     ``reassemble`` until every row is read. The collection's parts are given too:
     ``close`` (receipts verified from its answer), ``fetch_receipts`` (any it left out),
     ``pool`` (the reassemblers' bundles) and ``read_rows``.

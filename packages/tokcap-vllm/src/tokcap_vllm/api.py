@@ -96,11 +96,14 @@ MAX_CLOSE_BATCH: Final = 4096
 
 
 class CloseManyItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """One rollout of ``POST /tokcap/v1/close``: its id, reward and witnesses."""
+    """One rollout of ``POST /tokcap/v1/close``: its id, reward and witnesses, and the
+    terminal call its harness declared, if it did (``terminal``: named in the same request,
+    as ``POST …/terminal`` would name it, just before the close)."""
 
     rollout_id: str
     reward: float | None = None
     witnesses: WitnessBody | None = None
+    terminal: TerminalBody | None = None
 
 
 class CloseManyBody(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

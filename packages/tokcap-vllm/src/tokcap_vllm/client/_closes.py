@@ -18,7 +18,7 @@ import attrs
 
 from tokcap_core import Receipt
 
-from ..api import CloseManyItem, CloseOutcome, WitnessBody
+from ..api import CloseManyItem, CloseOutcome, TerminalBody, WitnessBody
 from ..errors import (
     ControlAuthError,
     ControlConflict,
@@ -48,7 +48,11 @@ def error_of_status(status: int, code: str, message: str) -> ControlPlaneError:
 @attrs.frozen(kw_only=True)
 class RolloutClose:
     """One rollout to close in a batch: its reward and the scorer's witnesses (as in
-    `ControlPlaneClient.close`)."""
+    `ControlPlaneClient.close`), and the terminal call its harness declared, if any
+    (``terminal_call_id`` or ``terminal_response_id``, at most one: declared in the same
+    request just before the close, as `ControlPlaneClient.declare_terminal` would, without
+    its round trip; a declaration the gate refuses leaves the rollout open and is the
+    rollout's `CloseResult.error`)."""
 
     rollout_id: str
     reward: float | None = None
@@ -56,6 +60,12 @@ class RolloutClose:
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     content_fingerprint: str | None = None
+    terminal_call_id: str | None = None
+    terminal_response_id: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.terminal_call_id is not None and self.terminal_response_id is not None:
+            raise ValueError("declare the terminal by call id or by response id, not both")
 
     def wire(self) -> CloseManyItem:
         """The body item the control plane reads."""
@@ -65,7 +75,14 @@ class RolloutClose:
             tool_calls=self.tool_calls,
             content_fingerprint=self.content_fingerprint,
         )
-        return CloseManyItem(rollout_id=self.rollout_id, reward=self.reward, witnesses=witnesses)
+        terminal = None
+        if self.terminal_call_id is not None or self.terminal_response_id is not None:
+            terminal = TerminalBody(
+                call_id=self.terminal_call_id, response_id=self.terminal_response_id
+            )
+        return CloseManyItem(
+            rollout_id=self.rollout_id, reward=self.reward, witnesses=witnesses, terminal=terminal
+        )
 
 
 @attrs.frozen(kw_only=True)

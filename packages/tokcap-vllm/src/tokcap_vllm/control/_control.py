@@ -17,7 +17,8 @@ Routes (all under ``/tokcap/v1/``, all behind ``Authorization: Bearer <token>``)
   `CloseOutcome` per rollout, in order: its head, or the status and code its own close
   would have answered (a rollout that failed never hides the others' heads); with
   ``manifests``, each closed rollout's manifest too (the bytes of ``GET …/manifest``,
-  left out over the manifest bound), saving the trainer a request per rollout
+  left out over the manifest bound), saving the trainer a request per rollout; an item's
+  ``terminal`` is declared first (as ``POST …/terminal``; refused: left open, that answer)
 - ``DELETE rollouts/{id}`` — the gate forgets a closed rollout (sink keys are the trainer's)
 
 Statuses: 400 bad JSON or id, a duplicated ``Authorization`` header, or a token in the
@@ -45,7 +46,7 @@ import msgspec
 from tokcap_core import LedgerProtocolError
 from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId
-from tokcap_core.ledger import Closed, Witnesses, encode_manifest, manifest_of
+from tokcap_core.ledger import Closed, Entry, Witnesses, encode_manifest, manifest_of
 
 from ..api import (
     CONTROL_PREFIX,
@@ -196,7 +197,9 @@ class ControlPlane:
                 return _Reply(self._manifest(rollout_id))
             if action == "terminal":
                 _allow(method, "POST")
-                return self._terminal(rollout_id, await _body(receive, TerminalBody), owner)
+                entry = self._declare(rollout_id, await _body(receive, TerminalBody), owner)
+                head = Head(seq=entry.seq, hash=entry.hash)
+                return _json(HeadResponse(rollout_id=rollout_id, head=head))
             if action == "open":
                 _allow(method, "POST")
                 await read_body(receive, _MAX_BODY)
@@ -274,14 +277,14 @@ class ControlPlane:
                 outcome.manifest = msgspec.Raw(self._manifest(rollout_id))
         return outcome
 
-    def _terminal(self, rollout_id: RolloutId, body: TerminalBody, owner: str | None) -> _Reply:
+    def _declare(self, rollout_id: RolloutId, body: TerminalBody, owner: str | None) -> Entry:
+        """Name the terminal call (``POST …/terminal``, a batch close's ``terminal``)."""
         if (body.call_id is None) == (body.response_id is None):
             raise InvalidBody("bad_body", "give exactly one of call_id, response_id")
         with _ledger_errors():
-            entry = self.gate.declare_terminal(
+            return self.gate.declare_terminal(
                 rollout_id, call_id=body.call_id, response_id=body.response_id, owner=owner
             )
-        return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=entry.seq, hash=entry.hash)))
 
     async def _close(self, rollout_id: RolloutId, body: CloseBody, owner: str | None) -> _Reply:
         witnesses = _witnesses(body.reward, body.witnesses)
@@ -302,6 +305,8 @@ class ControlPlane:
             try:
                 rollout_id = parse_rollout_id(item.rollout_id)
                 witnesses = _witnesses(item.reward, item.witnesses)
+                if item.terminal is not None:  # declared, then closed: no round trip between
+                    self._declare(rollout_id, item.terminal, owner)
             except GateError as e:
                 results[index] = _outcome(item.rollout_id, e)
                 continue
