@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +33,27 @@ def rows_of(rollout: SimulatedRollout) -> list[TrainingRow]:
     if not receipt.ok:
         return [placeholder_row(receipt.rollout_id, receipt.failure_reason or "unknown")]
     return reassemble(receipt, rollout.staged, max_seq_len=1 << 20)
+
+
+async def max_loop_lag(work: Callable[[], Awaitable[None]], *, settle_s: float = 0.01) -> float:
+    """The longest a 1 ms ticker on this loop waited beyond its period while ``work`` ran
+    (a figure for the benches; tests count turns instead, `loop_turns_during`)."""
+    lag = 0.0
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        nonlocal lag
+        while not done.is_set():
+            start = time.perf_counter()
+            await anyio.sleep(0.001)
+            lag = max(lag, time.perf_counter() - start - 0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.sleep(settle_s)
+        await work()
+        done.set()
+    return lag
 
 
 async def loop_turns_during(work: Callable[[], Awaitable[None]]) -> int:
