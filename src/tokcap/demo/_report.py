@@ -41,7 +41,7 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px}h3{font-si
 gap:10px;margin-top:16px}.card{background:#fff;border:1px solid var(--line);border-radius:8px;
 padding:10px 12px}.card b{display:block;font-size:20px}.card span{color:var(--mute);font-size:12px}
 .card.ok b{color:#1a7f37}.card.warn b{color:#9a6700}.grid{display:grid;
-grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:12px}
+grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:12px}.wide{grid-column:1/-1}
 table{border-collapse:collapse;background:#fff;width:100%}td,th{border:1px solid var(--line);
 padding:3px 8px;text-align:left;font-size:13px}th{background:#f0f2f5}td.n{text-align:right;
 font-variant-numeric:tabular-nums}.traj{background:#fff;border:1px solid var(--line);
@@ -267,7 +267,7 @@ def _api_table(apis: Mapping[str, Mapping[str, Any]]) -> str:
         for api, n in apis.items()
     )
     return (
-        "<div><h3>APIs the harness spoke</h3><table><tr><th>API</th><th>rollouts</th>"
+        '<div class="wide"><h3>APIs the harness spoke</h3><table><tr><th>API</th><th>rollouts</th>'
         f"<th>calls</th><th>verified</th><th>client</th></tr>{rows}</table></div>"
     )
 
