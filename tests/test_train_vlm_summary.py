@@ -1,5 +1,6 @@
 """``tokcap train --model-family idefics3`` without an engine: its config, its images and
-the image counts of its summary and checks, from records."""
+the image counts of its summary and checks, from records; and the terminal counts every
+run's summary gives (how the verified receipts chose their terminal calls)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,26 @@ def test_a_groups_image_is_a_png_that_decodes_the_same_every_time_and_differs_by
     image = Image.open(io.BytesIO(first))
     assert (image.format, image.mode, image.size) == ("PNG", "RGB", (48, 48))
     image.load()  # the pixel data decodes (CRCs and zlib stream intact)
+
+
+TERMINALS = {"content": 1, "declared": 1, "heuristic": 1, "response_id": 1}
+
+
+def test_the_summary_counts_terminals_by_how_the_receipts_chose_them_and_prints_them() -> None:
+    summary = _summary(*(replace(_record(i), terminals=TERMINALS, declared=1) for i in (0, 1)))
+    assert summary["train"]["terminals"] == {k: 2 for k in TERMINALS}
+    assert train_problems(summary) == []
+    out = io.StringIO()
+    print_train_summary(summary, Console(file=out, width=200))
+    assert "(terminals: content 2, declared 2, heuristic 2, response_id 2)" in out.getvalue()
+
+
+def test_a_declared_terminal_the_receipts_did_not_choose_is_a_problem() -> None:
+    """Each rollout that declared through its close must have a receipt that chose the
+    declared call; a step whose receipts failed says so instead."""
+    missed = replace(_record(0), terminals={**TERMINALS, "declared": 1}, declared=2)
+    failed = replace(_record(1), terminals=missed.terminals, declared=2, receipts_verified=3)
+    assert train_problems(_summary(missed, failed)) == [
+        "step 0: 1 receipts chose a declared terminal, 2 rollouts declared one",
+        "step 1: 1 receipts fail ({})",
+    ]

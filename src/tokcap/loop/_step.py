@@ -83,6 +83,11 @@ class StepRecord:
     """How many rollouts made each number of calls (``"1"``, ``"2"``, ...): the shape played."""
     row_tokens: tuple[int, ...] = ()
     """Each trained row's length in tokens (placeholders left out), in row order."""
+    terminals: dict[str, int] = field(default_factory=dict)
+    """Verified receipts by how their terminal call was chosen (``declared``,
+    ``response_id``, ``content``, ``heuristic``)."""
+    declared: int = 0
+    """Rollouts whose harness declared their terminal call (through their close)."""
 
     def as_json(self) -> dict[str, Any]:
         """A plain JSON object (floats rounded for reading)."""
@@ -127,6 +132,8 @@ class StepRecord:
             "receipts_lost": dict(self.receipts_lost),
             "calls_per_rollout": dict(self.calls_per_rollout),
             "row_tokens": list(self.row_tokens),
+            "terminals": dict(self.terminals),
+            "declared": self.declared,
         }
 
 
@@ -253,6 +260,10 @@ def step_record(
         ),
         images=sum(len(r.media) for r in rows if r.sample_mask),
         image_blobs=image_blobs,
+        terminals=dict(
+            sorted(Counter(r.terminal_selection for r in receipts if r.terminal_selection).items())
+        ),
+        declared=sum(e.witness == "declared" and bool(e.response_ids) for e in episodes),
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from rich import box
@@ -107,6 +108,7 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
             "receipts_total": sum(s["receipts_total"] for s in steps),
             "receipts_lost": sum(sum(s["receipts_lost"].values()) for s in steps),
             "receipts_lost_by_gate": _lost_by_gate(steps),
+            "terminals": _terminals(steps),
             "seconds_per_step_median": statistics.median(totals) if totals else 0.0,
             "stage_seconds": {k: round(v, 3) for k, v in stage_s.items()},
             "stage_shares": {k: round(v / all_stages, 4) for k, v in stage_s.items()},
@@ -119,6 +121,14 @@ def build_train_summary(run: TrainRun, timings_s: dict[str, float]) -> dict[str,
         ],
         "timings_s": {k: round(v, 3) for k, v in timings_s.items()},
     }
+
+
+def _terminals(steps: list[dict[str, Any]]) -> dict[str, int]:
+    """Verified receipts of the run by how their terminal call was chosen."""
+    counts: Counter[str] = Counter()
+    for s in steps:
+        counts.update(s.get("terminals", {}))
+    return dict(sorted(counts.items()))
 
 
 def _lost_by_gate(steps: list[dict[str, Any]]) -> dict[str, int]:
@@ -182,6 +192,10 @@ def train_problems(summary: dict[str, Any]) -> list[str]:
         failed = s["receipts_total"] - s["receipts_verified"] - excused
         if failed:
             problems.append(f"{at}: {failed} receipts fail ({s.get('placeholders', {})})")
+        declared = s.get("terminals", {}).get("declared", 0)
+        if not failed and not excused and declared != s.get("declared", 0):
+            problems.append(f"{at}: {declared} receipts chose a declared terminal, "
+                            f"{s.get('declared', 0)} rollouts declared one")  # fmt: skip
         if s["rows_valid"] == 0:
             problems.append(f"{at}: no valid row")
         problems += _image_problems(at, s)
@@ -230,6 +244,14 @@ def _lost_note(train: dict[str, Any]) -> str:
     return f" ({train['receipts_lost']} lost with their gate, gate_unreachable: {gates})"
 
 
+def _terminals_note(train: dict[str, Any]) -> str:
+    """`` (terminals: declared N, response_id N, ...)``: how the receipts chose them."""
+    terminals = train.get("terminals") or {}
+    if not terminals:
+        return ""
+    return " (terminals: " + ", ".join(f"{k} {n}" for k, n in terminals.items()) + ")"
+
+
 def summary_console() -> Console:
     """The console the summary prints to (stdout, wide enough for the tables)."""
     return Console(width=max(Console().width, 100))
@@ -269,7 +291,7 @@ def print_train_summary(summary: dict[str, Any], console: Console) -> None:
         f"parity: max K3 {train['parity_k3_max']:.1e} "
         f"({'[green]≤' if ok else '[red]>'} {train['parity_k3_limit']:.0e}[/]) over "
         f"{len(steps)} steps{fresh_note}; receipts verified {train['receipts_verified']}/"
-        f"{train['receipts_total']}{_lost_note(train)}; "
+        f"{train['receipts_total']}{_lost_note(train)}{_terminals_note(train)}; "
         f"weight versions {train['weight_versions'][:1]}…"
         f"{train['weight_versions'][-1:]}\n"
         f"a step: {train['seconds_per_step_median']:.1f} s (median); {shares}\n"
