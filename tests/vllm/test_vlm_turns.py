@@ -374,10 +374,11 @@ def test_an_image_refused_after_vllm_processed_it_fails_one_call_then_is_sent_ag
     vlm_server: InProcessServer, vlm: Path
 ) -> None:
     """A prompt past the context is refused after vLLM processed its image, so vLLM believes
-    the engine holds the image's tensors and sends none with the next call: that call fails
-    (500 ``gate_failed``, logged ``media_tensors_unseen``: the gate never saw them) and has
-    vLLM send them again, so the next rollout with the image is captured and binds it
-    (before: every later captured call failed until vLLM's cache evicted the image)."""
+    the engine holds the image's tensors and sends none with the next call: that call is not
+    served (a typed, retryable 503 ``media_tensors_unseen``: the gate never saw them; off
+    the rollout's chain) and has vLLM send them again, so its retry on the same rollout is
+    captured and binds the image (before: a 500 ``gate_failed``; before that, every later
+    captured call failed until vLLM's cache evicted the image)."""
     from transformers import AutoTokenizer
 
     data = png(48, 48, seed=37)
@@ -391,13 +392,13 @@ def test_an_image_refused_after_vllm_processed_it_fails_one_call_then_is_sent_ag
     url = vlm_server.rollout_url("vlmt-resend-long")
     assert httpx.post(f"{url}/chat/completions", json=too_long, timeout=120).status_code == 400
     short = {**too_long, "messages": [image_message(data, "Digits?")]}
-    url = vlm_server.rollout_url("vlmt-resend-a")
+    url = vlm_server.rollout_url("vlmt-resend")
     failed = httpx.post(f"{url}/chat/completions", json=short, timeout=120)
-    assert (failed.status_code, failed.json()["error"]["code"]) == (500, "gate_failed")
-    url = vlm_server.rollout_url("vlmt-resend-b")
+    assert (failed.status_code, failed.json()["error"]["code"]) == (503, "media_tensors_unseen")
     assert httpx.post(f"{url}/chat/completions", json=short, timeout=120).status_code == 200
-    receipt, _, staged = close_and_reassemble(vlm_server, "vlmt-resend-b")
+    receipt, _, staged = close_and_reassemble(vlm_server, "vlmt-resend")
     assert receipt.ok
-    assert [m.bytes_sha256 for m in staged["c000001"].media or ()] == [
+    (call_id,) = [c.call_id for segment in receipt.segments for c in segment]  # the retry
+    assert [m.bytes_sha256 for m in staged[call_id].media or ()] == [
         hashlib.sha256(data).hexdigest()
     ]

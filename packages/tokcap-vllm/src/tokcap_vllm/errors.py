@@ -124,8 +124,10 @@ class WeightsUnavailable(GateError, RuntimeError):
 class CallNotServed(GateError, RuntimeError):
     """The engine's output for this call cannot be held as served, so the harness gets this
     error instead of a completion: ``call_aborted`` (the engine aborted the request: a
-    weight push or vLLM's ``/pause`` in abort mode; retry it), ``capture_failed``, or
-    ``ledger_write_failed`` (the ledger file cannot record it)."""
+    weight push or vLLM's ``/pause`` in abort mode; retry it), ``capture_failed``,
+    ``ledger_write_failed`` (the ledger file cannot record it), or ``media_tensors_unseen``
+    (vLLM sent no tensors for an image the gate never saw processed; retry it: they are
+    sent with the retry)."""
 
     status = 503
 

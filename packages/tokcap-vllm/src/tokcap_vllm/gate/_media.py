@@ -22,9 +22,10 @@ afterwards: the binder keeps the digest and the blob of every ``mm_hash`` it saw
 hashes: the gate refuses client UUIDs, `tokcap_vllm.fingerprints.image_digest`), the
 blobs up to `BLOB_BYTES` (oldest first out), on captured calls and on uncaptured ones alike
 (`MediaBinder.observe`: an image first sent to plain ``/v1`` is then bound when a captured
-call carries it). An item whose tensors it does not hold fails the call
-(``media_tensors_unseen``: vLLM believed the engine held them, after a request refused once
-its images were processed) and has vLLM send them with the next call; any disagreement
+call carries it). An item whose tensors it does not hold fails the call before the engine
+runs it (a 503 `CallNotServed` ``media_tensors_unseen``, off the rollout's chain: vLLM
+believed the engine held them, after a request refused once its images were processed)
+and has vLLM send them with the next call, so a retry is captured; any disagreement
 between the admitted ids and vLLM's expansion fails the call too (``media_mismatch``).
 """
 
@@ -48,6 +49,8 @@ from tokcap_core.staged import (
     processor_fingerprint,
     tensors_digest,
 )
+
+from ..errors import CallNotServed
 
 __all__ = ["BLOB_BYTES", "MediaBinder", "MediaTicket"]
 
@@ -200,10 +203,10 @@ class MediaBinder:
             seen = self._seen.get(mm_hash)
             if seen is None:
                 self._send_again(mm_hash)
-                raise _fail(
+                raise CallNotServed(
                     "media_tensors_unseen",
                     "the engine holds this image's tensors from a call the gate did not see "
-                    "(or whose tensors it no longer keeps); a retry sends them again",
+                    "(or whose tensors it no longer keeps); retry: vLLM sends them again",
                 )
             self._seen.move_to_end(mm_hash)
             return seen
