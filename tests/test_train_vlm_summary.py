@@ -20,6 +20,7 @@ from tokcap.loop import (
     group_image,
     loop_config,
     print_train_summary,
+    render_train_report,
     train_problems,
 )
 from tokcap_core import ConfigError
@@ -118,6 +119,8 @@ def test_the_summary_counts_terminals_by_how_the_receipts_chose_them_and_prints_
     out = io.StringIO()
     print_train_summary(summary, Console(file=out, width=200))
     assert "(terminals: content 2, declared 2, heuristic 2, response_id 2)" in out.getvalue()
+    page = render_train_report(summary)
+    assert '<div class="card ok"><b>2 / 2</b><span>declared terminals chosen / declared' in page
 
 
 def test_a_declared_terminal_the_receipts_did_not_choose_is_a_problem() -> None:

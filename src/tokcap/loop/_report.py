@@ -175,6 +175,21 @@ def _image_cards(train: dict[str, Any]) -> list[str]:
     ]
 
 
+def _terminal_cards(train: dict[str, Any]) -> list[str]:
+    """How the verified receipts chose their terminal calls; the declared ones against the
+    rollouts that declared one through their close (equal, or the run failed)."""
+    terminals = train.get("terminals") or {}
+    if not terminals:
+        return []
+    declared = sum(s.get("declared", 0) for s in train["steps"])
+    chose = terminals.get("declared", 0)
+    return [
+        _card("terminals: " + " / ".join(terminals), " / ".join(map(str, terminals.values()))),
+        _card("declared terminals chosen / declared", f"{chose} / {declared}",
+              "ok" if chose == declared else "bad"),
+    ]  # fmt: skip
+
+
 def _card(label: str, value: str, kind: str = "") -> str:
     return f'<div class="card {kind}"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
 
@@ -235,6 +250,7 @@ def render_train_report(summary: dict[str, Any]) -> str:
             _card("receipts verified", receipts, "ok" if receipts_ok else "bad"),
             _card("weight version pushed", f"{train['weight_versions'][-1] if steps else '-'}"),
             _card("seconds per step (median)", f"{train['seconds_per_step_median']:.2f}"),
+            *_terminal_cards(train),
             *_image_cards(train),
         ]
     )
