@@ -71,6 +71,32 @@ def test_importing_tokcap_sets_nothing_and_prepare_environment_keeps_what_is_set
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize("given", [None, "1"])
+def test_the_engines_threads_leave_this_process_a_core_and_a_users_choice_is_kept(
+    given: str | None,
+) -> None:
+    """Unset, ``OMP_NUM_THREADS`` becomes one fewer than the cores (at least 1), for the
+    processes a run starts (the engine core); `use_driver_threads` puts this process's own
+    torch back on every core. Set by the user, both keep it."""
+    code = (
+        "import os; import tokcap;"
+        "tokcap.prepare_environment(); tokcap.use_driver_threads();"
+        "import torch;"
+        "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(),"
+        " len(os.sched_getaffinity(0)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if given is not None:
+        env["OMP_NUM_THREADS"] = given
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    children, driver, cores = (int(n) for n in done.stdout.split())
+    if given is None:
+        assert (children, driver) == (max(1, cores - 1), cores)
+    else:
+        assert (children, driver) == (1, 1)  # with 2 or more cores, not what we would set
+
+
 def test_clear_orphaned_clears_what_lost_rollouts_staged_and_only_over_a_fleet() -> None:
     from typing import Any
 

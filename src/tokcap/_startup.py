@@ -30,6 +30,7 @@ __all__ = [
     "quiet_third_parties",
     "save_and_print",
     "start_up",
+    "use_driver_threads",
 ]
 
 ENVIRONMENT_DEFAULTS: dict[str, str] = {
@@ -55,10 +56,38 @@ ENVIRONMENT_DEFAULTS: dict[str, str] = {
 re-run ``uv run`` in workers", and quiet third-party loggers in this process and children."""
 
 
+_driver_threads: int | None = None
+"""This process's own torch threads, where `prepare_environment` chose the children's."""
+
+
 def prepare_environment() -> None:
-    """Set `ENVIRONMENT_DEFAULTS` where unset; call once at start-up, before vLLM is imported."""
+    """Set `ENVIRONMENT_DEFAULTS` where unset, and, where ``OMP_NUM_THREADS`` is unset, give
+    the processes this one starts (vLLM's engine core above all) one core fewer than this
+    process may use, at least one: call once at start-up, before vLLM or torch is imported.
+
+    The engine's OpenMP threads then leave a core to this process (the API server, the
+    gate, the harness, the pumps), which works while the engine generates: on a 2-core box
+    an engine on both cores made ``tokcap train`` 15 % slower lock-step and 29 % slower
+    ``--async`` on the long-tailed task (`bench/bench_async.py`), the two fighting over
+    the cores. This process's own torch (the trainer) keeps every core:
+    `use_driver_threads`.
+    """
+    global _driver_threads
     for name, value in ENVIRONMENT_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores - 1))
+        _driver_threads = cores
+
+
+def use_driver_threads() -> None:
+    """Give this process's torch every core it may use again, where `prepare_environment`
+    set ``OMP_NUM_THREADS`` for the children (a user's own ``OMP_NUM_THREADS`` is kept)."""
+    if _driver_threads is not None:
+        import torch
+
+        torch.set_num_threads(_driver_threads)
 
 
 def quiet_third_parties() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from .._startup import RunOptions, interruptible, save_and_print
+from .._startup import RunOptions, interruptible, save_and_print, use_driver_threads
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -50,6 +50,7 @@ def _run(
 ) -> int:
     from .._stages import Stages
 
+    use_driver_threads()  # this process's torch on every core; the engine core one fewer
     with Stages(err) as stages:
         with stages.stage(f"build tiny {options.model_family} model (cached)"):
             from ._families import model_family

@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from tokcap_core import ConfigError
 
-from .._startup import RunOptions, interruptible, save_and_print
+from .._startup import RunOptions, interruptible, save_and_print, use_driver_threads
 from ._config import LoopConfig
 from ._summary import (
     build_train_summary,
@@ -70,6 +70,8 @@ def _checked(flags: Mapping[str, Any], out: Path, console: Console) -> int:
 
 def _run(config: LoopConfig, out: Path, console: Console) -> int:
     from .._stages import Stages
+
+    use_driver_threads()  # the trainer on every core; the engine core one fewer
 
     with Stages(Console(stderr=True)) as stages:
         with stages.stage(f"build tiny {config.model_family} model (cached)"):
