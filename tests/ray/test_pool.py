@@ -209,6 +209,18 @@ async def test_groups_never_sent_go_to_their_actor_in_one_bundle_and_publish_onc
     assert pool.stats["bundled"] == bundled + 3
 
 
+async def test_a_bundles_groups_are_delivered_together(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    groups = [await _staged_group(sink, g, ["ok"]) for g in _same_slot(pool, "together", 3)]
+    async with pool.as_completed([request for request, _ in groups]) as results:
+        first = await results.receive()
+        rest = [results.receive_nowait(), results.receive_nowait()]  # no wait: already in
+        with pytest.raises(anyio.EndOfStream):
+            await results.receive()
+    assert sorted(f.group_id for f in [first, *rest]) == sorted(r.group_id for r, _ in groups)
+
+
 async def test_a_bundle_whose_actor_dies_before_its_publish_is_redone_group_by_group(
     sink: ActorSink, pool: ReassemblerPool
 ) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from tokcap_core import (
     Accept,
@@ -242,30 +243,37 @@ async def collect(
         )
         for group_id, ids in members.items()
     ]
-    # Each group's rows are read (or, rejected, freed) as soon as its bundle is done, while
-    # the other bundles are still being reassembled: what is left after the pool's last
-    # group is that group's own read.
+    # Each bundle's groups are settled as soon as it is done, while the other bundles are
+    # still being reassembled: the accepted groups' rows read in one fetch, the rejected
+    # groups' rows freed in one clear. What is left after the pool's last bundle is that
+    # bundle's own read (one sink round trip, not one per group).
     read: dict[str, list[TrainingRow]] = {}
     failed: list[Exception] = []
 
-    async def settle(group: FinalizedGroup) -> None:
-        keys = list(group.training_keys)
+    async def settle(groups: list[FinalizedGroup]) -> None:
+        accepted = [g for g in groups if isinstance(batch.decisions[g.group_id], Accept)]
+        refused = [k for g in groups if g not in accepted for k in g.training_keys]
         try:
-            if isinstance(batch.decisions[group.group_id], Accept):
-                read[group.group_id] = await sink.fetch(keys)
-            else:
-                await sink.clear_rows(keys)  # replaced or dropped groups never reach the trainer
+            keys = [k for g in accepted for k in g.training_keys]
+            rows = await sink.fetch(keys) if keys else []
+            for g in accepted:
+                n = len(g.training_keys)
+                read[g.group_id], rows = rows[:n], rows[n:]
+            if refused:
+                await sink.clear_rows(refused)  # replaced or dropped groups never reach the trainer
         except Exception as e:  # raised below as is, not wrapped in the task group's group
             failed.append(e)
 
     async with anyio.create_task_group() as settling:
         async with pool.as_completed(requests) as results:
             async for group in results:
-                batch.groups.append(group)
-                batch.decisions[group.group_id] = decide_group(
-                    group, min_valid_fraction=capture.min_valid_fraction
-                )
-                settling.start_soon(settle, group)
+                arrived = [group, *_delivered(results)]
+                for g in arrived:
+                    batch.groups.append(g)
+                    batch.decisions[g.group_id] = decide_group(
+                        g, min_valid_fraction=capture.min_valid_fraction
+                    )
+                settling.start_soon(settle, arrived)
         t3 = time.perf_counter()
     if failed:
         raise failed[0]
@@ -285,6 +293,16 @@ async def collect(
         rows_s=time.perf_counter() - t3,
     )
     return batch
+
+
+def _delivered(results: MemoryObjectReceiveStream[FinalizedGroup]) -> list[FinalizedGroup]:
+    """The groups already in ``results`` (the rest of a bundle just received), not waiting."""
+    out = []
+    while True:
+        try:
+            out.append(results.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return out
 
 
 async def clear_orphaned(control: ControlPlane, sink: TokenSink) -> int:

@@ -28,6 +28,7 @@ The pool reports; it never decides. The controller applies the core's policy::
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -224,9 +225,12 @@ class ReassemblerPool:
         slot (up to `BUNDLE_GROUPS` groups): each bundle is one fetch of staged rows and
         one publish of training rows in its actor, and its groups complete together. A
         bundle whose actor dies is retried group by group; retries and duplicates always
-        go alone.
+        go alone. A bundle's groups are delivered together: once its first group is
+        received, the others are already in the stream (``results.receive_nowait()`` gets
+        them without waiting), so a caller can read all of their rows at once.
         """
-        send, receive = anyio.create_memory_object_stream[FinalizedGroup]()
+        # Unbounded: a bundle's groups go in at once (at most the requests given).
+        send, receive = anyio.create_memory_object_stream[FinalizedGroup](math.inf)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._feed, list(requests), send, tg)
             async with receive:
@@ -248,7 +252,7 @@ class ReassemblerPool:
                 finally:
                     self._in_flight.release()
                 for finalized in done:
-                    await out.send(finalized)
+                    out.send_nowait(finalized)  # never blocks (unbounded), so none waits
 
         async with send:
             for part, fresh in self._bundles(requests):
