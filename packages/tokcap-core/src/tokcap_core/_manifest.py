@@ -10,8 +10,10 @@ Verifying a manifest is replaying it (`verify_manifest`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final
@@ -44,6 +46,7 @@ MANIFEST_FORMAT_V2: Final = "tokcap/manifest/v2"
 """Capture format v2 (no spans): still decoded and verified; a manifest none of whose
 events carries spans is encoded in it, byte for byte as before."""
 _SPAN_FIELDS: Final = ("weight_versions", "kv_versions")
+_HEX64: Final = re.compile("[0-9a-f]{64}")
 _FORMATS: Final = {MANIFEST_FORMAT_V2: 2, MANIFEST_FORMAT_V3: 3, MANIFEST_FORMAT: 4}
 MAX_MANIFEST_BYTES: Final = 16 * 1024 * 1024
 """Default bound on an encoded manifest; larger inputs are rejected before parsing."""
@@ -154,17 +157,21 @@ def _reject_constant(name: str) -> float:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ManifestError("duplicate_key", f"duplicate key {key!r}")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # some key came twice: name the first repeat
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ManifestError("duplicate_key", f"duplicate key {key!r}")
+            seen.add(key)
     return out
 
 
 def _obj(value: object, where: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise ManifestError("wrong_type", f"{where} must be an object")
+    if value.keys() == _key_set(keys):  # the common case, checked at C speed
+        return value
     unknown = set(value) - set(keys)
     if unknown:
         raise ManifestError("unknown_field", f"{where}: unknown field(s) {sorted(unknown)}")
@@ -232,17 +239,34 @@ _FIELD_READERS: Final[dict[str, Callable[[object, str], object]]] = {
 }
 
 
+@functools.cache
+def _key_set(keys: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(keys)
+
+
+@functools.cache
+def _event_fields(kind: str, *, spans: bool, media: bool) -> tuple[str, ...]:
+    """The fields an event of type ``kind`` carries in a manifest, with or without the
+    per-token spans (format 3 on) and the media digests (format 4 on)."""
+    names = tuple(f.name for f in fields(_EVENTS[kind]))
+    if not spans:
+        names = tuple(n for n in names if n not in _SPAN_FIELDS)
+    if not media:
+        names = tuple(n for n in names if n != "media_digests")
+    return names
+
+
 def _decode_event(value: object, where: str, *, version: int) -> Event:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise ManifestError("wrong_type", f"{where} must be an object with a string 'type'")
     cls = _EVENTS.get(value["type"])
     if cls is None:
         raise ManifestError("unknown_event", f"{where}: unknown event type {value['type']!r}")
-    names = tuple(f.name for f in fields(cls))
-    if not (version >= 3 and cls is Staged and "weight_versions" in value):
-        names = tuple(n for n in names if n not in _SPAN_FIELDS)
-    if not (version >= 4 and cls is Staged and "media_digests" in value):
-        names = tuple(n for n in names if n != "media_digests")
+    names = _event_fields(
+        value["type"],
+        spans=version >= 3 and cls is Staged and "weight_versions" in value,
+        media=version >= 4 and cls is Staged and "media_digests" in value,
+    )
     body = _obj(value, where, ("type", *names))
     kwargs: dict[str, Any] = {}
     for name in names:
@@ -325,6 +349,6 @@ def decode_manifest(data: bytes | str, *, max_bytes: int = MAX_MANIFEST_BYTES) -
 
 def _hash(value: object, where: str) -> str:
     text = _str(value, where)
-    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+    if _HEX64.fullmatch(text) is None:
         raise ManifestError("bad_hash", f"{where} must be 64 lowercase hex characters")
     return text
