@@ -1,6 +1,6 @@
 """`ReassemblerPool`: the controller's async door to a set of reassembler actors.
 
-Routing is by a stable hash of the group id (crc32, the same in every process), so
+Routing is by a stable hash of the group id (BLAKE2b, the same in every process), so
 a retry meets the actor that may still be working on it and coalesces with it. An
 actor that dies (``RayActorError``) is killed for good, replaced in its slot, and
 the request retried on the replacement, which reads the group's progress record
@@ -28,8 +28,8 @@ The pool reports; it never decides. The controller applies the core's policy::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
-import zlib
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -173,7 +173,11 @@ class ReassemblerPool:
 
     def slot_of(self, group_id: str) -> int:
         """The actor slot a group id is routed to (stable across processes)."""
-        return zlib.crc32(group_id.encode()) % self.config.num_workers
+        # Not crc32: it is affine over GF(2), so ids that differ only in their last digits
+        # ("…-g00" … "…-g03", a step's groups) all had the same low bit: on two actors,
+        # every group of a step went to one of them.
+        digest = hashlib.blake2b(group_id.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") % self.config.num_workers
 
     def actor_for(self, group_id: str) -> Any:
         """The actor handle currently serving ``group_id``'s slot."""
