@@ -4,15 +4,21 @@ Per request: check the progress record (a retry of a finished group returns the
 recorded `FinalizedGroup` and writes nothing); fetch every on-chain staged row in one
 batched ``get`` (on `MissingRows`, fetch the present ones once more: the missing
 rollouts become ``missing_rows`` placeholders); verify and reassemble with the core;
-record ``publishing``; publish; clear the group's staging keys; record ``published``.
-A bundle of groups the pool has never sent (`RolloutReassemblerActor.reassemble_many`)
-takes the same steps together: one fetch, one record call, one publish, one clear, each
-group still recorded on its own.
+publish, while recording ``publishing``; once both are done, clear the group's staging
+keys; record ``published``. A bundle of groups the pool has never sent
+(`RolloutReassemblerActor.reassemble_many`) takes the same steps together: one fetch,
+one record call, one publish, one clear, each group still recorded on its own.
 
-A record left at ``publishing`` means an earlier attempt died between the record and
-the end of its publish. The training keys then decide, never a guess: all present ->
-published (finish the clear); none -> nothing was written, start over; some ->
-``outcome="unknown"`` with the keys to check.
+Why the record may travel with the publish: until the staged calls are cleared, a redo
+reads the same calls and rebuilds the same rows, and a sink keeps a held identical row
+(the `TokenSink` contract), so a publish cut short is completed, never doubled. The clear
+is what a redo could not undo; it waits for the record.
+
+An attempt that died with no record had not cleared anything: start over. A record left
+at ``publishing`` means an attempt died after the record but before the end of its clear.
+The training keys then decide, never a guess: all present -> published (finish the
+clear); none -> nothing was written, start over; some -> ``outcome="unknown"`` with the
+keys to check.
 """
 
 from __future__ import annotations
@@ -185,12 +191,18 @@ class RolloutReassemblerActor:
             )
             spent = {"time/reassemble_ms": (time.perf_counter() - start) * 1e3}
             results.append((result, _with_metrics(result.finalized, spent)))
-        await self._record_many("publishing", [f for _, f in results])
-        t2 = time.perf_counter()  # the record's round trip is in neither step
+        # The ``publishing`` records travel while the rows are published: what they guard
+        # is the clear of the staged calls (the one step a redo could not undo), so they
+        # must land before it, not before the publish (see the module docstring).
+        publishing = self._progress.put_many.remote(
+            {f.group_id: GroupRecord(state="publishing", finalized=f) for _, f in results}
+        )
+        t2 = time.perf_counter()
         await self._sink.publish(
             {k: row for result, _ in results for k, row in result.rows.items()}
         )
         t3 = time.perf_counter()
+        await await_ref(publishing)
         clears = [k for r in requests if r.clear_staging for k in r.staging_keys]
         if clears:
             await self._sink.clear(clears)
@@ -237,10 +249,6 @@ class RolloutReassemblerActor:
     async def _record(self, group_id: str, state: RecordState, finalized: FinalizedGroup) -> None:
         record = GroupRecord(state=state, finalized=finalized)
         await await_ref(self._progress.put.remote(group_id, record))
-
-    async def _record_many(self, state: RecordState, groups: list[FinalizedGroup]) -> None:
-        records = {f.group_id: GroupRecord(state=state, finalized=f) for f in groups}
-        await await_ref(self._progress.put_many.remote(records))
 
 
 def _with_metrics(finalized: FinalizedGroup, extra: dict[str, float]) -> FinalizedGroup:
