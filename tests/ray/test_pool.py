@@ -234,6 +234,44 @@ async def test_groups_never_sent_go_to_their_actor_in_one_bundle_and_publish_onc
     assert pool.stats["bundled"] == bundled + 3
 
 
+async def test_new_groups_of_both_slots_go_in_one_bundle_and_a_duplicate_waits_for_it(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    ids = [f"across{i}" for i in range(6)]
+    assert {pool.slot_of(g) for g in ids} == {0, 1}
+    groups = [await _staged_group(sink, g, ["ok", "ok"]) for g in ids]
+    requests = [request for request, _ in groups]
+    bundled = pool.stats["bundled"]
+    finished = await pool.map([*requests, requests[0]])
+    assert pool.stats["bundled"] == bundled + 6  # one call for the six
+    assert len({f.metrics["time/fetch_ms"] for f in finished[:6]}) == 1  # one shared fetch
+    duplicate = finished[6]
+    assert (duplicate.group_id, duplicate.outcome, duplicate.training_keys) == (
+        finished[0].group_id,
+        "published",
+        finished[0].training_keys,
+    )
+    for (request, staged), finalized in zip(groups, finished, strict=False):
+        expected = _in_process(request, staged)
+        assert await _held(sink, request.group_id) == (sorted(expected.rows), [])
+        assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+
+
+async def test_enough_new_groups_are_split_evenly_over_the_actors(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    groups = [await _staged_group(sink, f"even{i}", ["ok"]) for i in range(9)]
+    bundled = pool.stats["bundled"]
+    finished = await pool.map([request for request, _ in groups])
+    assert pool.stats["bundled"] == bundled + 9
+    fetches = [f.metrics["time/fetch_ms"] for f in finished]  # one per bundle
+    assert sorted(fetches.count(t) for t in set(fetches)) == [4, 5]  # two actors, 4 + 5
+    for (request, staged), finalized in zip(groups, finished, strict=True):
+        assert await sink.fetch(finalized.training_keys) == list(
+            _in_process(request, staged).rows.values()
+        )
+
+
 async def test_a_bundles_groups_are_delivered_together(
     sink: ActorSink, pool: ReassemblerPool
 ) -> None:

@@ -1,7 +1,9 @@
 """`ReassemblerPool`: the controller's async door to a set of reassembler actors.
 
 Routing is by a stable hash of the group id (BLAKE2b, the same in every process), so
-a retry meets the actor that may still be working on it and coalesces with it. An
+a retry meets the actor that may still be working on it and coalesces with it; a bundle
+of new groups (`ReassemblerPool.as_completed`) goes to its first group's actor, and a
+duplicate of one of its groups waits in the pool until the bundle is done. An
 actor that dies (``RayActorError``) is killed for good, replaced in its slot, and
 the request retried on the replacement, which reads the group's progress record
 (see ``RolloutReassemblerActor``) and so never publishes twice. On a multi-node
@@ -56,6 +58,11 @@ __all__ = ["ReassemblerPool"]
 BUNDLE_GROUPS = 16
 """At most this many groups in one actor call of `ReassemblerPool.as_completed` (a bundle
 shares one fetch of staged rows and one publish of training rows)."""
+BUNDLE_MIN_GROUPS = 4
+"""New groups are spread over more actors only in bundles of at least this many: a
+bundle's round trips to the sink cost about the same for one group as for sixteen, so
+below it a second actor costs more than it saves (`bench/bench_train.py`, 2 cores: four
+groups in one bundle 28-29 ms, in two of two 31-33 ms)."""
 
 
 @dataclass(slots=True)
@@ -107,6 +114,7 @@ class ReassemblerPool:
         self._in_flight = anyio.Semaphore(max_in_flight)
         self._closed = False
         self._sent: set[str] = set()  # group ids this pool has sent (no record can predate)
+        self._bundled: dict[str, anyio.Event] = {}  # sent in a bundle still in flight
         self.stats: dict[str, float] = dict.fromkeys(
             ("submitted", "finished", "unknown", "actor_deaths", "retries", "bundled"), 0.0
         )
@@ -225,13 +233,16 @@ class ReassemblerPool:
         leaving the block early cancels the waits (started groups still finish in their
         actors, and a resubmit returns their result). A failed request raises here.
 
-        Groups this pool has never sent go to their actors in bundles, one call per actor
-        slot (up to `BUNDLE_GROUPS` groups): each bundle is one fetch of staged rows and
-        one publish of training rows in its actor, and its groups complete together. A
-        bundle whose actor dies is retried group by group; retries and duplicates always
-        go alone. A bundle's groups are delivered together: once its first group is
-        received, the others are already in the stream (``results.receive_nowait()`` gets
-        them without waiting), so a caller can read all of their rows at once.
+        Groups this pool has never sent go in bundles, one actor call each: as many as
+        there are actors, but none under `BUNDLE_MIN_GROUPS` groups and none over
+        `BUNDLE_GROUPS`, each to its own actor while there are actors left. Each bundle is
+        one fetch of staged rows and one publish of training rows in its actor. A bundle
+        whose actor dies is retried group by group; retries and duplicates always go alone
+        (a duplicate of a group in a bundle still in flight waits for the bundle, then the
+        group's record decides). A bundle's groups are delivered together: once its first
+        group is received, the others are already in the stream
+        (``results.receive_nowait()`` gets them without waiting), so a caller can read all
+        of their rows at once.
         """
         # Unbounded: a bundle's groups go in at once (at most the requests given).
         send, receive = anyio.create_memory_object_stream[FinalizedGroup](math.inf)
@@ -248,53 +259,67 @@ class ReassemblerPool:
         tg: anyio.abc.TaskGroup,
     ) -> None:
         async def run(
-            part: list[ReassemblyRequest], fresh: bool, out: MemoryObjectSendStream[FinalizedGroup]
+            part: list[ReassemblyRequest],
+            slot: int | None,
+            out: MemoryObjectSendStream[FinalizedGroup],
         ) -> None:
             async with out:
                 try:
-                    done = await self._run_fresh(part) if fresh else [await self._run(part[0])]
+                    if slot is None:
+                        done = [await self._run(part[0])]
+                    else:
+                        done = await self._run_fresh(part, slot)
                 finally:
                     self._in_flight.release()
+                    if slot is not None:
+                        for request in part:
+                            self._bundled.pop(request.group_id).set()
                 for finalized in done:
                     out.send_nowait(finalized)  # never blocks (unbounded), so none waits
 
         async with send:
-            for part, fresh in self._bundles(requests):
+            for part, slot in self._bundles(requests):
                 await self._in_flight.acquire()
-                tg.start_soon(run, part, fresh, send.clone())
+                tg.start_soon(run, part, slot, send.clone())
 
     def _bundles(
         self, requests: list[ReassemblyRequest]
-    ) -> list[tuple[list[ReassemblyRequest], bool]]:
-        """``requests`` as actor calls, each with whether it holds groups never sent before:
-        those bundled by actor slot (up to `BUNDLE_GROUPS` a call; marked sent here, so a
-        duplicate in the same call is not taken for a first attempt), then every other one
-        alone."""
-        alone: list[tuple[list[ReassemblyRequest], bool]] = []
-        by_slot: dict[int, list[ReassemblyRequest]] = {}
+    ) -> list[tuple[list[ReassemblyRequest], int | None]]:
+        """``requests`` as actor calls, each with its slot if it holds groups never sent
+        before (marked sent and in flight here, so a duplicate in the same call is neither
+        taken for a first attempt nor run beside its bundle): those split evenly into
+        bundles (see `as_completed`) on consecutive slots from the first group's; every
+        other one alone (None: its own group's slot)."""
+        alone: list[tuple[list[ReassemblyRequest], int | None]] = []
+        fresh: list[ReassemblyRequest] = []
         for request in requests:
             if request.group_id in self._sent:
-                alone.append(([request], False))  # a retry or a duplicate: its record decides
+                alone.append(([request], None))  # a retry or a duplicate: its record decides
                 continue
             self._sent.add(request.group_id)
-            by_slot.setdefault(self.slot_of(request.group_id), []).append(request)
-        bundles = [
-            (fresh[i : i + BUNDLE_GROUPS], True)
-            for fresh in by_slot.values()
-            for i in range(0, len(fresh), BUNDLE_GROUPS)
-        ]
+            self._bundled[request.group_id] = anyio.Event()
+            fresh.append(request)
+        if not fresh:
+            return alone
+        workers = self.config.num_workers
+        count = max(-(-len(fresh) // BUNDLE_GROUPS), min(workers, len(fresh) // BUNDLE_MIN_GROUPS))
+        first = self.slot_of(fresh[0].group_id)
+        cuts = [len(fresh) * i // count for i in range(count + 1)]
+        bundles = [(fresh[cuts[i] : cuts[i + 1]], (first + i) % workers) for i in range(count)]
         return [*bundles, *alone]
 
-    async def _run_fresh(self, requests: list[ReassemblyRequest]) -> list[FinalizedGroup]:
-        """Groups never sent before: one alone is a first attempt (no record lookup);
-        several go in one bundle, one actor call; if its actor dies, each group is retried
-        alone on the replacement, where its progress record decides."""
+    async def _run_fresh(
+        self, requests: list[ReassemblyRequest], index: int
+    ) -> list[FinalizedGroup]:
+        """Groups never sent before, to slot ``index``: one alone is a first attempt (no
+        record lookup; its slot is its own); several go in one bundle, one actor call; if
+        its actor dies, each group is retried alone on its own slot's actor, where its
+        progress record decides."""
         self._check_open()
         self.stats["submitted"] += len(requests)
         if len(requests) == 1:
             return [await self._attempts(requests[0], first=0, first_attempt=True)]
         self.stats["bundled"] += len(requests)
-        index = self.slot_of(requests[0].group_id)
         slot = self._slots[index]
         try:
             done: list[FinalizedGroup] = await await_ref(
@@ -318,6 +343,9 @@ class ReassemblerPool:
 
     async def _run(self, request: ReassemblyRequest) -> FinalizedGroup:
         self._check_open()
+        bundle = self._bundled.get(request.group_id)
+        if bundle is not None:  # in a bundle still in flight, maybe on another actor
+            await bundle.wait()  # then its record decides
         # The request checked itself when built, and the actor checks it on the way in:
         # a third walk here would cost as much as the reassembly (~2.6 ms for 8 rollouts).
         self.stats["submitted"] += 1
