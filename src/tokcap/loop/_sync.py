@@ -16,8 +16,10 @@ while every group collected on its own paid its own close (waiting for calls sti
 staged), reassembly and read, all at once on the same cores. `bench/bench_train.py`
 measured the work left after the last answer at 0.18 s collecting group by group (four
 collections at once, quiet box; and one at a time in a group commit, loaded box) against
-0.12-0.14 s in one collection (quiet box). An asynchronous run (`tokcap.loop._async`)
-collects each group as soon as it has played, with the same `Stack.collect`.
+0.12-0.14 s in one collection (quiet box) on an earlier machine; one collection now
+takes 46-49 ms (close 12, the pool's one bundle 27-28, reading every row at once 7). An
+asynchronous run (`tokcap.loop._async`) collects each group as soon as it has played,
+with the same `Stack.collect`.
 """
 
 from __future__ import annotations
