@@ -18,7 +18,7 @@ import ray
 
 from tests.ray.support import ScriptedSink, make_group
 from tokcap_core import FinalizedGroup, MemorySink, ReassemblyRequest, StagedCall
-from tokcap_core.rows import reassemble_group
+from tokcap_core.rows import on_chain_keys, reassemble_group
 from tokcap_ray import TIMING_KEYS, ActorSink, ReassemblerPool, step_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.usefixtures("ray_cluster")]
@@ -45,8 +45,8 @@ def _in_process(request: ReassemblyRequest, staged: dict[str, StagedCall]) -> An
 
 
 def _core_metrics(finalized: FinalizedGroup) -> dict[str, float]:
-    """The core's metrics (the pool adds its timings and ``staging/missing_keys``)."""
-    pool_keys = {*TIMING_KEYS, "staging/missing_keys"}
+    """The core's metrics (the pool adds its timings and its ``staging/*`` counts)."""
+    pool_keys = {*TIMING_KEYS, "staging/missing_keys", "staging/read_ahead_keys"}
     return {k: v for k, v in finalized.metrics.items() if k not in pool_keys}
 
 
@@ -270,6 +270,49 @@ async def test_enough_new_groups_are_split_evenly_over_the_actors(
         assert await sink.fetch(finalized.training_keys) == list(
             _in_process(request, staged).rows.values()
         )
+
+
+async def test_calls_read_ahead_are_taken_and_only_the_later_ones_are_read(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    request, staged = make_group("ahead", ["ok", "ok", "ok"])
+    early = [c for k, c in staged.items() if not k.startswith("ahead-r2/")]
+    await sink.put(early)
+    actor = pool.actor_for("ahead")  # where a group sent alone goes
+    assert await actor.prefetch.remote(list(request.rollout_ids)) == len(early)
+    await sink.put([c for k, c in staged.items() if k.startswith("ahead-r2/")])  # staged late
+    finalized = await pool.submit(request)
+    read_ahead = {c.key for c in early} & set(on_chain_keys(request))
+    assert 0 < len(read_ahead) < len(on_chain_keys(request))
+    assert finalized.metrics["staging/read_ahead_keys"] == len(read_ahead)
+    assert finalized.metrics["staging/missing_keys"] == 0.0
+    expected = _in_process(request, staged)
+    assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+
+
+async def test_the_pool_reads_a_collections_calls_ahead_on_the_actors_its_bundles_go_to(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    groups = [await _staged_group(sink, f"early{i}", ["ok", "ok"]) for i in range(9)]
+    requests = [request for request, _ in groups]
+    pool.prefetch({r.group_id: r.rollout_ids for r in requests})  # two bundles, two actors
+    finished = await pool.map(requests)
+    for (request, staged), finalized in zip(groups, finished, strict=True):
+        assert finalized.metrics["staging/read_ahead_keys"] == len(on_chain_keys(request))
+        expected = _in_process(request, staged)
+        assert await sink.fetch(finalized.training_keys) == list(expected.rows.values())
+
+
+async def test_a_read_ahead_nobody_takes_is_dropped_after_eight_more(
+    sink: ActorSink, pool: ReassemblerPool
+) -> None:
+    request, _ = await _staged_group(sink, "stale", ["ok"])
+    actor = pool.actor_for("stale")
+    assert await actor.prefetch.remote(list(request.rollout_ids)) > 0
+    for i in range(8):  # each reads nothing (no such rollouts), but is kept in its place
+        assert await actor.prefetch.remote([f"nobody{i}-r0"]) == 0
+    finalized = await pool.submit(request)
+    assert finalized.metrics["staging/read_ahead_keys"] == 0.0  # read with the request
 
 
 async def test_a_bundles_groups_are_delivered_together(

@@ -2,8 +2,9 @@
 
 Per request: check the progress record (a retry of a finished group returns the
 recorded `FinalizedGroup` and writes nothing); fetch every on-chain staged row in one
-batched ``get`` (on `MissingRows`, fetch the present ones once more: the missing
-rollouts become ``missing_rows`` placeholders); verify and reassemble with the core;
+batched ``get``, less those read ahead (`RolloutReassemblerActor.prefetch`; on
+`MissingRows`, fetch the present ones once more: the missing rollouts become
+``missing_rows`` placeholders); verify and reassemble with the core;
 publish, while recording ``publishing``; once both are done, clear the group's staging
 keys; record ``published``. A bundle of groups the pool has never sent
 (`RolloutReassemblerActor.reassemble_many`) takes the same steps together: one fetch,
@@ -36,6 +37,7 @@ from tokcap_core.ids import StagingKey
 from tokcap_core.rows import on_chain_keys, reassemble_group
 from tokcap_core.rpc import assert_metadata_only
 
+from ._ahead import ReadAhead
 from ._await import await_ref
 from ._progress import GroupRecord, RecordState
 
@@ -72,6 +74,7 @@ class RolloutReassemblerActor:
         self._sink_lock = anyio.Lock()
         self._progress = progress
         self._pending: dict[str, _Pending] = {}
+        self._ahead = ReadAhead()
 
     async def ready(self) -> bool:
         """True once the actor and its sink are up."""
@@ -115,6 +118,12 @@ class RolloutReassemblerActor:
             return await self._fresh_many(fresh)
 
         return await self._coalesced(requests, work)
+
+    async def prefetch(self, rollout_ids: list[str]) -> int:
+        """Read the staged calls the sink holds for ``rollout_ids`` now, ahead of the bundle
+        that will need them (`ReassemblerPool.prefetch`); how many were read. Never raises:
+        a bundle reads whatever was not read ahead."""
+        return await self._ahead.read(await self._get_sink(), rollout_ids, self._fetch)
 
     async def _coalesced(
         self,
@@ -174,20 +183,25 @@ class RolloutReassemblerActor:
         """Groups nobody has started: one fetch of all their staged rows, one ``publishing``
         record call, one publish, one clear, then the ``published`` records."""
         t0 = time.perf_counter()
-        staged, _ = await self._fetch([k for r in requests for k in on_chain_keys(r)])
+        keys = [k for r in requests for k in on_chain_keys(r)]
+        ahead = await self._ahead.take(keys)
+        rest = [k for k in keys if k not in ahead]
+        staged = ahead | (await self._fetch(rest))[0] if rest else ahead
         t1 = time.perf_counter()
         fetch = {"time/fetch_ms": (t1 - t0) * 1e3}
         results = []
         for request in requests:
             start = time.perf_counter()
-            missing = sum(k not in staged for k in on_chain_keys(request))
+            mine = on_chain_keys(request)
+            counts = {
+                "staging/missing_keys": float(sum(k not in staged for k in mine)),
+                "staging/read_ahead_keys": float(sum(k in ahead for k in mine)),
+            }
             result = reassemble_group(
                 request,
                 staged,
                 staging_cleared=request.clear_staging,
-                extra_metrics=dict.fromkeys(TIMING_KEYS, 0.0)
-                | fetch
-                | {"staging/missing_keys": float(missing)},
+                extra_metrics=dict.fromkeys(TIMING_KEYS, 0.0) | fetch | counts,
             )
             spent = {"time/reassemble_ms": (time.perf_counter() - start) * 1e3}
             results.append((result, _with_metrics(result.finalized, spent)))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
@@ -299,14 +299,32 @@ class ReassemblerPool:
             self._sent.add(request.group_id)
             self._bundled[request.group_id] = anyio.Event()
             fresh.append(request)
-        if not fresh:
-            return alone
-        workers = self.config.num_workers
-        count = max(-(-len(fresh) // BUNDLE_GROUPS), min(workers, len(fresh) // BUNDLE_MIN_GROUPS))
-        first = self.slot_of(fresh[0].group_id)
-        cuts = [len(fresh) * i // count for i in range(count + 1)]
-        bundles = [(fresh[cuts[i] : cuts[i + 1]], (first + i) % workers) for i in range(count)]
-        return [*bundles, *alone]
+        plan = self._plan([request.group_id for request in fresh])
+        return [*((fresh[start:end], slot) for slot, start, end in plan), *alone]
+
+    def _plan(self, group_ids: list[str]) -> list[tuple[int, int, int]]:
+        """How new groups (in order) are bundled: each bundle's slot and its part
+        ``[start:end]`` of ``group_ids`` (see `as_completed`)."""
+        if not group_ids:
+            return []
+        workers, n = self.config.num_workers, len(group_ids)
+        count = max(-(-n // BUNDLE_GROUPS), min(workers, n // BUNDLE_MIN_GROUPS))
+        first = self.slot_of(group_ids[0])
+        cuts = [n * i // count for i in range(count + 1)]
+        return [((first + i) % workers, cuts[i], cuts[i + 1]) for i in range(count)]
+
+    def prefetch(self, groups: Mapping[str, Sequence[str]]) -> None:
+        """Have the actors that `as_completed` will send these new groups to read their
+        staged calls now: ``groups`` maps each group id to its rollout ids, in the order the
+        requests will come. Call it as the rollouts are being closed (before their receipts
+        exist): each bundle then finds its calls read (`FinalizedGroup.metrics`
+        ``staging/read_ahead_keys``) and reads only those staged after. Groups sent before
+        are left out. Nothing to await; a read-ahead that fails costs only the time."""
+        self._check_open()
+        new = [group_id for group_id in groups if group_id not in self._sent]
+        for slot, start, end in self._plan(new):
+            rollout_ids = [r for group_id in new[start:end] for r in groups[group_id]]
+            self._slots[slot].handle.prefetch.remote(rollout_ids)  # answers a count, unused
 
     async def _run_fresh(
         self, requests: list[ReassemblyRequest], index: int
