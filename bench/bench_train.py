@@ -44,6 +44,7 @@ tokcap.quiet_third_parties()
 STAGES = ("generate", "capture_verify", "reassemble", "train", "push")
 WORK = ("close", "fetch_receipts", "pool", "read_rows")
 ACTOR = ("time/fetch_ms", "time/reassemble_ms", "time/publish_ms", "time/clear_ms")
+AHEAD = ("staging/read_ahead_keys", "staging/missing_keys")
 ACTOR_MS: list[dict[str, float]] = []
 """Each group's timings in the Ray pool's actor (steps 1..): read staged calls, verify and
 reassemble, publish rows, clear the staged calls (a bundle's groups share its fetch and
@@ -160,7 +161,9 @@ def run_loop_bench(steps: int) -> tuple[Any, RetokFigures | None]:
 
     def observe(step: int, episodes: list[Any], batch: Any, trainer: Any) -> None:
         if step:  # after the warm-up step: what the pool's actors spent per group
-            ACTOR_MS.extend({k: g.metrics.get(k, 0.0) for k in ACTOR} for g in batch.groups)
+            ACTOR_MS.extend(
+                {k: g.metrics.get(k, 0.0) for k in (*ACTOR, *AHEAD)} for g in batch.groups
+            )
         if step == steps - 1:
             try:
                 found.append(
@@ -200,6 +203,11 @@ def print_steps(run: Any) -> None:
                 f"{statistics.mean(g[k] for g in ACTOR_MS):.1f}"
                 for k in ACTOR
             )
+        )
+        ahead, missing = (statistics.mean(g[k] for g in ACTOR_MS) for k in AHEAD)
+        print(
+            f"staged calls a group, read ahead while the close ran: {ahead:.1f}"
+            f" (missing from the sink: {missing:.1f})"
         )
     share = statistics.mean(tokcap_share(s.seconds) for s in measured)
     print(f"tokcap share of a step: {share * 100:.1f} %")

@@ -9,7 +9,9 @@ trainer does after that, `finish` what it does after its optimizer step:
 2. verify each rollout's receipt against its head, from the manifest the close answered
    with (no second round trip; fetched for any the gate left out);
 3. send metadata-only reassembly requests to the Ray pool, with the rewards the *verified
-   receipts* carry (the ledger is the one source of truth, never the harness's copy);
+   receipts* carry (the ledger is the one source of truth, never the harness's copy); the
+   pool's actors read the staged calls ahead, while 1 and 2 run (`ReassemblerPool.prefetch`:
+   nothing read early is trusted before its receipt is verified);
 4. let the policy decide each group (accept, replace or drop) and train only accepted
    groups: read their rows and compute mask-aware GRPO advantages;
 5. free every training row and release the rollouts on the gate, concurrently (`finish`).
@@ -227,11 +229,12 @@ async def collect(
         )
         for f in finished
     ]
-    batch.receipts = await close_verified(control, closes, capture)
-    t1 = time.perf_counter()
     members: dict[str, list[str]] = {}
     for f in finished:
         members.setdefault(f.group_id, []).append(f.rollout_id)
+    pool.prefetch(members)  # the staged calls are read while the rollouts are closed
+    batch.receipts = await close_verified(control, closes, capture)
+    t1 = time.perf_counter()
     requests = [
         ReassemblyRequest(
             group_id=group_id,
