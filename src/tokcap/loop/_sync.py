@@ -17,7 +17,8 @@ staged), reassembly and read, all at once on the same cores. `bench/bench_train.
 measured the work left after the last answer at 0.18 s collecting group by group (four
 collections at once, quiet box; and one at a time in a group commit, loaded box) against
 0.12-0.14 s in one collection (quiet box) on an earlier machine; one collection now
-takes 46-49 ms (close 12, the pool's one bundle 27-28, reading every row at once 7). An
+takes about 40 ms (close 15, while the pool's actor reads the staged calls ahead; the
+one bundle 18-19; reading every row at once 7). An
 asynchronous run (`tokcap.loop._async`) collects each group as soon as it has played,
 with the same `Stack.collect`.
 """
