@@ -67,6 +67,17 @@ def test_counts_add_up(summary: dict[str, Any]) -> None:
     assert sum(v for k, v in summary["failures"].items()) == ro["poisoned"]
 
 
+def test_the_pool_read_the_staged_calls_ahead_while_the_close_ran(
+    summary: dict[str, Any],
+) -> None:
+    # The earlier turns were staged long before the close, so some calls were read ahead
+    # (all of them when the last turns' staging was done too: 22 of 22 in a quiet run);
+    # a call staged after the read-ahead was read with its bundle, and none was missing.
+    pool = summary["pool"]
+    assert 0 < pool["staging/read_ahead_keys"] <= summary["calls"]["on_chain"]
+    assert pool["staging/missing_keys"] == 0
+
+
 def test_interesting_paths_happened(summary: dict[str, Any]) -> None:
     """Each group has a rewriting harness (a forest), a content witness, a declared terminal."""
     assert summary["terminal_selection"]["content"] == 2

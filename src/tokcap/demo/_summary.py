@@ -173,7 +173,9 @@ def build_summary(
             }
             for e in run.episodes
         ],
-        "pool": {k: v for k, v in sorted(pool.items()) if k.startswith(("time/", "groups/"))},
+        "pool": {
+            k: v for k, v in sorted(pool.items()) if k.startswith(("time/", "groups/", "staging/"))
+        },
         "timings_s": {k: round(v, 3) for k, v in timings_s.items()},
     }
 
@@ -355,4 +357,9 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             timings.add_row(
                 f"pool {key.split('/')[1]} per group (ms)", f"{summary['pool'][key]:.1f}"
             )
+    if "staging/read_ahead_keys" in summary["pool"]:  # read while the close ran: no fetch
+        timings.add_row(
+            "pool: staged calls read ahead, during the close",
+            f"{summary['pool']['staging/read_ahead_keys']:.0f}",
+        )
     console.print(timings)
