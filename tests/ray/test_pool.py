@@ -295,7 +295,9 @@ async def test_the_pool_reads_a_collections_calls_ahead_on_the_actors_its_bundle
 ) -> None:
     groups = [await _staged_group(sink, f"early{i}", ["ok", "ok"]) for i in range(9)]
     requests = [request for request, _ in groups]
-    pool.prefetch({r.group_id: r.rollout_ids for r in requests})  # two bundles, two actors
+    answers = pool.prefetch({r.group_id: r.rollout_ids for r in requests})
+    read = [len(staged) for _, staged in groups]
+    assert [await answer for answer in answers] == [sum(read[:4]), sum(read[4:])]  # 4 + 5
     finished = await pool.map(requests)
     for (request, staged), finalized in zip(groups, finished, strict=True):
         assert finalized.metrics["staging/read_ahead_keys"] == len(on_chain_keys(request))

@@ -123,7 +123,8 @@ class RolloutReassemblerActor:
         """Read the staged calls the sink holds for ``rollout_ids`` now, ahead of the bundle
         that will need them (`ReassemblerPool.prefetch`); how many were read. Never raises:
         a bundle reads whatever was not read ahead."""
-        return await self._ahead.read(await self._get_sink(), rollout_ids, self._fetch)
+        ahead = self._ahead.expect(rollout_ids)
+        return await self._ahead.read(ahead, await self._get_sink(), self._fetch)
 
     async def _coalesced(
         self,

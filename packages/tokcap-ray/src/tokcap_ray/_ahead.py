@@ -48,11 +48,17 @@ class ReadAhead:
     def __init__(self) -> None:
         self._ahead: deque[_Ahead] = deque(maxlen=KEPT)
 
-    async def read(self, sink: TokenSink, rollout_ids: Iterable[str], fetch: Fetch) -> int:
-        """Read every staged call ``sink`` holds for ``rollout_ids`` (with ``fetch``, which
-        gives the present ones of the keys it is asked); how many were read. Never raises."""
+    def expect(self, rollout_ids: Iterable[str]) -> _Ahead:
+        """Hold a place for a read-ahead of ``rollout_ids`` (before anything is awaited, so
+        a bundle that comes while it is being read waits for it); fill it with `read`."""
         ahead = _Ahead(frozenset(rollout_ids))
         self._ahead.append(ahead)
+        return ahead
+
+    async def read(self, ahead: _Ahead, sink: TokenSink, fetch: Fetch) -> int:
+        """Read every staged call ``sink`` holds for ``ahead``'s rollouts (with ``fetch``,
+        which gives the present ones of the keys it is asked); how many were read. Never
+        raises."""
         try:
             keys = [k for k in await sink.staged_keys() if _rollout_of(k) in ahead.rollouts]
             if keys:

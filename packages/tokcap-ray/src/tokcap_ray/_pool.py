@@ -313,18 +313,23 @@ class ReassemblerPool:
         cuts = [n * i // count for i in range(count + 1)]
         return [((first + i) % workers, cuts[i], cuts[i + 1]) for i in range(count)]
 
-    def prefetch(self, groups: Mapping[str, Sequence[str]]) -> None:
+    def prefetch(self, groups: Mapping[str, Sequence[str]]) -> list[Any]:
         """Have the actors that `as_completed` will send these new groups to read their
         staged calls now: ``groups`` maps each group id to its rollout ids, in the order the
         requests will come. Call it as the rollouts are being closed (before their receipts
         exist): each bundle then finds its calls read (`FinalizedGroup.metrics`
         ``staging/read_ahead_keys``) and reads only those staged after. Groups sent before
-        are left out. Nothing to await; a read-ahead that fails costs only the time."""
+        are left out. Returns each actor's answer (an ``ObjectRef`` of how many calls it
+        read): nothing needs to await them, as a bundle that arrives while its calls are
+        being read waits for them, and one that arrives first reads them itself (Ray does
+        not order an async actor's calls). A read-ahead that fails costs only the time."""
         self._check_open()
         new = [group_id for group_id in groups if group_id not in self._sent]
+        answers = []
         for slot, start, end in self._plan(new):
             rollout_ids = [r for group_id in new[start:end] for r in groups[group_id]]
-            self._slots[slot].handle.prefetch.remote(rollout_ids)  # answers a count, unused
+            answers.append(self._slots[slot].handle.prefetch.remote(rollout_ids))
+        return answers
 
     async def _run_fresh(
         self, requests: list[ReassemblyRequest], index: int
