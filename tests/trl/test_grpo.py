@@ -121,17 +121,25 @@ def run(
         calls = record.engine.setdefault(episode.rollout_id, [])
         calls.append((list(response.prompt_token_ids), list(response.choices[0].token_ids)))
 
-    played = chat_harness(
-        score,
-        turns=2,
-        reply="More, please.",
-        max_tokens=MAX_TOKENS,
-        extra_body={"return_token_ids": True, "top_k": TOP_K},
-        on_response=on_response,
-    )
+    def played(episode: Episode) -> Any:
+        """The two-turn chat, its sampling seeded by the rollout's place in the run (batch
+        and index; its id's random run token left out): the run is the same every time."""
+        batch, index = episode.rollout_id.split("-")[-2:]
+        return chat_harness(
+            score,
+            turns=2,
+            reply="More, please.",
+            max_tokens=MAX_TOKENS,
+            extra_body={
+                "return_token_ids": True,
+                "top_k": TOP_K,
+                "seed": int(batch[1:]) * 1000 + int(index),
+            },
+            on_response=on_response,
+        )
 
     async def harness(client: Any, episode: Episode) -> Scored:
-        scored = await played(client, episode)
+        scored = await played(episode)(client, episode)
         assert isinstance(scored, Scored)
         record.scores[episode.rollout_id] = scored.reward
         if episode.index == POISONED_INDEX:  # a witness naming no call of this rollout

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import anyio
 import httpx
 import pytest
 
@@ -39,12 +40,18 @@ class Hosts(httpx.AsyncBaseTransport):
             for url, gate in gates.items()
         }
         self.down: set[str] = set()
+        self.answer_lost: set[str] = set()
+        """Hosts whose next request is served but whose answer never comes back."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         host = f"{request.url.host}:{request.url.port}"
         if host in self.down:
             raise httpx.ConnectError("connection refused", request=request)
-        return await self.apps[host].handle_async_request(request)
+        response = await self.apps[host].handle_async_request(request)
+        if host in self.answer_lost:
+            self.answer_lost.discard(host)
+            await anyio.sleep_forever()
+        return response
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +104,21 @@ async def test_rollouts_go_to_the_least_loaded_gate_and_stay_there(two: Fleet) -
         gates[URLS[0]].book.join("r1", require_open=True)
     with pytest.raises(ControlNotFound):
         fleet.base_url("never-opened")
+
+
+@pytest.mark.anyio
+async def test_an_open_cut_short_after_the_gate_opened_leaves_nothing_held(two: Fleet) -> None:
+    fleet, gates, hosts = two.fleet, two.gates, two.hosts
+    hosts.answer_lost.add("gate-a:8000")  # the gate opens it; its answer never arrives
+    with anyio.move_on_after(0.5) as waited:
+        await fleet.open("cut")
+    assert waited.cancelled_caught
+    # the fleet closed and released it there: no gate holds it, the fleet forgot it
+    assert [g.book.states() for g in gates.values()] == [{}, {}]
+    assert [r.open for r in fleet.report()] == [0, 0]
+    with pytest.raises(ControlNotFound):
+        fleet.gate_url("cut")
+    assert await fleet.open("cut") == "http://gate-a:8000/tokcap/rollouts/cut/v1"  # anew
 
 
 @pytest.mark.anyio

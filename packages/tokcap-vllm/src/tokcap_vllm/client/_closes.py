@@ -10,8 +10,9 @@ close would have raised.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
@@ -28,7 +29,13 @@ from ..errors import (
     ControlUnreachable,
 )
 
-__all__ = ["CloseResult", "RolloutClose", "error_of_status", "release_all"]
+if TYPE_CHECKING:
+    from ._client import ControlPlaneClient
+
+__all__ = ["CloseResult", "RolloutClose", "error_of_status", "release_all", "withdraw_open"]
+
+WITHDRAW_S = 10.0
+"""How long `withdraw_open` tries before it gives up (the gate's lease reclaims the rest)."""
 
 _BY_STATUS: dict[int, type[ControlPlaneError]] = {
     401: ControlAuthError,
@@ -141,3 +148,15 @@ async def release_all(
             tg.start_soon(one, rollout_id)
     if errors:
         raise errors[0]
+
+
+async def withdraw_open(client: ControlPlaneClient, rollout_id: str) -> None:
+    """Undo an open whose answer never came back (the caller was cancelled, or it failed
+    after the request left): the gate may hold the rollout though nobody knows its URL, so
+    close it without a reward and release it. A gate that never opened it answers 404,
+    which is fine; shielded, and at most `WITHDRAW_S` seconds."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(WITHDRAW_S):
+        with contextlib.suppress(ControlPlaneError):
+            await client.close(rollout_id)
+        with contextlib.suppress(ControlPlaneError):
+            await client.release(rollout_id)

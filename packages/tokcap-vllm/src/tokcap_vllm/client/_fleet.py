@@ -46,7 +46,7 @@ from tokcap_core.reasons import GATE_RESTARTED, GATE_UNREACHABLE, make_reason
 
 from ..errors import ControlConflict, ControlNotFound, ControlPlaneError, ControlUnreachable
 from ._client import ControlPlaneClient
-from ._closes import CloseResult, RolloutClose, release_all
+from ._closes import CloseResult, RolloutClose, release_all, withdraw_open
 from ._fleet_gates import FleetGateReport, _Gate
 from ._http import AsyncClosing
 from ._receipts import poisoned_receipt
@@ -112,9 +112,9 @@ class GateFleet(AsyncClosing):
         """Assign ``rollout_id`` to a gate, open it there; returns its OpenAI base URL.
 
         Opening an assigned rollout again returns the same URL, and so do opens of one id
-        that race (the later ones wait for the first one's placement; they never open the
-        rollout on a second gate). A gate that does not answer is marked lost and the next
-        one tried; `ControlUnreachable` when none does.
+        that race (the later ones wait for the first; never on a second gate). A gate that
+        does not answer is marked lost and the next one tried; `ControlUnreachable` when
+        none does. An open cut short (cancelled) closes and releases what it may have opened.
         """
         validate_rollout_id(rollout_id)
         while (pending := self._opening.get(rollout_id)) is not None:
@@ -144,8 +144,10 @@ class GateFleet(AsyncClosing):
                     raise
                 self._gate_lost(gate, e)
                 continue
-            except BaseException:
+            except BaseException as e:
                 gate.open.discard(rollout_id)
+                if not isinstance(e, ControlPlaneError):  # cut short: it may be open there
+                    await withdraw_open(gate.client, rollout_id)
                 raise
             gate.opened += 1
             self._owner[rollout_id] = gate
