@@ -273,5 +273,7 @@ def test_the_reward_rises(run: Run) -> None:
         if "rewards/receipt_reward/mean" in entry
     ]
     assert len(rewards) == STEPS
+    # seeded (see the harness), the curve is the same every run: measured 0.30, 0.38, 0.37,
+    # ..., 0.56, 0.62, 0.68 (first three 0.35, last three 0.62); unseeded runs had dipped
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.05, rewards
