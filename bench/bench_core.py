@@ -4,7 +4,8 @@
 
 1. Ledger: events/s appended (through `Ledger.append`, hashing every entry) and
    replayed (`replay`, re-checking every hash and transition), over many realistic
-   rollouts (8 calls each, terminal declared, closed). Goal: >= 100k events/s.
+   rollouts (`simulate_rollout`: 8 calls each, terminal declared, closed). Goal: >= 100k
+   events/s.
 2. Digest: `StagedCall.compute_digest` over large staged calls vs raw `hashlib.sha256`
    over the same token and logprob bytes. Goal: >= 50 % of raw.
 """
@@ -18,50 +19,13 @@ import time
 from array import array
 
 from tokcap_core import Ledger, StagedCall
-from tokcap_core.ledger import Admitted, Closed, Staged, TerminalDeclared, chain_hash, replay
-
-
-def _events_for(rollout_id: str, calls: int, rng: random.Random) -> list:  # type: ignore[type-arg]
-    events = []
-    parent_chain = None
-    cum = 0
-    for i in range(1, calls + 1):
-        call_id = f"c{i:06d}"
-        parent_id = f"c{i - 1:06d}" if i > 1 else None
-        events.append(
-            Admitted(
-                call_id=call_id,
-                parent_id=parent_id,
-                prefix_len=cum,
-                admitted_at=i,
-                request_fingerprint="f",
-                formation="root" if parent_id is None else "extend",
-            )
-        )
-        digest = hashlib.sha256(rng.randbytes(8)).hexdigest()
-        ch = chain_hash(parent_chain, digest)
-        carry, gen = 10, 20
-        staged = Staged(
-            call_id=call_id,
-            carry_len=carry,
-            gen_len=gen,
-            weight_version=0,
-            weight_version_last=0,
-            finish_reason="stop",
-            call_digest=digest,
-            chain_hash=ch,
-            response_id=f"r{i}",
-        )
-        events.append(staged)
-        parent_chain, cum = ch, cum + carry + gen
-    events.append(TerminalDeclared(by="call_id", value=f"c{calls:06d}"))
-    events.append(Closed(reward=1.0))
-    return events
+from tokcap_core.ledger import replay
+from tokcap_core.simulate import simulate_rollout
 
 
 def bench_ledger(rollouts: int) -> None:
-    rng = random.Random(0)
-    histories = [(f"r{i}", _events_for(f"r{i}", 8, rng)) for i in range(rollouts)]
+    simulated = [simulate_rollout(f"r{i}", seed=i, turns=8).ledger for i in range(rollouts)]
+    histories = [(s.rollout_id, [entry.event for entry in s.entries]) for s in simulated]
     n_events = sum(len(e) for _, e in histories)
     t0 = time.perf_counter()
     ledgers = []

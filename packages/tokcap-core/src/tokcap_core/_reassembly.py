@@ -65,20 +65,8 @@ def _segment_row(
     input_ids = array("I")
     loss_mask = array("B")
     logprobs = array("f")
-    spans = []
+    spans = [CallSpan.for_call(call) for call in calls]
     for call in calls:
-        spans.append(
-            CallSpan(
-                call_id=call.call_id,
-                start=call.prefix_len,
-                carry_len=call.carry_len,
-                gen_len=call.gen_len,
-                weight_version=call.weight_version,
-                weight_version_last=call.weight_version_last,
-                weight_versions=call.weight_versions,
-                kv_versions=call.kv_versions,
-            )
-        )
         input_ids.extend(call.tokens)
         loss_mask.frombytes(bytes(call.carry_len))
         loss_mask.frombytes(b"\x01" * call.gen_len)

@@ -13,10 +13,12 @@ already the row's), so a trainer fetches each image's processed tensors by diges
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ._errors import InvalidStagedCall
 from ._media import MediaItem, check_media
+from ._receipt import ReceiptCall
+from ._staged import StagedCall
 from .ids import TrainingKey, training_key
 from .provenance import Spans
 from .reasons import reason_bucket
@@ -42,6 +44,13 @@ class CallSpan:
     its generated tokens, which start at ``start + carry_len`` in the row)."""
     kv_versions: Spans | None = None
     """The oldest weights whose KV each generated token was conditioned on (format v3)."""
+
+    @classmethod
+    def for_call(cls, call: StagedCall | ReceiptCall) -> CallSpan:
+        """Where ``call`` sits in a row that starts at the conversation's first token: at its
+        ``prefix_len``, every other field the call's own of the same name."""
+        same = {f.name: getattr(call, f.name) for f in fields(cls) if f.name != "start"}
+        return cls(start=call.prefix_len, **same)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

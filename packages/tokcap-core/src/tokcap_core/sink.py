@@ -204,8 +204,7 @@ class MemorySink:
 
     async def clear(self, keys: Sequence[StagingKey]) -> None:
         """Free staged calls; absent keys are ignored."""
-        for key in keys:
-            self._staged.pop(key, None)
+        _drop(self._staged, keys)
 
     async def publish(self, rows: Mapping[TrainingKey, TrainingRow]) -> None:
         """Store training rows under their keys (all or nothing); a key must be its row's key."""
@@ -220,8 +219,7 @@ class MemorySink:
 
     async def clear_rows(self, keys: Sequence[TrainingKey]) -> None:
         """Free training rows; absent keys are ignored."""
-        for key in keys:
-            self._rows.pop(key, None)
+        _drop(self._rows, keys)
 
     async def staged_keys(self) -> list[StagingKey]:
         """Every staging key held (for leak checks)."""
@@ -241,8 +239,7 @@ class MemorySink:
 
     async def clear_media(self, digests: Sequence[str]) -> None:
         """Free media blobs; absent digests are ignored."""
-        for digest in digests:
-            self._media.pop(digest, None)
+        _drop(self._media, digests)
 
     async def media_keys(self) -> list[str]:
         """Every digest held (for leak checks)."""
@@ -255,6 +252,11 @@ def _store(table: dict[_K, _T], batch: Mapping[_K, _T], *, what: str) -> None:
         if held is not None and held != value:
             raise SinkError("conflicting_put", f"a different {what} is already stored under {key}")
     table.update(batch)
+
+
+def _drop(table: dict[_K, _T], keys: Sequence[_K]) -> None:
+    for key in keys:
+        table.pop(key, None)
 
 
 def _load(table: Mapping[_K, _T], keys: Sequence[_K]) -> list[_T]:

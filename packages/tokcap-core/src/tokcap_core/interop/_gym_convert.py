@@ -211,17 +211,7 @@ def _training_row(
         raise GymConversionError(
             "token_id_out_of_range", "a token id does not fit tokcap's u32 rows"
         ) from None
-    spans = tuple(
-        CallSpan(
-            call_id=c.call_id,
-            start=c.prefix_len,
-            carry_len=c.carry_len,
-            gen_len=c.gen_len,
-            weight_version=c.weight_version,
-            weight_version_last=c.weight_version_last,
-        )
-        for c in segment
-    )
+    spans = tuple(CallSpan.for_call(c) for c in segment)
     routes, backfilled = _chain_routes(segment, snapshots)
     return TrainingRow(
         rollout_id=lin.rollout_id,

@@ -48,7 +48,7 @@ from ._gym_digest import (
 )
 from ._gym_errors import GymConversionError
 from ._gym_records import GymCallRecord, GymReceipt, GymStagedRecord
-from ._gym_verify import select_gym_terminal
+from ._gym_verify import SNAPSHOT_FIELDS, VERSION_FIELDS, select_gym_terminal
 
 __all__ = ["GymCapture", "export_gym_capture"]
 
@@ -179,22 +179,10 @@ def _record(snapshot: GymStagedRecord, state: RolloutState | None) -> GymCallRec
         admitted_at = ledger_call.admitted.admitted_at / 1e9
         if ledger_call.staged is not None and ledger_call.staged.response_id:
             response_id = ledger_call.staged.response_id
+    repeated = {name: getattr(snapshot, name) for name in (*VERSION_FIELDS, *SNAPSHOT_FIELDS)}
     return GymCallRecord(
-        schema_version=snapshot.schema_version,
-        digest_version=snapshot.digest_version,
-        extras_digest_version=snapshot.extras_digest_version,
-        model_call_id=snapshot.model_call_id,
-        parent_call_id=snapshot.parent_call_id,
-        prev_len=snapshot.prev_len,
-        delta_len=snapshot.delta_len,
-        cum_len=snapshot.cum_len,
-        weight_version=snapshot.weight_version,
-        digest=snapshot.digest,
-        extras_digest=snapshot.extras_digest,
+        **repeated,
         staging_key=snapshot.staging_key,
-        mode=snapshot.mode,
-        chain_hash=snapshot.chain_hash,
-        cumulative_hash=snapshot.cumulative_hash,
         response_id=response_id,
         admitted_at=admitted_at,
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from ._gym_digest import check_versions, compute_chain_hash, hash_token_ids
 from ._gym_errors import GymFormatError, GymVerificationError
@@ -36,11 +37,13 @@ from ._gym_records import GymCallRecord, GymReceipt, GymStagedRecord
 
 __all__ = ["GymLinearizedRow", "linearize_gym_rollout", "select_gym_terminal"]
 
-_COMPARED = (
+SNAPSHOT_FIELDS: Final = (
     "model_call_id", "parent_call_id", "mode", "prev_len", "delta_len", "cum_len",
     "weight_version", "digest", "extras_digest", "chain_hash", "cumulative_hash",
 )  # fmt: skip
-_VERSIONS = ("schema_version", "digest_version", "extras_digest_version")
+"""The fields a manifest row must repeat from its call's staged record."""
+VERSION_FIELDS: Final = ("schema_version", "digest_version", "extras_digest_version")
+"""The version fields a staged record, its manifest row and the receipt must share."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,10 +124,10 @@ def _compare(receipt: GymReceipt, record: GymCallRecord, snapshot: GymStagedReco
     call_id = record.model_call_id
     if snapshot.rollout_id != receipt.rollout_id:
         raise _fail("wrong_rollout", f"snapshot {call_id} belongs to {snapshot.rollout_id}")
-    for name in _COMPARED:
+    for name in SNAPSHOT_FIELDS:
         if getattr(snapshot, name) != getattr(record, name):
             raise _fail(f"wrong_{name}", f"call {call_id}: snapshot and manifest differ")
-    for name in _VERSIONS:
+    for name in VERSION_FIELDS:
         value = getattr(snapshot, name)
         if value != getattr(record, name) or value != getattr(receipt, name):
             raise _fail(f"wrong_{name}", f"call {call_id}: snapshot, manifest, receipt differ")
