@@ -1,6 +1,7 @@
 """What the tiny-VLM tests share: images as PNG bytes and data URLs, chat messages carrying
 them, a loopback HTTP host serving them, and transformers' own processor as the reference
-for an expanded prompt."""
+for an expanded prompt; `moved` (seeded noise on a model's weights) serves the weight
+tests too."""
 
 from __future__ import annotations
 

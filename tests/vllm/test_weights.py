@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.vllm._helpers import client, close_and_reassemble
+from tests.vllm._vlm import moved
 from tokcap.train import Trainer, collate, token_logprobs
 from tokcap_core import LogprobParity, TrainingRow, logprob_parity
 from tokcap_vllm import InProcessServer, WeightPushError, WeightSync
@@ -79,12 +80,7 @@ def perturbed(
 ) -> Weights:
     """The original weights plus seeded noise on parameters named ``only*`` (tied heads follow)."""
     model.load_state_dict(original)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.startswith(only):
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return moved(model, seed, scale, only)
 
 
 def capture(

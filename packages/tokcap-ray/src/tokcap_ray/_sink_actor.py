@@ -24,43 +24,8 @@ from ._await import await_ref
 __all__ = ["ActorSink", "SinkActor"]
 
 
-class SinkActor:
+class SinkActor(MemorySink):
     """A `MemorySink` as a Ray actor (start it with `ActorSink.start`)."""
-
-    def __init__(self) -> None:
-        self._sink = MemorySink()
-
-    async def put(self, calls: Sequence[StagedCall]) -> None:
-        """See `MemorySink.put`."""
-        await self._sink.put(calls)
-
-    async def get(self, keys: Sequence[StagingKey]) -> list[StagedCall]:
-        """See `MemorySink.get`."""
-        return await self._sink.get(keys)
-
-    async def clear(self, keys: Sequence[StagingKey]) -> None:
-        """See `MemorySink.clear`."""
-        await self._sink.clear(keys)
-
-    async def publish(self, rows: Mapping[TrainingKey, TrainingRow]) -> None:
-        """See `MemorySink.publish`."""
-        await self._sink.publish(rows)
-
-    async def fetch(self, keys: Sequence[TrainingKey]) -> list[TrainingRow]:
-        """See `MemorySink.fetch`."""
-        return await self._sink.fetch(keys)
-
-    async def clear_rows(self, keys: Sequence[TrainingKey]) -> None:
-        """See `MemorySink.clear_rows`."""
-        await self._sink.clear_rows(keys)
-
-    async def staged_keys(self) -> list[StagingKey]:
-        """Every staging key held."""
-        return await self._sink.staged_keys()
-
-    async def row_keys(self) -> list[TrainingKey]:
-        """Every training key held."""
-        return await self._sink.row_keys()
 
 
 class ActorSink:

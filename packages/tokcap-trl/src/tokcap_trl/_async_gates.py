@@ -24,10 +24,9 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
 
 from tokcap_core import TokenSink
 from tokcap_core.ids import validate_rollout_id
@@ -39,13 +38,14 @@ from ._async_worker import GateRolloutWorker
 from ._collect import Collector
 from ._errors import TRLAdapterError
 from ._harness import Harness, Prompt
+from ._portal import PortalScope
 
 __all__ = ["AsyncGRPOGates"]
 
 T = TypeVar("T")
 
 
-class AsyncGRPOGates:
+class AsyncGRPOGates(PortalScope):
     """``rollout_worker`` and ``weight_transfer`` for ``AsyncGRPOTrainer`` over gates.
 
     ``gate_urls`` and ``token``: the fleet (``tokcap-vllm serve`` gates run with
@@ -91,10 +91,8 @@ class AsyncGRPOGates:
             "push_mode": push_mode,
             "rollout_buffer": rollout_buffer,
         }
-        self._stack: contextlib.ExitStack | None = None
         self._worker: GateRolloutWorker | None = None
         self._transfer: GateWeightTransfer | None = None
-        self._portal: BlockingPortal | None = None
         self.fleet: GateFleet | None = None
         """The fleet (inside the ``with``): its rollouts, its gates' reports."""
         self.weights: FleetWeightSync | None = None
@@ -121,53 +119,41 @@ class AsyncGRPOGates:
             raise TRLAdapterError("not_started", "use AsyncGRPOGates inside its with block")
         return self._portal.call(func, *args)
 
-    def __enter__(self) -> AsyncGRPOGates:
+    def _open(self, stack: contextlib.ExitStack, portal: BlockingPortal) -> None:
         options = self._options
-        with contextlib.ExitStack() as stack:
-            portal = stack.enter_context(start_blocking_portal())
-            fleet = portal.call(GateFleet, self._urls, self._token)
-            stack.enter_context(portal.wrap_async_context_manager(fleet))
-            weights = portal.call(
-                lambda: FleetWeightSync(
-                    [(url, self._token) for url in self._urls], mode=options["push_mode"]
-                )
+        fleet = portal.call(GateFleet, self._urls, self._token)
+        stack.enter_context(portal.wrap_async_context_manager(fleet))
+        weights = portal.call(
+            lambda: FleetWeightSync(
+                [(url, self._token) for url in self._urls], mode=options["push_mode"]
             )
-            stack.enter_context(portal.wrap_async_context_manager(weights))
-            group_size: int = options["group_size"]
-            in_flight: int = options["max_groups_in_flight"]
-            collector = Collector(
-                fleet,
-                self._sink,
-                model=options["model"],
-                max_seq_len=options["max_seq_len"],
-                concurrency=group_size * in_flight,
-            )
-            versions = PolicyVersions()
-            self._transfer = GateWeightTransfer(weights, portal.call, versions)
-            self._worker = GateRolloutWorker(
-                collector,
-                self._harness,
-                self._prompts,
-                group_size=group_size,
-                run_id=self.run_id,
-                portal=portal,
-                versions=versions,
-                max_groups_in_flight=in_flight,
-                rollout_buffer=options["rollout_buffer"],
-            )
-            stack.callback(self._worker.stop)
-            self.fleet, self.weights, self._portal = fleet, weights, portal
-            self._stack = stack.pop_all()
-        return self
+        )
+        stack.enter_context(portal.wrap_async_context_manager(weights))
+        group_size: int = options["group_size"]
+        in_flight: int = options["max_groups_in_flight"]
+        collector = Collector(
+            fleet,
+            self._sink,
+            model=options["model"],
+            max_seq_len=options["max_seq_len"],
+            concurrency=group_size * in_flight,
+        )
+        versions = PolicyVersions()
+        self._transfer = GateWeightTransfer(weights, portal.call, versions)
+        self._worker = GateRolloutWorker(
+            collector,
+            self._harness,
+            self._prompts,
+            group_size=group_size,
+            run_id=self.run_id,
+            portal=portal,
+            versions=versions,
+            max_groups_in_flight=in_flight,
+            rollout_buffer=options["rollout_buffer"],
+        )
+        stack.callback(self._worker.stop)
+        self.fleet, self.weights = fleet, weights
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack = self._stack, None
+    def _forget(self) -> None:
         self._worker = self._transfer = None
-        self.fleet = self.weights = self._portal = None
-        if stack is not None:
-            stack.close()
+        self.fleet = self.weights = None

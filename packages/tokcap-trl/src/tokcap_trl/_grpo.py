@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
@@ -41,6 +40,7 @@ from tokcap_vllm.weights import FleetWeightSync, PushTransport, WeightInfo
 from ._collect import CollectedBatch, Collector, RolloutPlan
 from ._errors import TRLAdapterError
 from ._harness import Harness, Prompt
+from ._portal import PortalScope
 from ._shape import METRICS_KEY, trl_rollout_output
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["GRPORollouts", "WeightPushCallback"]
 
 
-class GRPORollouts:
+class GRPORollouts(PortalScope):
     """The ``rollout_func`` for ``trl.GRPOTrainer`` over the gates at ``gate_urls``.
 
     Use it as a context manager around the trainer::
@@ -99,8 +99,6 @@ class GRPORollouts:
         self._max_seq_len = max_seq_len
         self._concurrency = concurrency
         self._transport = push_transport
-        self._stack: contextlib.ExitStack | None = None
-        self._portal: anyio.from_thread.BlockingPortal | None = None
         self._fleet: GateFleet | None = None
         self._weights: FleetWeightSync | None = None
         self._collector: Collector | None = None
@@ -111,40 +109,28 @@ class GRPORollouts:
 
     # ---- lifetime ------------------------------------------------------------------------
 
-    def __enter__(self) -> GRPORollouts:
-        with contextlib.ExitStack() as stack:
-            self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal())
-            self._fleet = stack.enter_context(
-                self._portal.wrap_async_context_manager(GateFleet(self.gate_urls, self._token))
-            )
-            self._weights = stack.enter_context(
-                self._portal.wrap_async_context_manager(
-                    FleetWeightSync(
-                        [(u, self._token) for u in self.gate_urls], transport=self._transport
-                    )
+    def _open(self, stack: contextlib.ExitStack, portal: anyio.from_thread.BlockingPortal) -> None:
+        self._fleet = stack.enter_context(
+            portal.wrap_async_context_manager(GateFleet(self.gate_urls, self._token))
+        )
+        self._weights = stack.enter_context(
+            portal.wrap_async_context_manager(
+                FleetWeightSync(
+                    [(u, self._token) for u in self.gate_urls], transport=self._transport
                 )
             )
-            model = self._model or self._portal.call(_served_model, self.gate_urls[0])
-            self._collector = Collector(
-                self._fleet,
-                self._sink,
-                model=model,
-                max_seq_len=self._max_seq_len,
-                concurrency=self._concurrency,
-            )
-            self._stack = stack.pop_all()
-        return self
+        )
+        model = self._model or portal.call(_served_model, self.gate_urls[0])
+        self._collector = Collector(
+            self._fleet,
+            self._sink,
+            model=model,
+            max_seq_len=self._max_seq_len,
+            concurrency=self._concurrency,
+        )
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack = self._stack, None
-        self._portal = self._fleet = self._weights = self._collector = None
-        if stack is not None:
-            stack.close()
+    def _forget(self) -> None:
+        self._fleet = self._weights = self._collector = None
 
     @property
     def callback(self) -> WeightPushCallback:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import attrs
@@ -28,9 +28,6 @@ from ..errors import (
     ControlRequestError,
     ControlUnreachable,
 )
-
-if TYPE_CHECKING:
-    from ._client import ControlPlaneClient
 
 __all__ = ["CloseResult", "RolloutClose", "error_of_status", "release_all", "withdraw_open"]
 
@@ -150,7 +147,19 @@ async def release_all(
         raise errors[0]
 
 
-async def withdraw_open(client: ControlPlaneClient, rollout_id: str) -> None:
+class Withdraws(Protocol):
+    """What `withdraw_open` asks of a gate's client (`ControlPlaneClient` is one)."""
+
+    async def close(self, rollout_id: str) -> tuple[int, str]:
+        """Close the rollout without a reward."""
+        ...
+
+    async def release(self, rollout_id: str) -> None:
+        """Make the gate forget the rollout."""
+        ...
+
+
+async def withdraw_open(client: Withdraws, rollout_id: str) -> None:
     """Undo an open whose answer never came back (the caller was cancelled, or it failed
     after the request left): the gate may hold the rollout though nobody knows its URL, so
     close it without a reward and release it. A gate that never opened it answers 404,

@@ -214,12 +214,8 @@ class GateWeightClient(AsyncClosing):
             await self._call(
                 step, "POST", "/finish_weight_update", json={"weight_version": str(version)}
             )
-            step = "prefix_cache"
-            await self._reset_kv(step)
-            step = "encoder_cache"
-            await self._reset_encoder(step)
-            step = "resume"
-            await self._call(step, "POST", "/resume")
+            for step, run in self._after_load():
+                await run(step)
         except BaseException as e:
             with anyio.CancelScope(shield=True):
                 await self._after_failure(step, version)
@@ -250,18 +246,26 @@ class GateWeightClient(AsyncClosing):
         try:
             label = {"new_version": str(version)}
             await self._call(step, "POST", "/update_weight_version", json=label)
-            step = "prefix_cache"
-            await self._reset_kv(step)
-            step = "encoder_cache"
-            await self._reset_encoder(step)
-            step = "resume"
-            await self._call(step, "POST", "/resume")
+            for step, run in self._after_load():
+                await run(step)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._after_failure("prefix_cache", version)
             raise
         if release:
             await self.release()
+
+    def _after_load(self) -> tuple[tuple[str, Callable[[str], Awaitable[None]]], ...]:
+        """What every weight change ends with, in order, each step with the name its errors
+        carry: the prefix-cache reset, the encoder-cache reset, resume."""
+        return (
+            ("prefix_cache", self._reset_kv),
+            ("encoder_cache", self._reset_encoder),
+            ("resume", self._resume),
+        )
+
+    async def _resume(self, step: str) -> None:
+        await self._call(step, "POST", "/resume")
 
     def _pause_params(self) -> dict[str, str]:
         return {"mode": vllm_pause_mode(self.mode), "clear_cache": "false"}

@@ -96,23 +96,10 @@ __all__ = [
     "vllm_pause_mode",
 ]
 
-_ENGINE = frozenset(
-    {
-        "BACKEND",
-        "BearerWeightSyncClient",
-        "StateDictSource",
-        "TokcapShmInitInfo",
-        "TokcapShmTrainerInitInfo",
-        "TokcapShmTrainerWeightTransferEngine",
-        "TokcapShmUpdateInfo",
-        "TokcapShmWeightTransferEngine",
-    }
-)
-"""The names of ``_engine``, which imports vLLM and torch: loaded on first use."""
-
 
 def __getattr__(name: str) -> Any:
-    if name not in _ENGINE:
+    # The names of __all__ not imported above are _engine's (it imports vLLM and torch).
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from . import _engine
 
