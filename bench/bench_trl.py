@@ -77,7 +77,13 @@ from tokcap.compose import (  # noqa: E402
     services,
     tq_sink,
 )
-from tokcap.demo import QWEN_VLLM_ARGS, TOOLS, forced_tool_calls, tool_result  # noqa: E402
+from tokcap.demo import (  # noqa: E402
+    QWEN_VLLM_ARGS,
+    ask_with_tools,
+    engine_reported,
+    tool_calls_of,
+    tool_result,
+)
 from tokcap.tiny import build_tiny_model  # noqa: E402
 from tokcap_core import CaptureConfig, TrainingRow  # noqa: E402
 from tokcap_tq import TQSink  # noqa: E402
@@ -98,38 +104,18 @@ async def play(
     response_id = ""
     for turn in range(turns):
         last = turn == turns - 1
-        extra: dict[str, Any] = {"return_token_ids": True}
-        if not last:
-            extra.update(forced_tool_calls(TOOLS, 2 if turn == 0 else 1))
-        reply = await client.chat.completions.create(  # type: ignore[call-overload]
-            model=model,
-            messages=messages,
-            tools=list(TOOLS),
-            tool_choice="auto",
+        reply = await ask_with_tools(
+            client,
+            model,
+            messages,
             max_tokens=ANSWER_TOKENS if last else TOOL_TOKENS,
-            temperature=1.0,
             seed=n * 1000 + turn,
-            logprobs=True,
-            extra_body=extra,
+            force=0 if last else (2 if turn == 0 else 1),
         )
         choice = reply.choices[0]
         response_id = reply.id
-        conversation.calls.append(
-            EngineCall(
-                list(getattr(reply, "prompt_token_ids", None) or []),
-                list(getattr(choice, "token_ids", None) or []),
-                [t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []],
-            )
-        )
-        calls = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": c.function.arguments},
-            }
-            for c in choice.message.tool_calls or ()
-            if c.type == "function"
-        ]
+        conversation.calls.append(EngineCall(*engine_reported(reply)))
+        calls = tool_calls_of(choice.message)
         assistant: dict[str, Any] = {"role": "assistant", "content": choice.message.content or ""}
         if calls:
             assistant["tool_calls"] = calls

@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import io
 from dataclasses import replace
 from pathlib import Path
 
-from rich.console import Console
-
+from tests.train.records import clean_step, printed
 from tokcap.loop import (
     LoopConfig,
-    StepRecord,
     TrainRun,
     build_train_summary,
-    print_train_summary,
     render_train_report,
     train_problems,
 )
 
 
-def _record(step: int, gate_versions: tuple[int, ...]) -> StepRecord:
-    return StepRecord(
-        step=step, reward_mean=0.5, reward_max=1.0,
-        parity={"tokens": 10, "mean_abs": 1e-8, "max_abs": 1e-7, "k3": 1e-14},
-        sampled_version=step, weight_version=step + 1, engine_version=str(step + 1),
-        staleness_max=0, rows_valid=8, rows_placeholder=0, receipts_verified=8,
-        receipts_total=8, gate_versions=gate_versions, groups_accepted=2, tokens=80,
-        loss=0.1, clip_fraction=0.0, grad_norm=1.0, seconds={"total": 1.0},
-    )  # fmt: skip
-
-
 def _run(last_versions: tuple[int, ...], rollouts: tuple[int, int]) -> TrainRun:
     run = TrainRun(LoopConfig(model=Path("tiny"), steps=2, gates=2), params=10)
-    run.steps = [_record(0, (1, 1)), _record(1, last_versions)]
+    run.steps = [clean_step(0, gate_versions=(1, 1)), clean_step(1, gate_versions=last_versions)]
     run.gates = [
         {"url": f"http://127.0.0.1:800{i}", "pid": 100 + i, "rollouts": n, "calls": n,
          "weight_version": last_versions[i]}
@@ -46,10 +31,9 @@ def test_the_summary_lists_the_gates_and_the_report_shows_the_fleet() -> None:
     assert [g["pid"] for g in summary["gates"]] == [100, 101]
     assert summary["train"]["steps"][1]["gate_versions"] == [2, 2]
     assert train_problems(summary) == []
-    out = io.StringIO()
-    print_train_summary(summary, Console(file=out, width=120))
-    assert "gates (tokcap-vllm serve)" in out.getvalue()
-    assert "http://127.0.0.1:8001" in out.getvalue()
+    out = printed(summary)
+    assert "gates (tokcap-vllm serve)" in out
+    assert "http://127.0.0.1:8001" in out
     assert "Fleet: 2 gates" in render_train_report(summary)
 
 
@@ -62,7 +46,7 @@ def test_a_gate_behind_the_push_or_idle_is_a_problem() -> None:
 
 def test_the_in_process_run_has_no_fleet() -> None:
     run = _run((2, 2), (8, 8))
-    run.steps = [_record(0, ()), _record(1, ())]
+    run.steps = [clean_step(0), clean_step(1)]
     run.gates = []
     summary = build_train_summary(run, {})
     assert summary["gates"] == []
@@ -90,9 +74,8 @@ def test_receipts_lost_with_a_dead_gate_are_counted_by_gate_and_pass() -> None:
     assert train["receipts_lost"] == 4
     assert train["receipts_lost_by_gate"] == {"http://127.0.0.1:8001": 4}
     assert train_problems(summary) == []  # `tokcap train` exits 0
-    out = io.StringIO()
-    print_train_summary(summary, Console(file=out, width=200))
-    assert "4 lost with their gate, gate_unreachable: http://127.0.0.1:8001 4" in out.getvalue()
+    out = printed(summary, width=200)
+    assert "4 lost with their gate, gate_unreachable: http://127.0.0.1:8001 4" in out
     assert "4 lost with their gate" in render_train_report(summary)
 
 

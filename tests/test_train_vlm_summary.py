@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rich.console import Console
 
+from tests.train.records import clean_step, printed
 from tokcap.loop import (
     LoopConfig,
     StepRecord,
@@ -19,7 +19,6 @@ from tokcap.loop import (
     build_train_summary,
     group_image,
     loop_config,
-    print_train_summary,
     render_train_report,
     train_problems,
 )
@@ -29,13 +28,8 @@ from tokcap_core import ConfigError
 def _record(
     step: int, images_sent: int = 0, images_bound: int = 0, images: int = 0, image_blobs: int = 0
 ) -> StepRecord:
-    return StepRecord(
-        step=step, reward_mean=0.5, reward_max=1.0,
-        parity={"tokens": 10, "mean_abs": 1e-8, "max_abs": 1e-7, "k3": 1e-14},
-        sampled_version=step, weight_version=step + 1, engine_version=str(step + 1),
-        staleness_max=0, rows_valid=4, rows_placeholder=0, receipts_verified=4,
-        receipts_total=4, gate_versions=(), groups_accepted=2, tokens=40,
-        loss=0.1, clip_fraction=0.0, grad_norm=1.0, seconds={"total": 1.0},
+    return clean_step(
+        step, rows_valid=4, receipts_verified=4, receipts_total=4, tokens=40,
         images_sent=images_sent, images_bound=images_bound, images=images, image_blobs=image_blobs,
     )  # fmt: skip
 
@@ -55,10 +49,8 @@ def test_the_summary_counts_images_per_step_and_in_total_and_prints_them() -> No
     assert train["steps"][1]["images_bound"] == 4
     assert {k: train[k] for k in IMAGES} == {k: 2 * v for k, v in IMAGES.items()}
     assert train_problems(summary) == []
-    out = io.StringIO()
-    print_train_summary(summary, Console(file=out, width=200))
     assert "images: 8 sent, 8 bound by the verified receipts, 8 in the trained rows; 4 blobs" in (
-        out.getvalue()
+        printed(summary, width=200)
     )
 
 
@@ -116,9 +108,8 @@ def test_the_summary_counts_terminals_by_how_the_receipts_chose_them_and_prints_
     summary = _summary(*(replace(_record(i), terminals=TERMINALS, declared=1) for i in (0, 1)))
     assert summary["train"]["terminals"] == {k: 2 for k in TERMINALS}
     assert train_problems(summary) == []
-    out = io.StringIO()
-    print_train_summary(summary, Console(file=out, width=200))
-    assert "(terminals: content 2, declared 2, heuristic 2, response_id 2)" in out.getvalue()
+    out = printed(summary, width=200)
+    assert "(terminals: content 2, declared 2, heuristic 2, response_id 2)" in out
     page = render_train_report(summary)
     assert '<div class="card ok"><b>2 / 2</b><span>declared terminals chosen / declared' in page
 

@@ -3,37 +3,31 @@ replaces staleness 0, and the parity limit applies to rows of the trained versio
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rich.console import Console
 
+from tests.train.records import FRESH, clean_step, printed
 from tokcap.loop import (
     LoopConfig,
     StepRecord,
     TrainRun,
     build_train_summary,
-    print_train_summary,
     render_train_report,
     tokcap_share,
     train_problems,
 )
 
-FRESH = {"tokens": 10, "mean_abs": 1e-8, "max_abs": 1e-7, "k3": 1e-14}
 STALE = {"tokens": 30, "mean_abs": 0.2, "max_abs": 0.9, "k3": 0.05}
 
 
 def _record(step: int, *, sampled: int, staleness: int, fresh: dict[str, Any] | None) -> StepRecord:
     buckets = {"0": fresh} if fresh else {}
     buckets[str(staleness)] = STALE if staleness else (fresh or FRESH)
-    return StepRecord(
-        step=step, reward_mean=0.5, reward_max=1.0, parity=STALE, sampled_version=sampled,
-        weight_version=step + 1, engine_version=str(step + 1), staleness_max=staleness,
-        rows_valid=8, rows_placeholder=0, receipts_verified=8, receipts_total=8,
-        gate_versions=(), groups_accepted=2, tokens=80, loss=0.1, clip_fraction=0.0,
-        grad_norm=1.0, seconds={"total": 2.0, "fetch_rows": 0.1, "wait": 0.5, "train": 0.2},
+    return clean_step(
+        step, parity=STALE, sampled_version=sampled, staleness_max=staleness,
+        seconds={"total": 2.0, "fetch_rows": 0.1, "wait": 0.5, "train": 0.2},
         calls_spanning_versions=3, tokens_stale=30, dropped_stale=1, skipped={"stale": 1},
         loop_lag_ms_max=4.0, parity_by_staleness=buckets,
     )  # fmt: skip
@@ -71,9 +65,7 @@ def test_an_async_run_within_its_bound_has_no_problem_and_reports_what_it_traine
     assert train["parity_k3_max_all_rows"] == 0.05
     assert train["samples_per_s"] == pytest.approx(3 * 32 / 6.0, abs=1e-3)
     assert train_problems(summary) == []
-    out = io.StringIO()
-    print_train_summary(summary, Console(file=out, width=120))
-    assert "mode async: staleness max 2 (bound 2)" in out.getvalue()
+    assert "mode async: staleness max 2 (bound 2)" in printed(summary)
     assert "Event-loop lag" in render_train_report(summary)
 
 

@@ -1,6 +1,8 @@
 """The ``tokcap demo`` room: the black-box harness, the model families, checks and report.
 
-Public here: the harness's tool list and tool-call helpers (tests reuse them), the model
+Public here: the harness's tool list and tool-call helpers (tests and benches reuse them:
+`forced_tool_calls`, `tool_result`, and one chat call with the tools, `ask_with_tools`, read
+with `tool_calls_of` and `engine_reported`), the model
 families the demo serves (the tiny Qwen model's engine options are `tokcap.tiny`'s,
 re-exported here), and the report's page and plots (`render_report`, `Drift`,
 `group_strips`, `histogram`; `fleet_table` and `print_fleet`, a run's served gates, shared
@@ -15,7 +17,14 @@ from ..tiny import CHATML_TOOLS_TEMPLATE, ENGINE_ARGS, QWEN_VLLM_ARGS, chatml_to
 from ._checks import Drift
 from ._cli import DemoOptions, run_demo
 from ._families import FAMILIES, ModelFamily, model_family
-from ._harness import TOOLS, forced_tool_calls, tool_result
+from ._harness import (
+    TOOLS,
+    ask_with_tools,
+    engine_reported,
+    forced_tool_calls,
+    tool_calls_of,
+    tool_result,
+)
 from ._images import image_part, picture
 from ._plots import group_strips, histogram
 from ._report import render_report
@@ -30,7 +39,9 @@ __all__ = [
     "DemoOptions",
     "Drift",
     "ModelFamily",
+    "ask_with_tools",
     "chatml_tool_args",
+    "engine_reported",
     "fleet_table",
     "forced_tool_calls",
     "group_strips",
@@ -43,5 +54,6 @@ __all__ = [
     "render_report",
     "run_demo",
     "summary_console",
+    "tool_calls_of",
     "tool_result",
 ]

@@ -21,19 +21,17 @@ check. `run_episode` plays an episode on the API it names.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import openai
 
-from ._harness import _TOOL_TURN_TOKENS as TOOL_TURN_TOKENS
 from ._harness import (
     NUDGE,
     SYSTEM,
     TOOLS,
     EngineCall,
     Episode,
-    forced_tool_calls,
+    HarnessOptions,
     play_chat,
     score,
     tool_result,
@@ -84,22 +82,17 @@ def _assistant(content: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]
 
 
 async def play_responses(
-    client: openai.AsyncOpenAI,
-    model: str,
-    episode: Episode,
-    *,
-    turns: int,
-    max_tokens: int,
-    force_tools: Any,
-    seed: int,
+    client: openai.AsyncOpenAI, model: str, episode: Episode, options: HarnessOptions, *, seed: int
 ) -> Episode:
-    """Play ``turns`` Responses calls of ``episode``, chained by ``previous_response_id``."""
+    """Play ``options.turns`` Responses calls of ``episode``, chained by
+    ``previous_response_id``."""
     chat: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": episode.task.prompt},
     ]
     new: str | list[dict[str, Any]] = episode.task.prompt
     previous: str | None = None
+    turns = options.turns
     for turn in range(turns):
         count = _forced(turn, turns)
         response = await client.responses.create(  # type: ignore[call-overload]
@@ -107,10 +100,10 @@ async def play_responses(
             input=new,
             instructions=SYSTEM,
             tools=API_TOOLS["responses"],
-            max_output_tokens=max_tokens + TOOL_TURN_TOKENS if count else max_tokens,
+            max_output_tokens=options.budget(count > 0),
             temperature=1.0,
             include=["message.output_text.logprobs"],
-            extra_body={"seed": seed * 1000 + turn, **(force_tools(count) if count else {})},
+            extra_body={"seed": seed * 1000 + turn, **(options.forced(count) if count else {})},
             **({"previous_response_id": previous} if previous is not None else {}),
         )
         previous = response.id
@@ -153,16 +146,10 @@ async def play_responses(
 
 
 async def play_messages(
-    client: openai.AsyncOpenAI,
-    model: str,
-    episode: Episode,
-    *,
-    turns: int,
-    max_tokens: int,
-    force_tools: Any,
-    seed: int,
+    client: openai.AsyncOpenAI, model: str, episode: Episode, options: HarnessOptions, *, seed: int
 ) -> Episode:
-    """Play ``turns`` Anthropic Messages calls of ``episode`` at ``client``'s rollout URL."""
+    """Play ``options.turns`` Anthropic Messages calls of ``episode`` at ``client``'s rollout
+    URL."""
     import anthropic
 
     del seed  # a Messages request has no seed
@@ -175,6 +162,7 @@ async def play_messages(
     async with anthropic.AsyncAnthropic(
         base_url=base, api_key=client.api_key, max_retries=0, timeout=client.timeout
     ) as sdk:
+        turns = options.turns
         for turn in range(turns):
             count = _forced(turn, turns)
             answer = await sdk.messages.create(
@@ -182,9 +170,9 @@ async def play_messages(
                 system=SYSTEM,
                 messages=messages,  # type: ignore[arg-type]
                 tools=API_TOOLS["messages"],  # type: ignore[arg-type]
-                max_tokens=max_tokens + TOOL_TURN_TOKENS if count else max_tokens,
+                max_tokens=options.budget(count > 0),
                 # this SDK takes no sampling fields of its own: vLLM reads them from the body
-                extra_body={"temperature": 1.0, **(force_tools(count) if count else {})},
+                extra_body={"temperature": 1.0, **(options.forced(count) if count else {})},
             )
             uses = [b for b in answer.content if b.type == "tool_use"]
             text = "".join(b.text for b in answer.content if b.type == "text")
@@ -223,35 +211,12 @@ def _scored(episode: Episode, chat: list[dict[str, Any]]) -> Episode:
 
 
 async def run_episode(
-    client: openai.AsyncOpenAI,
-    model: str,
-    episode: Episode,
-    *,
-    turns: int,
-    max_tokens: int,
-    seed: int,
-    force_tools: Callable[[int], dict[str, Any]] | None = None,
-    tools_every_turn: bool = False,
-    images: bool = False,
+    client: openai.AsyncOpenAI, model: str, episode: Episode, options: HarnessOptions, *, seed: int
 ) -> Episode:
     """Play ``episode`` on the API it names (``episode.api``): chat completions through
-    `tokcap.demo._harness.play_chat` (``tools_every_turn`` applies there only), Responses
-    through `play_responses`, Messages through `play_messages`; both of those force their
-    tool calls with ``force_tools`` too (default `forced_tool_calls` on `TOOLS`)."""
-    if episode.api == "chat":
-        return await play_chat(
-            client,
-            model,
-            episode,
-            turns=turns,
-            max_tokens=max_tokens,
-            seed=seed,
-            force_tools=force_tools,
-            tools_every_turn=tools_every_turn,
-            images=images,
-        )
-    play = play_responses if episode.api == "responses" else play_messages
-    forcing = force_tools or (lambda count: forced_tool_calls(TOOLS, count))
-    return await play(
-        client, model, episode, turns=turns, max_tokens=max_tokens, force_tools=forcing, seed=seed
-    )
+    `tokcap.demo._harness.play_chat`, Responses through `play_responses`, Messages through
+    `play_messages`; each forces its tool calls with ``options.forced``."""
+    return await _PLAYERS[episode.api](client, model, episode, options, seed=seed)
+
+
+_PLAYERS = {"chat": play_chat, "responses": play_responses, "messages": play_messages}

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import openai
+from openai.types.chat import ChatCompletion, ChatCompletionMessage
 
 __all__ = [
     "APIS",
@@ -48,9 +49,13 @@ __all__ = [
     "Behaviour",
     "EngineCall",
     "Episode",
+    "HarnessOptions",
     "Task",
+    "ask_with_tools",
+    "engine_reported",
     "forced_tool_calls",
     "play_chat",
+    "tool_calls_of",
 ]
 
 Behaviour = Literal["response_id", "content", "declared", "rewrite", "plain"]
@@ -156,6 +161,29 @@ class Episode:
         return self.calls[-1]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HarnessOptions:
+    """How the harness plays every episode of a run, on whichever API: ``turns`` calls of
+    ``max_tokens`` each (more on a turn that forces tool calls); ``force_tools`` turns a
+    call count into request fields (None: `forced_tool_calls` on `TOOLS`, for a model served
+    with vLLM's ``hermes`` parser); ``tools_every_turn`` and ``images`` apply to chat only
+    (`play_chat`)."""
+
+    turns: int
+    max_tokens: int
+    force_tools: Callable[[int], dict[str, Any]] | None = None
+    tools_every_turn: bool = False
+    images: bool = False
+
+    def forced(self, count: int) -> dict[str, Any]:
+        """The request fields that force ``count`` tool calls."""
+        return _forcing(self.force_tools, count)
+
+    def budget(self, forcing: bool) -> int:
+        """``max_tokens`` of a call, with room for the calls when it forces them."""
+        return self.max_tokens + _TOOL_TURN_TOKENS if forcing else self.max_tokens
+
+
 def calc(expression: str) -> float:
     """Evaluate ``+ - *`` over integers (the tool); `ValueError` for anything else."""
     try:
@@ -234,71 +262,52 @@ async def play_chat(
     client: openai.AsyncOpenAI,
     model: str,
     episode: Episode,
+    options: HarnessOptions,
     *,
-    turns: int,
-    max_tokens: int,
     seed: int,
-    force_tools: Callable[[int], dict[str, Any]] | None = None,
-    tools_every_turn: bool = False,
-    images: bool = False,
 ) -> Episode:
-    """Play ``turns`` chat calls of ``episode``; fills its calls, transcript and reward.
+    """Play ``options.turns`` chat calls of ``episode``; fills its calls, transcript and reward.
 
     Even turns but the last force tool calls (two on the first turn, in parallel) through
-    ``force_tools`` (``count`` → request fields; default `forced_tool_calls` on `TOOLS`, for
-    a model served with vLLM's ``hermes`` parser); with ``tools_every_turn`` every turn but
-    the last does (no user nudges: with tools offered, Mistral's tokenizers re-render the
-    history at every new user turn, which starts a new root); the
-    assistant message goes back as vLLM returned it (``content`` and ``tool_calls``),
-    followed by one ``role: "tool"`` answer per call, or by a user nudge after free text.
+    ``options.forced``; with ``tools_every_turn`` every turn but the last does (no user
+    nudges: with tools offered, Mistral's tokenizers re-render the history at every new user
+    turn, which starts a new root); the assistant message goes back as vLLM returned it
+    (``content`` and ``tool_calls``), followed by one ``role: "tool"`` answer per call, or by
+    a user nudge after free text.
     With ``images`` (a model that takes them), the first user message carries a picture of
     the task and the first tool answer a picture of its result (`tokcap.demo._images`);
     ``episode.images`` lists them.
     """
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": _user_content(episode, images)},
+        {"role": "user", "content": _user_content(episode, options.images)},
     ]
+    turns = options.turns
     for turn in range(turns):
         if episode.behaviour == "rewrite" and turn == max(1, turns // 2):
             messages = _compact(messages, episode.task)
         last = turn == turns - 1
-        forced = not last and (tools_every_turn or turn % 2 == 0)
-        extra: dict[str, Any] = {"return_token_ids": True}
+        forced = not last and (options.tools_every_turn or turn % 2 == 0)
         _note_images(episode, messages)
-        if forced:
-            count = 2 if turn == 0 else 1
-            extra.update(force_tools(count) if force_tools else forced_tool_calls(TOOLS, count))
-        response = await client.chat.completions.create(  # type: ignore[call-overload]
-            model=model,
-            messages=messages,
-            tools=list(TOOLS),
-            tool_choice="auto",
-            max_tokens=max_tokens + _TOOL_TURN_TOKENS if forced else max_tokens,
-            temperature=1.0,
+        response = await ask_with_tools(
+            client,
+            model,
+            messages,
+            max_tokens=options.budget(forced),
             seed=seed * 1000 + turn,
-            logprobs=True,
-            extra_body=extra,
+            force=(2 if turn == 0 else 1) if forced else 0,
+            force_tools=options.force_tools,
         )
         choice = response.choices[0]
         message = choice.message
-        calls = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": c.function.arguments},
-            }
-            for c in message.tool_calls or ()
-            if c.type == "function"
-        ]
+        calls = tool_calls_of(message)
+        prompt_token_ids, token_ids, logprobs = engine_reported(response)
         episode.calls.append(
             EngineCall(
                 response_id=response.id,
-                prompt_token_ids=list(getattr(response, "prompt_token_ids", None) or []),
-                token_ids=list(getattr(choice, "token_ids", None) or []),
-                logprobs=[
-                    t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []
-                ],
+                prompt_token_ids=prompt_token_ids,
+                token_ids=token_ids,
+                logprobs=logprobs,
                 content=message.content or "",
                 finish_reason=choice.finish_reason or "",
                 tool_calls=len(calls),
@@ -312,7 +321,7 @@ async def play_chat(
             {
                 "role": "tool",
                 "tool_call_id": c["id"],
-                "content": _tool_content(c, calls[0], episode, images),
+                "content": _tool_content(c, calls[0], episode, options.images),
             }
             for c in calls
         ]
@@ -321,6 +330,63 @@ async def play_chat(
     episode.messages = messages
     episode.reward = score(episode.task, episode.final.content)
     return episode
+
+
+async def ask_with_tools(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    *,
+    max_tokens: int,
+    seed: int,
+    force: int = 0,
+    force_tools: Callable[[int], dict[str, Any]] | None = None,
+) -> ChatCompletion:
+    """One chat call offering `TOOLS` (``tool_choice="auto"``), sampled at temperature 1,
+    asking for logprobs and the engine's ids (``return_token_ids``); it forces ``force``
+    tool calls (0: the model chooses) through ``force_tools`` (``count`` → request fields;
+    default `forced_tool_calls` on `TOOLS`)."""
+    forced = _forcing(force_tools, force) if force else {}
+    response: ChatCompletion = await client.chat.completions.create(  # type: ignore[call-overload]
+        model=model,
+        messages=messages,
+        tools=list(TOOLS),
+        tool_choice="auto",
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+        logprobs=True,
+        extra_body={"return_token_ids": True, **forced},
+    )
+    return response
+
+
+def _forcing(force_tools: Callable[[int], dict[str, Any]] | None, count: int) -> dict[str, Any]:
+    return force_tools(count) if force_tools else forced_tool_calls(TOOLS, count)
+
+
+def tool_calls_of(message: ChatCompletionMessage) -> list[dict[str, Any]]:
+    """A chat answer's function calls, as the next request's assistant message echoes them."""
+    return [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.function.name, "arguments": c.function.arguments},
+        }
+        for c in message.tool_calls or ()
+        if c.type == "function"
+    ]
+
+
+def engine_reported(response: ChatCompletion) -> tuple[list[int], list[int], list[float]]:
+    """The prompt ids, generated ids and logprobs vLLM returned with a chat answer (empty
+    where it returned none)."""
+    choice = response.choices[0]
+    return (
+        list(getattr(response, "prompt_token_ids", None) or []),
+        list(getattr(choice, "token_ids", None) or []),
+        [t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []],
+    )
 
 
 def _user_content(episode: Episode, images: bool) -> str | list[dict[str, Any]]:

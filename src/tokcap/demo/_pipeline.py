@@ -47,7 +47,7 @@ from ..compose import (
 from ..tiny import QWEN_VLLM_ARGS
 from ._clients import run_episode
 from ._families import episode_api
-from ._harness import BEHAVIOURS, Episode, Task
+from ._harness import BEHAVIOURS, Episode, HarnessOptions, Task
 
 __all__ = ["DemoConfig", "DemoRun", "run_pipeline"]
 
@@ -121,12 +121,17 @@ def run_pipeline(
     """Start everything, run the rollouts, reassemble, and shut everything down again.
 
     ``vllm_args`` serve ``config.model``; ``force_tools``, ``tools_every_turn`` and
-    ``images`` go to `tokcap.demo._clients.run_episode` (default: the Hermes structural tag,
-    every other turn, no images).
+    ``images`` are the harness's (`tokcap.demo._harness.HarnessOptions`; default: the Hermes
+    structural tag, every other turn, no images).
     """
-    harness = functools.partial(
-        run_episode, force_tools=force_tools, tools_every_turn=tools_every_turn, images=images
+    options = HarnessOptions(
+        turns=config.turns,
+        max_tokens=config.max_tokens,
+        force_tools=force_tools,
+        tools_every_turn=tools_every_turn,
+        images=images,
     )
+    harness = functools.partial(run_episode, options=options)
     run = DemoRun(config)
     capture = capture_config(config)
     # gates someone else started stage into their default partitions (--tokcap-*-partition)
@@ -226,10 +231,7 @@ async def _rollouts(
     with stages.stage("rollouts (harness)", total=len(run.episodes)) as advance:
 
         async def play(client: openai.AsyncOpenAI, model: str, episode: Episode, n: int) -> None:
-            seed = config.seed * 100_000 + n
-            await harness(
-                client, model, episode, turns=config.turns, max_tokens=config.max_tokens, seed=seed
-            )
+            await harness(client, model, episode, seed=config.seed * 100_000 + n)
 
         done = functools.partial(advance, 1)
         await play_rollouts(gate, run.episodes, play, concurrency=config.concurrency, done=done)

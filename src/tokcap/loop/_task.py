@@ -200,9 +200,14 @@ async def play_digits(
         if turn:
             said = MORE if task == "digits" else tool_response(episode.contents[-1])
             messages.append({"role": "user", "content": said})
-        response_id, content = await call(
-            client, model, messages, episode.response_ids, max_tokens, seed * 100 + turn
+        ask = _Ask(
+            model=model,
+            messages=messages,
+            earlier=episode.response_ids,
+            max_tokens=max_tokens,
+            seed=seed * 100 + turn,
         )
+        response_id, content = await call(client, ask)
         episode.response_ids.append(response_id)
         episode.contents.append(content)
         messages.append({"role": "assistant", "content": content})
@@ -210,56 +215,47 @@ async def play_digits(
     return episode
 
 
-async def _chat(
-    client: openai.AsyncOpenAI,
-    model: str,
-    messages: list[dict[str, Any]],
-    earlier: list[str],
-    max_tokens: int,
-    seed: int,
-) -> tuple[str, str]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Ask:
+    """One call of a rollout, whichever API makes it: the conversation so far (chat form),
+    the response ids of the calls before it, its token budget and its seed."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    earlier: list[str]
+    max_tokens: int
+    seed: int
+
+
+async def _chat(client: openai.AsyncOpenAI, ask: _Ask) -> tuple[str, str]:
     response = await client.chat.completions.create(
-        model=model,
-        messages=[{"role": "system", "content": SYSTEM}, *messages],  # type: ignore[list-item]
-        max_tokens=max_tokens,
+        model=ask.model,
+        messages=[{"role": "system", "content": SYSTEM}, *ask.messages],  # type: ignore[list-item]
+        max_tokens=ask.max_tokens,
         temperature=1.0,
         top_p=1.0,
-        seed=seed,
+        seed=ask.seed,
     )
     return response.id, response.choices[0].message.content or ""
 
 
-async def _responses(
-    client: openai.AsyncOpenAI,
-    model: str,
-    messages: list[dict[str, Any]],
-    earlier: list[str],
-    max_tokens: int,
-    seed: int,
-) -> tuple[str, str]:
+async def _responses(client: openai.AsyncOpenAI, ask: _Ask) -> tuple[str, str]:
     """The newest user turn alone, chained to the call before by ``previous_response_id``."""
-    chained = {"previous_response_id": earlier[-1]} if earlier else {}
+    chained = {"previous_response_id": ask.earlier[-1]} if ask.earlier else {}
     response = await client.responses.create(  # type: ignore[call-overload]
-        model=model,
-        input=messages[-1:],
+        model=ask.model,
+        input=ask.messages[-1:],
         instructions=SYSTEM,
-        max_output_tokens=max_tokens,
+        max_output_tokens=ask.max_tokens,
         temperature=1.0,
         top_p=1.0,
-        extra_body={"seed": seed},
+        extra_body={"seed": ask.seed},
         **chained,
     )
     return str(response.id), str(response.output_text)
 
 
-async def _messages(
-    client: openai.AsyncOpenAI,
-    model: str,
-    messages: list[dict[str, Any]],
-    earlier: list[str],
-    max_tokens: int,
-    seed: int,
-) -> tuple[str, str]:
+async def _messages(client: openai.AsyncOpenAI, ask: _Ask) -> tuple[str, str]:
     """The whole history through the ``anthropic`` SDK (a Messages request has no seed)."""
     import anthropic
 
@@ -268,10 +264,10 @@ async def _messages(
         base_url=base, api_key=client.api_key, max_retries=0
     ) as sdk:
         answer = await sdk.messages.create(
-            model=model,
+            model=ask.model,
             system=SYSTEM,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
+            messages=ask.messages,  # type: ignore[arg-type]
+            max_tokens=ask.max_tokens,
             # this SDK takes no sampling fields of its own: vLLM reads them from the body
             extra_body={"temperature": 1.0, "top_p": 1.0},
         )
