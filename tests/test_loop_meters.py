@@ -49,6 +49,30 @@ def test_cpu_meter_counts_a_child_process_and_not_what_came_before_start() -> No
     assert used["cpu_engine"] == 0.0  # no engine core below this process
 
 
+def test_cpu_meter_counts_a_process_named_as_vllms_engine_core_as_the_engines() -> None:
+    async def main() -> dict[str, float]:
+        meter = CpuMeter()
+        await meter.start()
+        engine = subprocess.Popen(  # named as vLLM names its engine core process
+            [
+                sys.executable,
+                "-c",
+                "import setproctitle, sys; setproctitle.setproctitle('VLLM::EngineCore')\n"
+                "x = 0\nfor i in range(3_000_000): x += i\nsys.stdin.read()",
+            ],
+            stdin=subprocess.PIPE,
+        )
+        try:
+            await anyio.sleep(0.5)
+            return await meter.take()
+        finally:
+            engine.communicate(b"")
+
+    used = anyio.run(main)
+    assert used["cpu_engine"] > 0.0
+    assert used["cpu"] >= used["cpu_engine"] + used["cpu_driver"] - 1e-9
+
+
 def _episodes(groups: int, rollouts: int) -> list[DigitsEpisode]:
     return [
         DigitsEpisode(rollout_id=f"t-g{g}-r{i}", group_id=f"t-g{g}", witness="none", prompt="p")

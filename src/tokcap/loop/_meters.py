@@ -16,12 +16,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import anyio
+import psutil
 
 from ._watchdog import LagWatch
 
@@ -68,8 +67,7 @@ class BusyMeter:
 
 
 class CpuMeter:
-    """CPU seconds of this process tree since the last `take`, by role (Linux ``/proc``;
-    elsewhere nothing is counted)."""
+    """CPU seconds of this process tree since the last `take`, by role (read with psutil)."""
 
     def __init__(self) -> None:
         self._seen: dict[int, float] = {}
@@ -78,17 +76,20 @@ class CpuMeter:
         """CPU time each process used since it was last read, summed by role (a process
         that exited in between loses its last interval: its reading went with it)."""
         used = {"cpu": 0.0, "cpu_engine": 0.0, "cpu_driver": 0.0}
-        me = os.getpid()
-        for pid in [me, *_descendants(me)]:
-            cpu = _cpu_seconds(pid)
-            if cpu != cpu:  # NaN: gone meanwhile
+        me = psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()  # all its threads, not its children
+                engine = proc.pid != me.pid and _is_engine(proc)
+            except psutil.Error:  # gone meanwhile
                 continue
-            delta = cpu - self._seen.get(pid, 0.0)
-            self._seen[pid] = cpu
+            cpu = times.user + times.system
+            delta = cpu - self._seen.get(proc.pid, 0.0)
+            self._seen[proc.pid] = cpu
             used["cpu"] += delta
-            if pid == me:
+            if proc.pid == me.pid:
                 used["cpu_driver"] += delta
-            elif _is_engine(pid):
+            elif engine:
                 used["cpu_engine"] += delta
         return used
 
@@ -131,34 +132,6 @@ class Meters:
         return {**busy, **(await self.cpu.take())}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds ``pid`` has used so far, all its threads (NaN if gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live process below ``root``."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _is_engine(pid: int) -> bool:
-    try:
-        return b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+def _is_engine(proc: psutil.Process) -> bool:
+    """vLLM's engine core (it names its process ``VLLM::EngineCore``)."""
+    return any("EngineCore" in arg for arg in proc.cmdline())

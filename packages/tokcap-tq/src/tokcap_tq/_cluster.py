@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
+import psutil
 
 from tokcap_core import ConfigError, SinkError
 from tokcap_core.config import at_least, non_empty_text, positive_number
@@ -233,9 +233,10 @@ class LocalCluster:
             raise ConfigError("bad_node", "the head node holds the cluster; kill a worker node")
         handle = self._handles.pop(node.index, None)
         if handle is not None:
-            for pid in _descendants(node.raylet_pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):  # the raylet gone already
+                for worker in psutil.Process(node.raylet_pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        worker.kill()
             self._cluster.remove_node(handle, allow_graceful=False)
 
 
@@ -287,34 +288,13 @@ def local_cluster(
                 shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _descendants(root: int) -> list[int]:
-    """The pids of ``root``'s descendants (Linux ``/proc``; none elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _kill_leftovers(temp_dir: Path) -> None:
     """Kill what a node that failed to start left running (its command line names
     ``temp_dir``, which is this cluster's own): Ray forgets a node whose start failed."""
-    marker = str(temp_dir).encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    marker = str(temp_dir)
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
-        try:
-            if marker in (entry / "cmdline").read_bytes():
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
+        with contextlib.suppress(psutil.Error):
+            if any(marker in arg for arg in proc.cmdline()):
+                proc.kill()
