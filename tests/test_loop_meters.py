@@ -26,15 +26,20 @@ def test_busy_meter_counts_only_the_time_a_call_is_out_and_averages_the_count() 
     assert meter.take()["engine_busy"] == 0.0  # a new window starts at each take
 
 
-def test_cpu_meter_counts_a_child_process_and_not_what_came_before_start() -> None:
+SPIN = "x = 0\nfor i in range(3_000_000): x += i\n"
+
+
+def _metered(child: str, before: str | None = None) -> dict[str, float]:
+    """What `CpuMeter.take` counts while a child runs ``child`` (Python), then stays alive
+    (blocked on stdin) until it has been read; ``before`` runs to its end before `start`."""
+
     async def main() -> dict[str, float]:
         meter = CpuMeter()
-        spin = "x = 0\nfor i in range(3_000_000): x += i\n"
-        subprocess.run([sys.executable, "-c", spin], check=True)  # before start: not counted
+        if before is not None:
+            subprocess.run([sys.executable, "-c", before], check=True)
         await meter.start()
-        # a child that spins, then stays alive (blocked on stdin) until it has been read
         busy = subprocess.Popen(
-            [sys.executable, "-c", spin + "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+            [sys.executable, "-c", child + "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
         )
         try:
             await anyio.sleep(0.5)
@@ -42,7 +47,11 @@ def test_cpu_meter_counts_a_child_process_and_not_what_came_before_start() -> No
         finally:
             busy.communicate(b"")
 
-    used = anyio.run(main)
+    return anyio.run(main)
+
+
+def test_cpu_meter_counts_a_child_process_and_not_what_came_before_start() -> None:
+    used = _metered(SPIN, before=SPIN)
     assert set(used) == {"cpu", "cpu_engine", "cpu_driver"}
     assert used["cpu"] > 0.0
     assert used["cpu"] >= used["cpu_driver"]
@@ -50,25 +59,8 @@ def test_cpu_meter_counts_a_child_process_and_not_what_came_before_start() -> No
 
 
 def test_cpu_meter_counts_a_process_named_as_vllms_engine_core_as_the_engines() -> None:
-    async def main() -> dict[str, float]:
-        meter = CpuMeter()
-        await meter.start()
-        engine = subprocess.Popen(  # named as vLLM names its engine core process
-            [
-                sys.executable,
-                "-c",
-                "import setproctitle, sys; setproctitle.setproctitle('VLLM::EngineCore')\n"
-                "x = 0\nfor i in range(3_000_000): x += i\nsys.stdin.read()",
-            ],
-            stdin=subprocess.PIPE,
-        )
-        try:
-            await anyio.sleep(0.5)
-            return await meter.take()
-        finally:
-            engine.communicate(b"")
-
-    used = anyio.run(main)
+    named = "import setproctitle; setproctitle.setproctitle('VLLM::EngineCore')\n"
+    used = _metered(named + SPIN)  # named as vLLM names its engine core process
     assert used["cpu_engine"] > 0.0
     assert used["cpu"] >= used["cpu_engine"] + used["cpu_driver"] - 1e-9
 
