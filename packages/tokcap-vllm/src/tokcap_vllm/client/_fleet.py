@@ -47,7 +47,7 @@ from tokcap_core.reasons import GATE_RESTARTED, GATE_UNREACHABLE, make_reason
 from ..errors import ControlConflict, ControlNotFound, ControlPlaneError, ControlUnreachable
 from ._client import ControlPlaneClient
 from ._closes import CloseResult, RolloutClose, release_all, withdraw_open
-from ._fleet_gates import FleetGateReport, _Gate
+from ._fleet_gates import FleetGateReport, _Gate, fleet_metrics
 from ._http import AsyncClosing
 from ._receipts import poisoned_receipt
 
@@ -112,9 +112,10 @@ class GateFleet(AsyncClosing):
         """Assign ``rollout_id`` to a gate, open it there; returns its OpenAI base URL.
 
         Opening an assigned rollout again returns the same URL, and so do opens of one id
-        that race (the later ones wait for the first; never on a second gate). A gate that
-        does not answer is marked lost and the next one tried; `ControlUnreachable` when
-        none does. An open cut short (cancelled) closes and releases what it may have opened.
+        that race (the later ones wait for the first one's placement; they never open the
+        rollout on a second gate). A gate that does not answer is marked lost and the next
+        one tried; `ControlUnreachable` when none does. An open cut short (cancelled) after
+        its request left closes and releases the rollout on that gate (`withdraw_open`).
         """
         validate_rollout_id(rollout_id)
         while (pending := self._opening.get(rollout_id)) is not None:
@@ -366,26 +367,11 @@ class GateFleet(AsyncClosing):
 
     def report(self) -> list[FleetGateReport]:
         """One report per gate, in the order given."""
-        return [
-            FleetGateReport(
-                url=g.url,
-                alive=g.alive,
-                open=len(g.open),
-                opened=g.opened,
-                closed=g.closed,
-                released=g.released,
-                unreachable=g.unreachable,
-            )
-            for g in self._gates
-        ]
+        return [g.report() for g in self._gates]
 
     def metrics(self) -> dict[str, float]:
         """`report` as ``fleet/gate<i>/<field>`` floats, plus ``fleet/gates_alive``."""
-        out = {"fleet/gates_alive": float(sum(g.alive for g in self._gates))}
-        for i, r in enumerate(self.report()):
-            for name in ("alive", "open", "opened", "closed", "released", "unreachable"):
-                out[f"fleet/gate{i}/{name}"] = float(getattr(r, name))
-        return out
+        return fleet_metrics(self.report())
 
     # ---- internals -----------------------------------------------------------------------
 

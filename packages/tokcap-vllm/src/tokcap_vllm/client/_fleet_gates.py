@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from ._client import ControlPlaneClient
 
-__all__ = ["FleetGateReport"]
+__all__ = ["FleetGateReport", "fleet_metrics"]
 
 
 @attrs.frozen(kw_only=True)
@@ -34,3 +36,25 @@ class _Gate:
     closed: int = 0
     released: int = 0
     unreachable: int = 0
+
+    def report(self) -> FleetGateReport:
+        """What this gate holds and lost, as a `FleetGateReport`."""
+        return FleetGateReport(
+            url=self.url,
+            alive=self.alive,
+            open=len(self.open),
+            opened=self.opened,
+            closed=self.closed,
+            released=self.released,
+            unreachable=self.unreachable,
+        )
+
+
+def fleet_metrics(reports: Sequence[FleetGateReport]) -> dict[str, float]:
+    """``reports`` (a fleet's, in order) as ``fleet/gate<i>/<field>`` floats, plus
+    ``fleet/gates_alive``."""
+    out = {"fleet/gates_alive": float(sum(r.alive for r in reports))}
+    for i, r in enumerate(reports):
+        for name in ("alive", "open", "opened", "closed", "released", "unreachable"):
+            out[f"fleet/gate{i}/{name}"] = float(getattr(r, name))
+    return out
