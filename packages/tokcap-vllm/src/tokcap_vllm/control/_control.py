@@ -35,18 +35,15 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TypeVar
 from urllib.parse import parse_qs, parse_qsl, unquote, urlencode
 
 import anyio
 import msgspec
 
-from tokcap_core import LedgerProtocolError
-from tokcap_core.errors import InvalidId
 from tokcap_core.ids import RolloutId
-from tokcap_core.ledger import Closed, Entry, Witnesses, encode_manifest, manifest_of
+from tokcap_core.ledger import Entry, Witnesses, encode_manifest, manifest_of
 
 from ..api import (
     CONTROL_PREFIX,
@@ -55,7 +52,6 @@ from ..api import (
     CloseManyBody,
     CloseManyResponse,
     CloseOutcome,
-    CloseProblem,
     Head,
     HeadResponse,
     Health,
@@ -66,7 +62,6 @@ from ..api import (
     RouteItem,
     RouteTable,
     TerminalBody,
-    WitnessBody,
     error_json,
 )
 from ..errors import (
@@ -75,15 +70,13 @@ from ..errors import (
     GateError,
     InvalidBody,
     MethodNotAllowed,
-    RolloutConflict,
     RolloutNotFound,
     TooLarge,
     Unauthorized,
 )
-from ..fingerprints import output_fingerprint
 from ..gate import METRICS_CONTENT_TYPE, Gate, decode_json, describe_sink, parse_rollout_id
-from ..persist import LedgerFileError
 from ._asgi import Receive, Scope, Send, header_values, read_body, send_body
+from ._close_body import as_gate_error, close_witnesses, failed_outcome, ledger_errors
 from ._route_table import route_listing
 
 __all__ = ["ControlPlane"]
@@ -203,7 +196,7 @@ class ControlPlane:
             if action == "open":
                 _allow(method, "POST")
                 await read_body(receive, _MAX_BODY)
-                with _ledger_errors():
+                with ledger_errors():
                     await self.gate.open_fresh(rollout_id, owner=owner)
                 held = self.gate.book.owners.of(rollout_id)
                 return _json(OpenResponse(rollout_id, True, held, self.gate.instance))
@@ -281,14 +274,14 @@ class ControlPlane:
         """Name the terminal call (``POST …/terminal``, a batch close's ``terminal``)."""
         if (body.call_id is None) == (body.response_id is None):
             raise InvalidBody("bad_body", "give exactly one of call_id, response_id")
-        with _ledger_errors():
+        with ledger_errors():
             return self.gate.declare_terminal(
                 rollout_id, call_id=body.call_id, response_id=body.response_id, owner=owner
             )
 
     async def _close(self, rollout_id: RolloutId, body: CloseBody, owner: str | None) -> _Reply:
-        witnesses = _witnesses(body.reward, body.witnesses)
-        with _ledger_errors():
+        witnesses = close_witnesses(body.reward, body.witnesses)
+        with ledger_errors():
             seq, head = await self.gate.close(rollout_id, body.reward, witnesses, owner=owner)
         return _json(HeadResponse(rollout_id=rollout_id, head=Head(seq=seq, hash=head)))
 
@@ -304,11 +297,11 @@ class ControlPlane:
         for index, item in enumerate(items):
             try:
                 rollout_id = parse_rollout_id(item.rollout_id)
-                witnesses = _witnesses(item.reward, item.witnesses)
+                witnesses = close_witnesses(item.reward, item.witnesses)
                 if item.terminal is not None:  # declared, then closed: no round trip between
                     self._declare(rollout_id, item.terminal, owner)
             except GateError as e:
-                results[index] = _outcome(item.rollout_id, e)
+                results[index] = failed_outcome(item.rollout_id, e)
                 continue
             closes.append((rollout_id, item.reward, witnesses))
             asked.append(index)
@@ -319,7 +312,7 @@ class ControlPlane:
                 head = Head(seq=answer[0], hash=answer[1])
                 results[index] = self._closed_outcome(asked_id, head, body.manifests)
                 continue
-            results[index] = _outcome(asked_id, _as_gate_error(answer))
+            results[index] = failed_outcome(asked_id, as_gate_error(answer))
         return _json(CloseManyResponse(results=[r for r in results if r is not None]))
 
     async def _release(self, rollout_id: RolloutId, owner: str | None) -> _Reply:
@@ -352,70 +345,6 @@ async def engine_state(scope: Scope) -> str:
             return "paused"
         return "asleep" if await engine.is_sleeping() else "running"
     return "unresponsive"
-
-
-def _witnesses(reward: float | None, w: WitnessBody | None) -> Witnesses:
-    """The ledger's witnesses for a close body; `InvalidBody` for a bad fingerprint or
-    reward (refused before the close drains anything)."""
-    fingerprint = None
-    if w is not None:
-        if w.content_fingerprint is not None and (w.content is not None or w.tool_calls):
-            raise InvalidBody("bad_body", "give content or content_fingerprint, not both")
-        fingerprint = w.content_fingerprint
-        if fingerprint is not None and not _is_fingerprint(fingerprint):
-            raise InvalidBody(
-                "bad_content_fingerprint",
-                "content_fingerprint is 64 lowercase hex characters (output_fingerprint)",
-            )
-        if w.content is not None or w.tool_calls:
-            with _ledger_errors():
-                fingerprint = output_fingerprint(w.content, w.tool_calls)
-    with _ledger_errors():
-        witnesses = Witnesses(
-            response_id=w.response_id if w is not None else None,
-            content_fingerprint=fingerprint,
-        )
-        Closed(reward=reward, witnesses=witnesses)
-    return witnesses
-
-
-def _as_gate_error(error: Exception) -> GateError:
-    """The control-plane error a failed close of one rollout answers with."""
-    if isinstance(error, GateError):
-        return error
-    try:
-        with _ledger_errors():
-            raise error
-    except GateError as e:
-        return e
-    except Exception:  # reported for this rollout, as the single close's 500 would be
-        return GateError("gate_failed", f"the close failed ({type(error).__name__})")
-
-
-def _outcome(rollout_id: str, error: GateError) -> CloseOutcome:
-    problem = CloseProblem(status=type(error).status, code=error.code, message=error.message)
-    return CloseOutcome(rollout_id=rollout_id, error=problem)
-
-
-@contextmanager
-def _ledger_errors() -> Iterator[None]:
-    """Map core errors raised by a gate operation to control-plane statuses."""
-    try:
-        yield
-    except LedgerProtocolError as e:
-        if e.code == "bad_event_field":
-            raise InvalidBody("bad_body", e.message) from e
-        raise RolloutConflict(e.code, e.message) from e
-    except InvalidId as e:
-        raise BadRequest(e.code, e.message) from e
-    except LedgerFileError as e:
-        raise ControlUnavailable(e.code, e.message) from e
-
-
-def _is_fingerprint(text: str) -> bool:
-    """Whether ``text`` can be a fingerprint the gate made (hex SHA-256): one that cannot
-    would only ever miss, and poison the rollout at its receipt."""
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def _allow(method: str, allowed: str) -> None:
