@@ -190,7 +190,12 @@ def test_async_grpo_trainer_trains_on_the_engines_tokens_through_gates(
         base = transfer.versions.base
         assert adapter.weights is not None
         infos = adapter.call(adapter.weights.infos)
+        run_id = adapter.run_id
 
+    # TRL's stop cancelled the players mid-group: whatever they had opened, closed or not,
+    # was released (an open cut short included), so the gates hold nothing of this run
+    urls, token = gates
+    assert [rid for rid in _rollouts_held(urls, token) if rid.startswith(run_id)] == []
     # one push per TRL sync (the cold one at train begin, then one per step), in order
     assert trainer.model_version == STEPS + 1
     assert transfer.pushes == [base + v for v in range(1, STEPS + 2)]
