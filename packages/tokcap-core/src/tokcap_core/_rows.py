@@ -13,16 +13,19 @@ already the row's), so a trainer fetches each image's processed tensors by diges
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._errors import InvalidStagedCall
 from ._media import MediaItem, check_media
-from ._receipt import ReceiptCall
-from ._staged import StagedCall
 from .ids import TrainingKey, training_key
 from .provenance import Spans
 from .reasons import reason_bucket
 from .routes import Routes, unknown_routes
+
+if TYPE_CHECKING:
+    from ._receipt import ReceiptCall
+    from ._staged import StagedCall
 
 __all__ = ["CallSpan", "TrainingRow", "placeholder_row"]
 
@@ -49,8 +52,16 @@ class CallSpan:
     def for_call(cls, call: StagedCall | ReceiptCall) -> CallSpan:
         """Where ``call`` sits in a row that starts at the conversation's first token: at its
         ``prefix_len``, every other field the call's own of the same name."""
-        same = {f.name: getattr(call, f.name) for f in fields(cls) if f.name != "start"}
-        return cls(start=call.prefix_len, **same)
+        return cls(
+            call_id=call.call_id,
+            start=call.prefix_len,
+            carry_len=call.carry_len,
+            gen_len=call.gen_len,
+            weight_version=call.weight_version,
+            weight_version_last=call.weight_version_last,
+            weight_versions=call.weight_versions,
+            kv_versions=call.kv_versions,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

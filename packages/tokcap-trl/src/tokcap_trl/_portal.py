@@ -37,7 +37,11 @@ class PortalScope:
     def __enter__(self) -> Self:
         with contextlib.ExitStack() as stack:
             portal = stack.enter_context(start_blocking_portal())
-            self._open(stack, portal)
+            try:
+                self._open(stack, portal)
+            except BaseException:
+                self._forget()  # the stack closes what was opened
+                raise
             self._portal = portal
             self._stack = stack.pop_all()
         return self
