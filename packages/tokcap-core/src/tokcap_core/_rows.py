@@ -13,7 +13,7 @@ already the row's), so a trainer fetches each image's processed tensors by diges
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from ._errors import InvalidStagedCall
@@ -52,16 +52,11 @@ class CallSpan:
     def for_call(cls, call: StagedCall | ReceiptCall) -> CallSpan:
         """Where ``call`` sits in a row that starts at the conversation's first token: at its
         ``prefix_len``, every other field the call's own of the same name."""
-        return cls(
-            call_id=call.call_id,
-            start=call.prefix_len,
-            carry_len=call.carry_len,
-            gen_len=call.gen_len,
-            weight_version=call.weight_version,
-            weight_version_last=call.weight_version_last,
-            weight_versions=call.weight_versions,
-            kv_versions=call.kv_versions,
-        )
+        return cls(start=call.prefix_len, **{name: getattr(call, name) for name in _SAME_AS_CALL})
+
+
+_SAME_AS_CALL: tuple[str, ...] = tuple(f.name for f in fields(CallSpan) if f.name != "start")
+"""The fields a `CallSpan` copies from its call under the same name (all but ``start``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
