@@ -11,16 +11,19 @@ runs, here without Ray).
 
 What is counted, precisely. ``sys.setprofile`` (Python 3.11 has no ``sys.monitoring``)
 reports every Python frame as it starts, and again each time a coroutine or generator
-resumes. A reported frame is *counted* when
+resumes. A reported frame is *counted* when its code belongs to a tokcap module (the
+``__name__`` of its globals is ``tokcap`` or starts with ``tokcap.`` or ``tokcap_``: every
+package of the workspace), and its locals at that moment (a function starting: its
+arguments; a frame resuming: its arguments and the locals bound so far, free variables
+included) hold ``R``. Two ways of holding it are told apart, and each walk is measured both
+ways from the same run:
 
-- its code belongs to a tokcap module (the ``__name__`` of its globals is ``tokcap`` or
-  starts with ``tokcap.`` or ``tokcap_``: every package of the workspace), and
-- its locals at that moment (a function starting: its arguments; a frame resuming: its
-  arguments and the locals bound so far, free variables included) hold ``R``: a local
-  that is the string ``R``; or an instance of a class defined in a tokcap module whose
-  ``rollout_id`` attribute equals ``R``; or a mapping with ``R`` among its keys; or a
-  list, tuple, set or frozenset one of whose items (one level down, no further) is one of
-  those three.
+- *the rollout id itself* (issue #32's "following ``rollout_id``"): a local that is the
+  string ``R``, or a mapping with ``R`` among its keys, or a list, tuple, set or frozenset
+  with ``R`` among its items (one level down, no further);
+- *what holds it* (the call, the rollout's record, a close: following them too): besides
+  those, an instance of a class defined in a tokcap module whose ``rollout_id`` attribute
+  equals ``R``, itself or one level down in a mapping's keys or a collection's items.
 
 A function going on after a call it made returned is not reported, so neither is it
 counted. Frames the driver runs while it waits between turns (polling the ledger until the
@@ -74,8 +77,9 @@ def tokcap_module(name: object) -> bool:
     )
 
 
-def _names(value: Any, rollout_id: str) -> bool:
-    """Whether ``value`` itself holds ``rollout_id`` (the string, the attribute, the key)."""
+def _names(value: Any, rollout_id: str, holders: bool) -> bool:
+    """Whether ``value`` itself names ``rollout_id``: is it, has it as a key, or (with
+    ``holders``) is an instance of a tokcap class whose ``rollout_id`` is it."""
     if isinstance(value, str):
         return value == rollout_id
     if isinstance(value, Mapping):
@@ -83,7 +87,7 @@ def _names(value: Any, rollout_id: str) -> bool:
             return rollout_id in value
         except Exception:  # a mapping that cannot answer: not counted
             return False
-    if tokcap_module(getattr(type(value), "__module__", None)):
+    if holders and tokcap_module(getattr(type(value), "__module__", None)):
         try:
             return bool(getattr(value, "rollout_id", None) == rollout_id)
         except Exception:
@@ -91,18 +95,28 @@ def _names(value: Any, rollout_id: str) -> bool:
     return False
 
 
-def holds(values: Iterable[Any], rollout_id: str) -> bool:
-    """Whether any of ``values`` (a frame's locals) holds ``rollout_id``, by the rules above."""
+def _holds(values: Iterable[Any], rollout_id: str, holders: bool) -> bool:
     for value in values:
-        if _names(value, rollout_id):
+        if _names(value, rollout_id, holders):
             return True
         if isinstance(value, (list, tuple, set, frozenset)):
             try:
-                if any(_names(item, rollout_id) for item in value):
+                if any(_names(item, rollout_id, holders) for item in value):
                     return True
             except Exception:  # a set another thread changed meanwhile: not counted
                 pass
     return False
+
+
+def holds_itself(values: Iterable[Any], rollout_id: str) -> bool:
+    """Whether any of ``values`` (a frame's locals) is the rollout id itself, by the rules
+    above: the string, a mapping keyed by it, a collection with it among its items."""
+    return _holds(values, rollout_id, holders=False)
+
+
+def holds(values: Iterable[Any], rollout_id: str) -> bool:
+    """Whether any of ``values`` holds ``rollout_id``: itself, or in what holds it."""
+    return _holds(values, rollout_id, holders=True)
 
 
 _STARTS: dict[CodeType, int] = {}
@@ -127,6 +141,8 @@ class Step:
     """Run by the gate's threads (not the driver's)."""
     resumed: bool = False
     """A coroutine or generator going on after an await or a yield (not a start)."""
+    itself: bool = True
+    """Its locals hold the rollout id itself (False: only what holds it)."""
 
 
 class Tracer:
@@ -161,9 +177,11 @@ class Tracer:
         gate = threading.get_ident() != self.driver
         if not gate and self.quiet:
             return
-        if holds(frame.f_locals.values(), self.rollout_id):
+        values = list(frame.f_locals.values())
+        if holds(values, self.rollout_id):
             resumed = frame.f_lasti > _start(code)
-            self.log.append(Step(module, code.co_qualname, gate, resumed))
+            itself = holds_itself(values, self.rollout_id)
+            self.log.append(Step(module, code.co_qualname, gate, resumed, itself))
 
 
 @dataclass
@@ -208,14 +226,27 @@ def returns_of(modules: Iterable[str]) -> int:
     return count
 
 
-def figures(log: Iterable[Step | str]) -> Walk:
-    """The walk's figures from a tracer's log (phase marks and steps)."""
+@dataclass
+class Walks:
+    """One run's walk, measured both ways."""
+
+    itself: Walk
+    """Following the rollout id itself (issue #32's bars: at most 25 modules, 3 returns)."""
+    held: Walk
+    """Following what holds it too (its calls, its record, its close)."""
+
+
+def figures(log: Iterable[Step | str], *, itself: bool = False) -> Walk:
+    """The walk's figures from a tracer's log (phase marks and steps); ``itself``: only the
+    frames that hold the rollout id itself."""
     modules: list[str] = []
     inside: dict[str, list[Step]] = {name: [] for name in PHASES}
     phase = ""
     for item in log:
         if isinstance(item, str):
             phase = item
+            continue
+        if itself and not item.itself:
             continue
         if item.module not in modules:
             modules.append(item.module)
@@ -232,7 +263,7 @@ def figures(log: Iterable[Step | str]) -> Walk:
     return walk
 
 
-def walk(server: Any, control_token: str, rollout_id: str = ROLLOUT_ID) -> Walk:
+def walk(server: Any, control_token: str, rollout_id: str = ROLLOUT_ID) -> Walks:
     """Play the path on a started `tokcap_vllm.InProcessServer` and measure it.
 
     Its gate must accept ``control_token`` and return token ids, and must not know
@@ -330,11 +361,22 @@ def walk(server: Any, control_token: str, rollout_id: str = ROLLOUT_ID) -> Walk:
         threading.setprofile(None)
     if result.finalized.valid_row_count < 1:
         raise RuntimeError(f"{rollout_id} reassembled into no valid training row: {result}")
-    return figures(tracer.log)
+    return Walks(figures(tracer.log, itself=True), figures(tracer.log))
 
 
-def report(w: Walk) -> str:
-    """The walk, as a reader follows it."""
+def report(walks: Walks) -> str:
+    """The walk, both ways, as a reader follows it."""
+    lines: list[str] = []
+    for title, w in (
+        ("Following the rollout id itself", walks.itself),
+        ("Following what holds it too (its calls, its record, its close)", walks.held),
+    ):
+        lines.append(f"{title}:")
+        lines += ["    " + line for line in _report(w).splitlines()]
+    return "\n".join(lines)
+
+
+def _report(w: Walk) -> str:
     lines = [f"(a) {len(w.modules)} modules, HTTP request to training row:"]
     lines += [f"    {i:2d}. {m}" for i, m in enumerate(w.modules, start=1)]
     lines.append(f"(b) inside the gate ({GATE_PACKAGE}), from its ASGI entry, per HTTP request:")
@@ -377,7 +419,11 @@ def main() -> None:
         with InProcessServer(str(model), gate=gate, vllm_args=VLLM_ARGS) as server:
             result = walk(server, token)
     if options.json:
-        print(json.dumps({**asdict(result), "max_returns": result.max_returns}, indent=1))
+        out = {
+            name: {**asdict(w), "max_returns": w.max_returns}
+            for name, w in (("itself", result.itself), ("held", result.held))
+        }
+        print(json.dumps(out, indent=1))
     else:
         print(report(result))
 

@@ -42,8 +42,28 @@ def test_a_local_holds_the_id_as_the_string_a_tokcap_attribute_a_key_or_one_leve
     assert not walk.holds([[_Foreign()]], "r1")
 
 
-def _step(walk: ModuleType, module: str, *, gate: bool = True, resumed: bool = False) -> Any:
-    return walk.Step(module, module.rsplit(".", 1)[-1] + ".f", gate, resumed)
+def test_the_id_itself_is_the_string_a_key_or_an_item_never_what_holds_it(
+    walk: ModuleType,
+) -> None:
+    close = RolloutClose(rollout_id="r1")
+    for held in ("r1", {"r1": 0}, ("x", "r1"), ["r1"], {"r1"}, frozenset({"r1"})):
+        assert walk.holds_itself([held], "r1"), held
+    for only_held in (close, [close], (close, "x")):
+        assert walk.holds([only_held], "r1"), only_held
+        assert not walk.holds_itself([only_held], "r1"), only_held
+    for not_held in ("r2", {0: "r1"}, [["r1"]], _Foreign()):
+        assert not walk.holds_itself([not_held], "r1"), not_held
+
+
+def _step(
+    walk: ModuleType,
+    module: str,
+    *,
+    gate: bool = True,
+    resumed: bool = False,
+    itself: bool = True,
+) -> Any:
+    return walk.Step(module, module.rsplit(".", 1)[-1] + ".f", gate, resumed, itself)
 
 
 def test_a_stay_is_a_run_in_one_module_and_a_return_a_stay_in_a_module_left_before(
@@ -90,6 +110,31 @@ def test_the_gate_walk_takes_the_gates_own_starting_frames_of_each_request(
     assert figures.max_returns == 1
 
 
+def test_following_the_id_itself_leaves_out_the_frames_only_what_holds_it_reaches(
+    walk: ModuleType,
+) -> None:
+    log = [
+        "turn 1",
+        _step(walk, "tokcap_vllm._a"),
+        _step(walk, "tokcap_vllm._b", itself=False),  # only the call holds the id here
+        _step(walk, "tokcap_vllm._a"),
+        _step(walk, "tokcap_vllm._c"),
+    ]
+    held = walk.figures(log)
+    itself = walk.figures(log, itself=True)
+    assert held.modules == ["tokcap_vllm._a", "tokcap_vllm._b", "tokcap_vllm._c"]
+    assert itself.modules == ["tokcap_vllm._a", "tokcap_vllm._c"]
+    assert held.stays["turn 1"] == [
+        "tokcap_vllm._a",
+        "tokcap_vllm._b",
+        "tokcap_vllm._a",
+        "tokcap_vllm._c",
+    ]
+    assert held.returns["turn 1"] == 1
+    assert itself.stays["turn 1"] == ["tokcap_vllm._a", "tokcap_vllm._c"]  # one stay in _a
+    assert itself.returns["turn 1"] == 0
+
+
 def test_the_tracer_counts_tokcap_frames_holding_the_id_and_tells_the_gates_threads(
     walk: ModuleType,
 ) -> None:
@@ -126,3 +171,4 @@ def test_the_tracer_counts_tokcap_frames_holding_the_id_and_tells_the_gates_thre
     assert [s.function for s in driver] == [s.function for s in gate]
     assert "Ledger.__init__" in [s.function for s in gate]
     assert not any(s.resumed for s in steps)
+    assert all(s.itself for s in steps if s.function == "Ledger.__init__")  # its argument

@@ -28,12 +28,11 @@ from ._errors import (
 from ._ledger import Entry, Ledger
 from ._manifest import Manifest, decode_manifest, verify_manifest
 from ._policy import Accept, Drop, Replace, decide_group
-from ._reassembly import reassemble
+from ._reassembly import reassemble, verify_staged
 from ._receipt import Receipt, assemble_receipt
 from ._rows import TrainingRow, placeholder_row
 from ._rpc import FinalizedGroup, ReassemblyRequest
 from ._staged import StagedCall
-from ._verify import verify_staged
 from .advantages import dr_grpo, grpo, masked_mean, reinforce_pp, rloo
 from .config import CaptureConfig
 from .parity import (

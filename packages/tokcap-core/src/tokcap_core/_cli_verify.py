@@ -21,11 +21,11 @@ from typing import Any, Final
 from ._coverage import Uncovered, uncovered_calls
 from ._errors import TokcapError, VerificationError
 from ._manifest import MAX_MANIFEST_BYTES, decode_manifest, verify_manifest
+from ._reassembly import verify_staged
 from ._receipt import Receipt, assemble_receipt
 from ._rows import TrainingRow
 from ._staged import StagedCall
 from ._staged_json import MAX_STAGED_BYTES, decode_staged_calls
-from ._verify import verify_staged
 from .provenance import check_staleness, receipt_staleness
 from .routes import encode_routes
 

@@ -1,31 +1,131 @@
-"""Reassembly: verified staged calls → one training row per receipt segment.
+"""Reassembly: staged calls verified against a receipt, laid out as training rows, by
+rollout and by group.
 
-A segment's calls are root→end and each call carries the tokens after its
-parent's cumulative length, so the row is their concatenation: carried tokens
-get mask 0 and logprob 0.0, generated tokens mask 1 and their sampled logprob.
-Routes concatenate along the chain; a call's leading route row (the engine's
-prefill route for the parent's last generated token) backfills that token's
-unknown row. Rows longer than ``max_seq_len`` are cut (tokens, routes and call spans alike)
-and marked truncated; the weight versions are those of the generated tokens kept (each
-call's first and last, so a call generated across a weight push widens the range).
+Verification (`verify_staged`). Every call of every segment must be present, be the call the
+ledger committed (identity, parent, lengths, weight versions and their spans, finish
+reason), hash to the committed digest, and link by chain hash to the call before it; segment
+0 must end at the terminal. Any mismatch is a `VerificationError` with a stable code.
+
+Rows (`reassemble`). A segment's calls are root→end and each call carries the tokens after
+its parent's cumulative length, so the row is their concatenation: carried tokens get mask 0
+and logprob 0.0, generated tokens mask 1 and their sampled logprob. Routes concatenate along
+the chain; a call's leading route row (the engine's prefill route for the parent's last
+generated token) backfills that token's unknown row. Rows longer than ``max_seq_len`` are
+cut (tokens, routes and call spans alike) and marked truncated; the weight versions are
+those of the generated tokens kept (each call's first and last, so a call generated across a
+weight push widens the range).
+
+Groups (`reassemble_group`). Pure: the caller (the Ray pool, or an in-process trainer)
+fetches the staged rows, publishes the rows and clears staging; this module decides nothing
+about I/O. Exactly one row per receipt segment of each valid rollout and one placeholder per
+invalid rollout, in request order, so a group always yields a known number of rows.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from ._digest import chain_hash
 from ._errors import ReassemblyError, RoutesError, VerificationError
-from ._receipt import Receipt
-from ._rows import CallSpan, TrainingRow
+from ._receipt import Receipt, ReceiptCall
+from ._rows import CallSpan, TrainingRow, placeholder_row
+from ._rpc import FinalizedGroup, ReassemblyRequest
 from ._staged import StagedCall
-from ._verify import verify_staged
-from .ids import StagingKey
+from .ids import StagingKey, TrainingKey
+from .metrics import failure_counts, terminal_selection_breakdown
 from .provenance import clip_spans
+from .reasons import MISSING_ROWS, REASSEMBLY_FAILED, make_reason
 from .routes import Routes, concat_routes, unknown_rows
 
-__all__ = ["reassemble"]
+__all__ = ["GroupResult", "on_chain_keys", "reassemble", "reassemble_group", "verify_staged"]
+
+
+def verify_staged(
+    receipt: Receipt, staged_calls: Mapping[StagingKey, StagedCall] | Iterable[StagedCall]
+) -> list[list[StagedCall]]:
+    """Check staged calls against ``receipt``; return them per segment, root first.
+
+    ``staged_calls`` is a mapping from staging key or any iterable of calls (extra
+    calls are ignored). Codes: ``receipt_poisoned``, ``missing_call``,
+    ``identity_mismatch``, ``parent_mismatch``, ``length_mismatch``,
+    ``metadata_mismatch``, ``media_mismatch``, ``digest_mismatch``, ``chain_mismatch``,
+    ``parent_order``, ``terminal_mismatch``.
+    """
+    if not receipt.ok:
+        raise VerificationError(
+            "receipt_poisoned", f"{receipt.rollout_id}: {receipt.failure_reason}"
+        )
+    by_key = staged_calls if isinstance(staged_calls, Mapping) else {c.key: c for c in staged_calls}
+    out: list[list[StagedCall]] = []
+    for index, segment in enumerate(receipt.segments):
+        if not segment:
+            raise VerificationError("parent_order", f"segment {index} is empty")
+        calls: list[StagedCall] = []
+        previous: ReceiptCall | None = None
+        for link in segment:
+            call = by_key.get(link.staging_key)
+            if call is None:
+                raise VerificationError("missing_call", f"no staged row for {link.staging_key}")
+            _check_call(receipt, link, call, previous)
+            calls.append(call)
+            previous = link
+        out.append(calls)
+    if receipt.segments and receipt.segments[0][-1].call_id != receipt.terminal_call_id:
+        raise VerificationError("terminal_mismatch", "segment 0 does not end at the terminal")
+    return out
+
+
+def _check_call(
+    receipt: Receipt, link: ReceiptCall, call: StagedCall, previous: ReceiptCall | None
+) -> None:
+    where = link.staging_key
+    if call.rollout_id != receipt.rollout_id or call.call_id != link.call_id:
+        raise VerificationError("identity_mismatch", f"{where}: row names {call.key}")
+    if call.parent_id != link.parent_id:
+        raise VerificationError(
+            "parent_mismatch", f"{where}: parent {call.parent_id} != {link.parent_id}"
+        )
+    if (call.prefix_len, call.carry_len, call.gen_len) != (
+        link.prefix_len,
+        link.carry_len,
+        link.gen_len,
+    ):
+        raise VerificationError("length_mismatch", f"{where}: lengths differ from the ledger")
+    if (
+        call.weight_version,
+        call.weight_version_last,
+        call.finish_reason,
+        call.weight_versions,
+        call.kv_versions,
+    ) != (
+        link.weight_version,
+        link.weight_version_last,
+        link.finish_reason,
+        link.weight_versions,
+        link.kv_versions,
+    ):
+        raise VerificationError(
+            "metadata_mismatch", f"{where}: weight versions or finish reason differ"
+        )
+    media = None if call.media is None else tuple(m.bytes_sha256 for m in call.media)
+    if media != link.media_digests:
+        raise VerificationError(
+            "media_mismatch", f"{where}: media byte digests differ from the ledger's"
+        )
+    if call.digest != link.call_digest or call.compute_digest() != link.call_digest:
+        raise VerificationError("digest_mismatch", f"{where}: digest does not match the ledger")
+    expected_parent_id = previous.call_id if previous is not None else None
+    if link.parent_id != expected_parent_id or link.prefix_len != (
+        previous.cum_len if previous else 0
+    ):
+        raise VerificationError("parent_order", f"{where}: does not extend the call before it")
+    expected_chain = chain_hash(previous.chain_hash if previous else None, link.call_digest)
+    if call.chain_hash != link.chain_hash or link.chain_hash != expected_chain:
+        raise VerificationError(
+            "chain_mismatch", f"{where}: chain hash does not link to its parent"
+        )
 
 
 def reassemble(
@@ -173,3 +273,88 @@ def _rows(routes: Routes, first: int, count: int) -> Routes:
         shape=(count, layers, topk),
         data=routes.data[first * width : (first + count) * width],
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupResult:
+    """The rows to publish (by training key, request order) and the group's summary."""
+
+    rows: dict[TrainingKey, TrainingRow]
+    finalized: FinalizedGroup
+
+
+def on_chain_keys(request: ReassemblyRequest) -> list[StagingKey]:
+    """Staging keys of every call in every segment of the request's verified receipts."""
+    return [
+        call.staging_key for r in request.receipts if r.ok for seg in r.segments for call in seg
+    ]
+
+
+def reassemble_group(
+    request: ReassemblyRequest,
+    staged: Mapping[StagingKey, StagedCall],
+    *,
+    staging_cleared: bool,
+    extra_metrics: Mapping[str, float] | None = None,
+) -> GroupResult:
+    """Reassemble every rollout of ``request`` from ``staged``; invalid ones become placeholders.
+
+    A poisoned receipt keeps its reason; a staged row that is absent gives ``missing_rows``;
+    any other mismatch gives ``reassembly_failed:<code>``. ``staging_cleared`` says whether
+    the caller clears the group's staging keys itself (recorded in the `FinalizedGroup`).
+    """
+    per_rollout: list[list[TrainingRow] | str] = []
+    for receipt, reward in zip(request.receipts, request.rewards, strict=True):
+        if not receipt.ok:
+            per_rollout.append(receipt.failure_reason or REASSEMBLY_FAILED)
+            continue
+        try:
+            per_rollout.append(
+                reassemble(receipt, staged, max_seq_len=request.max_seq_len, reward=reward)
+            )
+        except ReassemblyError as e:
+            per_rollout.append(
+                MISSING_ROWS if e.code == "missing_call" else make_reason(REASSEMBLY_FAILED, e.code)
+            )
+    like = next((rows[0] for rows in per_rollout if not isinstance(rows, str)), None)
+    out: dict[TrainingKey, TrainingRow] = {}
+    failures: list[tuple[str, str]] = []
+    for rollout_id, reward, result in zip(
+        request.rollout_ids, request.rewards, per_rollout, strict=True
+    ):
+        if isinstance(result, str):
+            failures.append((rollout_id, result))
+            result = [placeholder_row(rollout_id, result, like=like, reward=reward)]
+        for row in result:
+            out[row.key] = row
+    valid = [row for row in out.values() if row.sample_mask == 1]
+    metrics = {
+        "rows/valid": float(len(valid)),
+        "rows/total": float(len(out)),
+        "rollouts/valid": float(len(request.rollout_ids) - len(failures)),
+        "rollouts/total": float(len(request.rollout_ids)),
+        "tokens/total": float(sum(len(r.input_ids) for r in valid)),
+        "tokens/generated": float(sum(r.num_generated for r in valid)),
+        "routes/backfilled_rows": float(sum(r.backfilled_route_rows for r in valid)),
+        "rows/truncated": float(sum(r.truncated for r in valid)),
+        **failure_counts(reason for _, reason in failures),
+        **terminal_selection_breakdown(request.receipts),
+        **(extra_metrics or {}),
+    }
+    versions = [
+        v for r in valid for v in (r.weight_version_min, r.weight_version_max) if v is not None
+    ]
+    finalized = FinalizedGroup(
+        group_id=request.group_id,
+        rollout_ids=request.rollout_ids,
+        valid_row_count=len(valid),
+        total_row_count=len(out),
+        training_keys=tuple(out),
+        staging_keys=request.staging_keys,
+        staging_cleared=staging_cleared,
+        weight_version_min=min(versions) if versions else None,
+        weight_version_max=max(versions) if versions else None,
+        failures=tuple(failures),
+        metrics=metrics,
+    )
+    return GroupResult(rows=out, finalized=finalized)

@@ -25,6 +25,7 @@ from ._events import Closed, TerminalDeclared, Witnesses
 from ._ledger import Ledger, entry_hash
 from ._manifest import decode_manifest, encode_manifest, manifest_of, verify_manifest
 from ._media import MediaItem, embed_mask_digest, processor_fingerprint, tensors_digest
+from ._reassembly import verify_staged
 from ._receipt import SegmentMode, assemble_receipt
 from ._staged import StagedCall
 from ._staged_json import (
@@ -34,7 +35,6 @@ from ._staged_json import (
     decode_staged_calls,
     encode_staged_calls,
 )
-from ._verify import verify_staged
 from .provenance import VersionSpan
 from .simulate import SimulatedRollout, admit_call, simulate_rollout, stage_call
 

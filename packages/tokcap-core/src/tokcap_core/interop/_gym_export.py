@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._ledger import RolloutState
+from .._reassembly import verify_staged
 from .._receipt import Receipt
 from .._staged import StagedCall
-from .._verify import verify_staged
 from ..ids import StagingKey
 from ..routes import Routes, encode_routes
 from ._gym_convert import (

@@ -5,7 +5,7 @@ without any engine-side room of this package.
 
 - `ControlPlaneClient` (``_client``): one gate's control plane (httpx, anyio): open,
   close (`RolloutClose`, `CloseResult`, ``_closes``), terminals, manifests checked into
-  receipts (``_receipts``), release;
+  receipts (also ``_closes``), release;
 - `GateFleet` (``_fleet``, ``_fleet_gates``): N gates, each rollout opened on one and every
   control call routed to it (`FleetGateReport`);
 - `wait_for_gates` (``_ready``): until every gate of a fleet says it can take calls;

@@ -50,9 +50,15 @@ from ..errors import (
     ControlRequestError,
     ControlUnreachable,
 )
-from ._closes import CloseResult, RolloutClose, error_of_status, release_all
+from ._closes import (
+    CloseResult,
+    RolloutClose,
+    error_of_status,
+    manifest_failure,
+    release_all,
+    verified_receipt,
+)
 from ._http import AsyncClosing, bearer_http
-from ._receipts import manifest_failure, verified_receipt
 
 __all__ = ["ControlPlaneClient"]
 

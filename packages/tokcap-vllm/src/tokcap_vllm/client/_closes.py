@@ -1,25 +1,40 @@
 """Batch closes on the trainer's side: what to close (`RolloutClose`) and what came back
-(`CloseResult`), one per rollout, never lost.
+(`CloseResult`), one per rollout, never lost; each closed rollout's receipt.
 
 A batch close (``POST /tokcap/v1/close``) closes a step's rollouts with one durable write
 shared by all of them, where closing them one by one waits for one fsync each. Each
 rollout's answer is its own: a rollout the gate does not know, or one already closed,
 fails alone, with the typed error (`ControlNotFound`, `ControlConflict`, ...) its single
 close would have raised.
+
+Receipts from manifest bytes (`verified_receipt`): decoded, replayed and checked against
+the head kept at close, or poisoned with the reason (never dropped). Both doors a manifest
+comes through use it: ``GET …/manifest`` (`ControlPlaneClient.receipt`) and a batch close
+that answers each closed rollout's manifest (``close_many(receipts=…)``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 import attrs
 
-from tokcap_core import Receipt
+from tokcap_core import (
+    Manifest,
+    Receipt,
+    VerificationError,
+    assemble_receipt,
+    decode_manifest,
+    verify_manifest,
+)
+from tokcap_core.ids import StagingKey, staging_key
+from tokcap_core.ledger import Admitted, genesis_hash
+from tokcap_core.reasons import make_reason
 
-from ..api import CloseManyItem, CloseOutcome, TerminalBody, WitnessBody
+from ..api import MANIFEST_FAILURE_BUCKET, CloseManyItem, CloseOutcome, TerminalBody, WitnessBody
 from ..errors import (
     ControlAuthError,
     ControlConflict,
@@ -29,7 +44,16 @@ from ..errors import (
     ControlUnreachable,
 )
 
-__all__ = ["CloseResult", "RolloutClose", "error_of_status", "release_all", "withdraw_open"]
+__all__ = [
+    "CloseResult",
+    "RolloutClose",
+    "error_of_status",
+    "manifest_failure",
+    "poisoned_receipt",
+    "release_all",
+    "verified_receipt",
+    "withdraw_open",
+]
 
 WITHDRAW_S = 10.0
 """How long `withdraw_open` tries before it gives up (the gate's lease reclaims the rest)."""
@@ -169,3 +193,59 @@ async def withdraw_open(client: Withdraws, rollout_id: str) -> None:
             await client.close(rollout_id)
         with contextlib.suppress(ControlPlaneError):
             await client.release(rollout_id)
+
+
+def verified_receipt(
+    rollout_id: str,
+    data: bytes,
+    *,
+    expected_head: tuple[int, str] | None,
+    segments: Literal["terminal", "all"],
+    max_bytes: int,
+) -> Receipt:
+    """The receipt ``data`` (a manifest's bytes) gives ``rollout_id`` once it decodes, is
+    that rollout's, replays, and ends at ``expected_head``; poisoned
+    (``manifest_invalid:<code>``) otherwise."""
+    manifest = None
+    try:
+        manifest = decode_manifest(data, max_bytes=max_bytes)
+        if manifest.rollout_id != rollout_id:
+            raise VerificationError("wrong_rollout", "the gate served another rollout")
+        state = verify_manifest(manifest, expected_head=expected_head)
+    except VerificationError as e:
+        return manifest_failure(rollout_id, e.code, manifest)
+    return assemble_receipt(state, segments=segments)
+
+
+def manifest_failure(rollout_id: str, code: str, manifest: Manifest | None = None) -> Receipt:
+    """A poisoned receipt for a rollout whose manifest is missing or does not verify."""
+    return poisoned_receipt(rollout_id, make_reason(MANIFEST_FAILURE_BUCKET, code), manifest)
+
+
+def poisoned_receipt(rollout_id: str, reason: str, manifest: Manifest | None = None) -> Receipt:
+    """A poisoned receipt with ``reason`` for a rollout whose manifest cannot be trusted.
+
+    Its ``sink_keys`` are the staging keys the (unverified) manifest admitted, if any, so
+    cleanup can still free them (clearing an absent key is harmless).
+    """
+    keys: tuple[StagingKey, ...] = ()
+    head = (0, genesis_hash(rollout_id))
+    if manifest is not None and manifest.rollout_id == rollout_id:
+        keys = tuple(
+            staging_key(rollout_id, e.event.call_id)
+            for e in manifest.entries
+            if isinstance(e.event, Admitted)
+        )
+        head = manifest.head
+    return Receipt(
+        rollout_id=rollout_id,
+        status="poisoned",
+        failure_reason=reason,
+        terminal_call_id=None,
+        terminal_selection=None,
+        segments=(),
+        ledger_head=head,
+        reward=None,
+        sink_keys=keys,
+        break_causes=(),
+    )

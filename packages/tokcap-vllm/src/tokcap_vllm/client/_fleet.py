@@ -46,10 +46,9 @@ from tokcap_core.reasons import GATE_RESTARTED, GATE_UNREACHABLE, make_reason
 
 from ..errors import ControlConflict, ControlNotFound, ControlPlaneError, ControlUnreachable
 from ._client import ControlPlaneClient
-from ._closes import CloseResult, RolloutClose, release_all, withdraw_open
+from ._closes import CloseResult, RolloutClose, poisoned_receipt, release_all, withdraw_open
 from ._fleet_gates import FleetGateReport, _Gate, fleet_metrics
 from ._http import AsyncClosing
-from ._receipts import poisoned_receipt
 
 __all__ = ["OWNER_ENV", "FleetGateReport", "GateFleet"]
 

@@ -29,7 +29,7 @@ from tokcap_core.ledger import Event, Witnesses
 from tokcap_core.sink import SinkHealth, TokenSink
 
 from ..errors import ControlUnavailable, RolloutConflict
-from ..persist import GateHooks, LedgerFile
+from ..persist import GateHooks, LedgerFile, make_durable
 from ..transfer import WeightState
 from ._capture import CapturePath
 from ._config import GateConfig
@@ -306,7 +306,7 @@ class Gate:
         `RolloutConflict` ``rollout_owned`` if another live owner holds it.
         """
         head = await self._close_in_memory(rollout_id, reward, witnesses, owner)
-        await self._make_durable([rollout_id])
+        await make_durable(self._observers, [rollout_id])
         return head
 
     async def close_many(
@@ -339,7 +339,7 @@ class Gate:
                 tg.start_soon(one, index)
         closed = [i for i, r in enumerate(out) if isinstance(r, tuple)]
         try:
-            await self._make_durable([closes[i][0] for i in closed])
+            await make_durable(self._observers, [closes[i][0] for i in closed])
         except Exception as e:
             for i in closed:
                 out[i] = e
@@ -365,24 +365,6 @@ class Gate:
             raise
         self.capture.tell(record, entry)
         return record.ledger.head
-
-    async def _make_durable(self, rollout_ids: Sequence[str]) -> None:
-        """Have every observer make the closed rollouts durable; concurrent `on_close` calls
-        share one fsync of the ledger file (`LedgerFile.sync`)."""
-        errors: list[Exception] = []
-
-        async def one(hook: GateHooks, rollout_id: str) -> None:
-            try:
-                await hook.on_close(rollout_id)
-            except Exception as e:
-                errors.append(e)
-
-        for hook in self._observers:
-            async with anyio.create_task_group() as tg:
-                for rollout_id in rollout_ids:
-                    tg.start_soon(one, hook, rollout_id)
-        if errors:
-            raise errors[0]
 
     def release(self, rollout_id: str, *, owner: str | None = None) -> None:
         """Forget a closed rollout (its manifest is no longer served); `RolloutConflict`

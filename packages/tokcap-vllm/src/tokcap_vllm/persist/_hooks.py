@@ -6,9 +6,13 @@ be cheap and must not raise: an entry is already in the ledger when ``on_entry``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import anyio
+
 from tokcap_core import Entry, StagedCall
 
-__all__ = ["GateHooks"]
+__all__ = ["GateHooks", "make_durable"]
 
 
 class GateHooks:
@@ -26,3 +30,23 @@ class GateHooks:
 
     async def on_close(self, rollout_id: str) -> None:
         """A rollout closed; return once its entries are durable (the close waits for it)."""
+
+
+async def make_durable(hooks: Sequence[GateHooks], rollout_ids: Sequence[str]) -> None:
+    """Tell every hook that ``rollout_ids`` closed and wait until each made them durable:
+    the rollouts concurrently (the ledger file's concurrent `on_close` calls share one
+    fsync), the hooks in turn; the first error raises once every hook was told."""
+    errors: list[Exception] = []
+
+    async def one(hook: GateHooks, rollout_id: str) -> None:
+        try:
+            await hook.on_close(rollout_id)
+        except Exception as e:
+            errors.append(e)
+
+    for hook in hooks:
+        async with anyio.create_task_group() as tg:
+            for rollout_id in rollout_ids:
+                tg.start_soon(one, hook, rollout_id)
+    if errors:
+        raise errors[0]
