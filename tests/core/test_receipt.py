@@ -12,6 +12,7 @@ from tokcap_core import (
     StagedCall,
     VerificationError,
     assemble_receipt,
+    reasons,
     verify_manifest,
 )
 from tokcap_core.ids import staging_key
@@ -24,15 +25,6 @@ from tokcap_core.ledger import (
     Witnesses,
 )
 from tokcap_core.provenance import VersionSpan
-from tokcap_core.reasons import (
-    AMBIGUOUS_TERMINAL,
-    DECLARED_TERMINAL_MISSING,
-    NO_TERMINAL,
-    NOT_CLOSED,
-    UNCOMMITTED_CALL,
-    WITNESS_DISAGREEMENT,
-    WITNESS_UNMATCHED,
-)
 from tokcap_core.simulate import simulate_rollout, stage_call
 
 
@@ -174,7 +166,7 @@ def test_declared_terminal_missing_poisons_and_never_falls_back(by: str, value: 
     b.close(
         response_id=f"resp-{c3}", content_fingerprint=f"out-{c3}"
     )  # witnesses that would have matched
-    assert_poisoned(b.receipt(), DECLARED_TERMINAL_MISSING)
+    assert_poisoned(b.receipt(), reasons.DECLARED_TERMINAL_MISSING)
 
 
 def test_declared_terminal_naming_an_unstaged_call_is_missing() -> None:
@@ -182,7 +174,7 @@ def test_declared_terminal_naming_an_unstaged_call_is_missing() -> None:
     failed = b.fail(c2, served=False)
     b.declare("call_id", failed)
     b.close()
-    assert_poisoned(b.receipt(), DECLARED_TERMINAL_MISSING)
+    assert_poisoned(b.receipt(), reasons.DECLARED_TERMINAL_MISSING)
 
 
 @pytest.mark.parametrize(
@@ -206,14 +198,14 @@ def test_agreeing_witnesses_select_by_response_id() -> None:
 def test_witnesses_that_disagree_poison_with_witness_disagreement() -> None:
     b, _, c2, c3 = chain_of_three()
     b.close(response_id=f"resp-{c2}", content_fingerprint=f"out-{c3}")
-    assert_poisoned(b.receipt(), WITNESS_DISAGREEMENT)
+    assert_poisoned(b.receipt(), reasons.WITNESS_DISAGREEMENT)
 
 
 @pytest.mark.parametrize("witness", ["response_id", "content_fingerprint"])
 def test_a_witness_that_matches_no_call_poisons_with_witness_unmatched(witness: str) -> None:
     b, *_ = chain_of_three()
     b.close(**{witness: "nobody"})
-    assert_poisoned(b.receipt(), WITNESS_UNMATCHED)
+    assert_poisoned(b.receipt(), reasons.WITNESS_UNMATCHED)
 
 
 def test_a_content_witness_matching_two_calls_is_ambiguous() -> None:
@@ -222,7 +214,7 @@ def test_a_content_witness_matching_two_calls_is_ambiguous() -> None:
     b.stage(root, fingerprint="same")
     b.stage(root, fingerprint="same")
     b.close(content_fingerprint="same")
-    assert_poisoned(b.receipt(), AMBIGUOUS_TERMINAL)
+    assert_poisoned(b.receipt(), reasons.AMBIGUOUS_TERMINAL)
 
 
 def test_heuristic_picks_the_deepest_chain_of_the_latest_root() -> None:
@@ -241,7 +233,7 @@ def test_two_equally_deep_leaves_under_the_latest_root_are_ambiguous() -> None:
     b.stage(root)
     b.stage(root)
     b.close()
-    assert_poisoned(b.receipt(), AMBIGUOUS_TERMINAL)
+    assert_poisoned(b.receipt(), reasons.AMBIGUOUS_TERMINAL)
 
 
 def test_a_tie_under_an_earlier_root_does_not_matter() -> None:
@@ -284,7 +276,7 @@ def test_a_call_left_admitted_at_close_poisons_with_uncommitted_call() -> None:
     b, _, _, c3 = chain_of_three()
     b.admit(c3)
     b.close()
-    assert_poisoned(b.receipt(), UNCOMMITTED_CALL)
+    assert_poisoned(b.receipt(), reasons.UNCOMMITTED_CALL)
 
 
 def test_a_poisoned_event_poisons_with_its_reason() -> None:
@@ -295,14 +287,14 @@ def test_a_poisoned_event_poisons_with_its_reason() -> None:
 
 def test_an_open_rollout_has_no_receipt_yet() -> None:
     b, *_ = chain_of_three()
-    assert_poisoned(b.receipt(), NOT_CLOSED)
+    assert_poisoned(b.receipt(), reasons.NOT_CLOSED)
 
 
 def test_a_rollout_without_staged_calls_has_no_terminal() -> None:
     b = Builder()
     b.fail(served=False)
     b.close()
-    assert_poisoned(b.receipt(), NO_TERMINAL)
+    assert_poisoned(b.receipt(), reasons.NO_TERMINAL)
 
 
 def test_a_poisoned_receipt_still_lists_every_sink_key_to_clear() -> None:

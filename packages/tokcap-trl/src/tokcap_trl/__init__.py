@@ -20,6 +20,7 @@ each optimizer step the new weights are pushed to every gate.
 See docs/trl.md ("Using tokcap with TRL").
 """
 
+from . import _shape
 from ._async_gates import AsyncGRPOGates
 from ._async_samples import GroupSamples, group_samples
 from ._async_transfer import GateWeightTransfer, PolicyVersions
@@ -35,26 +36,12 @@ from ._collect import (
 from ._errors import TRLAdapterError
 from ._grpo import GRPORollouts, WeightPushCallback
 from ._harness import Episode, Harness, Prompt, Scored, chat_harness, prompt_messages
-from ._shape import (
-    METRICS_KEY,
-    REASON_KEY,
-    REWARD_KEY,
-    ROLLOUT_KEY,
-    VALID_KEY,
-    WEIGHT_VERSION_KEY,
-    receipt_reward,
-    trl_rollout_output,
-)
+from ._shape import *  # noqa: F403  (the row shape TRL reads: its keys, the reward)
 
 __all__ = [
+    *_shape.__all__,
     "CLOSE_FAILED",
     "HARNESS_FAILED",
-    "METRICS_KEY",
-    "REASON_KEY",
-    "REWARD_KEY",
-    "ROLLOUT_KEY",
-    "VALID_KEY",
-    "WEIGHT_VERSION_KEY",
     "AsyncGRPOGates",
     "Collected",
     "CollectedBatch",
@@ -74,6 +61,4 @@ __all__ = [
     "chat_harness",
     "group_samples",
     "prompt_messages",
-    "receipt_reward",
-    "trl_rollout_output",
 ]

@@ -158,6 +158,16 @@ class ControlPlaneError(TokcapError, RuntimeError):
         self.args = (code, message, status)
         self.status = status
 
+    @staticmethod
+    def of_status(status: int, code: str, message: str = "") -> ControlPlaneError:
+        """The typed error for an answer of ``status`` with the gate's ``code``: 401
+        `ControlAuthError`, 404 `ControlNotFound`, 409 `ControlConflict`, 5xx
+        `ControlUnreachable`, any other `ControlRequestError`."""
+        kind = _BY_STATUS.get(status)
+        if kind is None:
+            kind = ControlUnreachable if status >= 500 else ControlRequestError
+        return kind(code, message, status)
+
 
 class ControlAuthError(ControlPlaneError):
     """401: the token is missing or wrong."""
@@ -177,6 +187,13 @@ class ControlRequestError(ControlPlaneError):
 
 class ControlUnreachable(ControlPlaneError):
     """No usable answer after the retries: transport failure or 5xx."""
+
+
+_BY_STATUS: dict[int, type[ControlPlaneError]] = {
+    401: ControlAuthError,
+    404: ControlNotFound,
+    409: ControlConflict,
+}
 
 
 # ---- the call table's, the ledger file's and the weight push's ------------------------

@@ -53,7 +53,6 @@ from ..errors import (
 from ._closes import (
     CloseResult,
     RolloutClose,
-    error_of_status,
     manifest_failure,
     release_all,
     verified_receipt,
@@ -72,7 +71,7 @@ def _error(status: int, body: bytes, what: str) -> ControlPlaneError:
         code, message = detail.code, detail.message.removeprefix(f"[{detail.code}] ")
     except msgspec.MsgspecError:
         code, message = f"http_{status}", f"{what}: HTTP {status}"
-    return error_of_status(status, code, message)
+    return ControlPlaneError.of_status(status, code, message)
 
 
 class ControlPlaneClient(AsyncClosing):

@@ -36,18 +36,12 @@ from tokcap_core.reasons import make_reason
 
 from ..api import MANIFEST_FAILURE_BUCKET, CloseManyItem, CloseOutcome, TerminalBody, WitnessBody
 from ..errors import (
-    ControlAuthError,
-    ControlConflict,
-    ControlNotFound,
     ControlPlaneError,
-    ControlRequestError,
-    ControlUnreachable,
 )
 
 __all__ = [
     "CloseResult",
     "RolloutClose",
-    "error_of_status",
     "manifest_failure",
     "poisoned_receipt",
     "release_all",
@@ -57,20 +51,6 @@ __all__ = [
 
 WITHDRAW_S = 10.0
 """How long `withdraw_open` tries before it gives up (the gate's lease reclaims the rest)."""
-
-_BY_STATUS: dict[int, type[ControlPlaneError]] = {
-    401: ControlAuthError,
-    404: ControlNotFound,
-    409: ControlConflict,
-}
-
-
-def error_of_status(status: int, code: str, message: str) -> ControlPlaneError:
-    """The typed client error for an answer of ``status`` with the gate's ``code``."""
-    kind = _BY_STATUS.get(status)
-    if kind is None:
-        kind = ControlUnreachable if status >= 500 else ControlRequestError
-    return kind(code, message, status)
 
 
 @attrs.frozen(kw_only=True)
@@ -141,7 +121,8 @@ class CloseResult:
         if outcome.error is not None:
             e = outcome.error
             return cls(
-                rollout_id=outcome.rollout_id, error=error_of_status(e.status, e.code, e.message)
+                rollout_id=outcome.rollout_id,
+                error=ControlPlaneError.of_status(e.status, e.code, e.message),
             )
         if outcome.head is None:
             raise ValueError("a close outcome holds a head or an error")
