@@ -124,7 +124,7 @@ EXERCISING: dict[str, tuple[str, ...]] = {
     ),
     "gate/_answers.py": ("tests/vllm/test_answers_unit.py", _APIS),
     "gate/_responses.py": ("tests/vllm/test_previous_response_unit.py", _APIS),
-    "fingerprints.py": (*_RULES, _PLANNING, _ADMISSION),
+    "fingerprints.py": (*_RULES, _PLANNING, _ADMISSION, "tests/vllm/test_images_unit.py"),
     "gate/_planning/_index.py": (_PLANNING, *_RULES, _ROUTES),
     "gate/_planning/_plan_text.py": (_PLANNING, *_RULES, _ADMISSION),
     "gate/_planning/_plan_ids.py": (_PLANNING, *_RULES, _MISTRAL),

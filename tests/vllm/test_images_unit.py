@@ -19,6 +19,7 @@ from tokcap.tiny import VLM_CHAT_TEMPLATE
 from tokcap_vllm.errors import BadRequest, TooLarge
 from tokcap_vllm.fingerprints import (
     MAX_IMAGE_BYTES,
+    image_bytes,
     image_digest,
     image_digests,
     message_fingerprints,
@@ -108,6 +109,23 @@ def test_an_image_over_the_limit_is_413_before_it_is_decoded() -> None:
     with pytest.raises(TooLarge) as info:
         image_digest({"type": "image_url", "image_url": {"url": huge}})
     assert (info.value.code, TooLarge.status) == ("media_too_large", 413)
+
+
+def test_an_image_of_exactly_the_limit_binds_and_one_byte_more_is_413() -> None:
+    """Base64 rounds up, so a payload a few bytes over the limit passes the length check
+    on the text: the decoded bytes are checked too."""
+
+    def url(size: int) -> dict[str, Any]:
+        payload = base64.b64encode(b"\0" * size).decode()
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + payload}}
+
+    at_limit = b"\0" * MAX_IMAGE_BYTES
+    assert image_digest(url(MAX_IMAGE_BYTES)) == image_digest(url(MAX_IMAGE_BYTES))
+    assert image_bytes(url(MAX_IMAGE_BYTES)) == at_limit
+    for over in (1, 2, 3):
+        with pytest.raises(TooLarge) as info:
+            image_bytes(url(MAX_IMAGE_BYTES + over))
+        assert info.value.code == "media_too_large", over
 
 
 # ---- breaks whose cause is an image --------------------------------------------------------
