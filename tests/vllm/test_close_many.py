@@ -306,3 +306,51 @@ def test_a_batch_close_verifies_the_receipts_it_answers(fault: str) -> None:
         "wrong_head": "manifest_invalid:unexpected_head",
     }
     assert [r.failure_reason for r in fetched] == [reasons[fault]] * 2
+
+
+def test_a_rollout_released_while_its_batch_close_is_made_durable_fails_alone() -> None:
+    """No engine: a real gate's control plane over ASGI. Its owner releases a rollout while
+    the batch close that closed it waits for the observers to make it durable (an observer
+    attached with `Gate.attach` sends the release then). The batch still answers every
+    rollout: the released one closed, its manifest gone (its receipt is poisoned when
+    fetched), the other's receipt as ever."""
+    from tokcap_vllm import ControlPlaneClient, Gate, GateConfig
+    from tokcap_vllm.extend import ControlPlane
+    from tokcap_vllm.persist import GateHooks
+
+    gate = Gate(GateConfig())
+    rids = ["cm-rel-a", "cm-rel-b"]
+    for rid in rids:
+        gate.open(rid)
+    plane = ControlPlane(gate, environ={"TOKCAP_CONTROL_TOKEN": "unit-token"})
+    transport = httpx.ASGITransport(plane)
+    released: list[str] = []
+
+    class ReleaseOnClose(GateHooks):
+        async def on_close(self, rollout_id: str) -> None:
+            if rollout_id == rids[0]:
+                async with ControlPlaneClient(
+                    "http://gate", "unit-token", transport=transport
+                ) as cp:
+                    await cp.release(rollout_id)
+                released.append(rollout_id)
+
+    gate.attach(ReleaseOnClose())
+
+    async def main() -> list[CloseResult]:
+        async with ControlPlaneClient("http://gate", "unit-token", transport=transport) as cp:
+            closes = [RolloutClose(rollout_id=rid, reward=1.0) for rid in rids]
+            return await cp.close_many(closes, receipts="terminal")
+
+    results = anyio.run(main)
+    assert released == [rids[0]]
+    assert [r.rollout_id for r in results] == rids
+    assert all(r.error is None and r.head is not None for r in results), results
+    gone, kept = (r.receipt for r in results)
+    assert gone is not None
+    assert kept is not None
+    assert gone.status == "poisoned"
+    assert gone.failure_reason == "manifest_invalid:unknown_rollout"  # its fetch: 404
+    assert kept.failure_reason == "no_terminal"  # opened, no calls: as any batch close
+    assert rids[0] not in gate.rollouts()
+    assert rids[1] in gate.rollouts()

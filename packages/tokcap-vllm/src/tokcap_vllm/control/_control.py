@@ -263,10 +263,11 @@ class ControlPlane:
 
     def _closed_outcome(self, rollout_id: str, head: Head, manifests: bool) -> CloseOutcome:
         """A closed rollout's answer in a batch close, with its manifest if asked and within
-        the bound (over it, the trainer's ``GET …/manifest`` gets the 413)."""
+        the bound (over it, the trainer's ``GET …/manifest`` gets the 413), and still held
+        (released while the close was made durable, it gets the 404)."""
         outcome = CloseOutcome(rollout_id=rollout_id, head=head)
         if manifests:  # set only when present: an empty Raw would be encoded as nothing
-            with contextlib.suppress(TooLarge):
+            with contextlib.suppress(TooLarge, RolloutNotFound):
                 outcome.manifest = msgspec.Raw(self._manifest(rollout_id))
         return outcome
 
