@@ -32,6 +32,7 @@ from tokcap_vllm import (
 )
 
 __all__ = [
+    "PORT_TRIES",
     "SERVED_ENV",
     "FleetEndpoint",
     "ServedGate",
@@ -53,6 +54,10 @@ started by ``tokcap`` has set the in-process default, 0, that its children would
 The keep-alive outlives the clients' (httpx keeps an idle connection 5 s, vLLM's uvicorn by
 default 5 s too): with equal timeouts a request sent on a connection the server is closing
 gets a reset (``ReadError``), which a trainer takes for a dead gate."""
+
+
+PORT_TRIES = 3
+"""How many ports a gate whose port was chosen for it is started on before it gives up."""
 
 
 def free_port() -> int:
@@ -82,6 +87,10 @@ class ServedGate:
     """One ``tokcap-vllm serve MODEL *options`` OS process on 127.0.0.1; output to ``log``.
 
     The control token goes through the environment (``TOKCAP_CONTROL_TOKEN``), never argv.
+    A port chosen here (``port=0``) is free when chosen, but another process can take it
+    before the gate binds it (any outgoing connection's local port, say): a gate that exits
+    with ``Address already in use`` is started again on another port, up to `PORT_TRIES`
+    ports in all, by `wait_healthy`.
     """
 
     def __init__(
@@ -95,18 +104,42 @@ class ServedGate:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.model = str(model)
-        self.port = port or free_port()
         self.log = log
-        environ = {**os.environ, **(env or {}), "TOKCAP_CONTROL_TOKEN": token}
+        self.ports_tried = 1
+        """How many ports this gate was started on (more than 1: its port was taken)."""
+        self._options = list(options)
+        self._environ = {**os.environ, **(env or {}), "TOKCAP_CONTROL_TOKEN": token}
+        self._chosen = not port
+        self._log_start = 0
+        self.port = port or free_port()
+        self.process = self._launch()
+
+    def _launch(self) -> subprocess.Popen[bytes]:
         command = [
             str(Path(sys.executable).with_name("tokcap-vllm")),
-            "serve", self.model, *options,
+            "serve", self.model, *self._options,
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True
+        again = self.ports_tried > 1
+        self._log_start = self.log.stat().st_size if again else 0
+        with self.log.open("ab" if again else "wb") as out:
+            if again:
+                out.write(f"[tokcap] port taken: started again on {self.port}\n".encode())
+            return subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self._environ,
+                start_new_session=True,
             )
+
+    def _port_taken(self) -> bool:
+        """The gate exited because the port chosen for it was taken meanwhile."""
+        if not self._chosen or self.ports_tried >= PORT_TRIES:
+            return False
+        with self.log.open("rb") as f:
+            f.seek(self._log_start)
+            return b"Address already in use" in f.read()
 
     @property
     def pid(self) -> int:
@@ -119,11 +152,17 @@ class ServedGate:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self, token: str, timeout_s: float = 600.0) -> None:
-        """Wait until ``/tokcap/v1/health`` answers 200 (raise with the log if it died)."""
+        """Wait until ``/tokcap/v1/health`` answers 200 (raise with the log if it died; a
+        gate whose chosen port was taken is started again on another)."""
         deadline = time.monotonic() + timeout_s
         headers = {"authorization": f"Bearer {token}"}
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self._port_taken():
+                    self.ports_tried += 1
+                    self.port = free_port()
+                    self.process = self._launch()
+                    continue
                 raise RuntimeError(f"gate exited {self.process.returncode}:\n{self.tail()}")
             try:
                 if httpx.get(f"{self.url}/tokcap/v1/health", headers=headers).status_code == 200:
