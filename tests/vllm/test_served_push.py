@@ -10,13 +10,8 @@ weights are pushed back to the original after each test that changes them.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import secrets
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +21,7 @@ import httpx
 import pytest
 import torch
 
+from tokcap.compose import ServedGate
 from tokcap_core import logprob_parity
 from tokcap_core.ledger import Staged
 from tokcap_core.provenance import VersionSpan
@@ -62,13 +58,6 @@ SERVE_ARGS = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def gate_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where each gate's output goes (``gate0.log``, ``gate1.log``)."""
@@ -77,61 +66,35 @@ def gate_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gates(tiny_model: Path, gate_logs: Path) -> Iterator[list[str]]:
-    """Two ``tokcap-vllm serve`` processes on loopback, started together; their base URLs.
+    """Two ``tokcap-vllm serve`` processes on loopback (`tokcap.compose.ServedGate`: a port
+    another process took before the gate bound it is swapped for another), started
+    together; their base URLs.
 
     Gate 0 loads pushes directly (the default on CPU); gate 1 always through vLLM's
     layerwise reload (``TOKCAP_SHM_LOAD=layerwise``), so the fleet tests push both ways.
     """
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        TOKCAP_CONTROL_TOKEN=TOKEN,
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-        VLLM_LOGGING_LEVEL="INFO",
-    )
-    cli = str(Path(sys.executable).with_name("tokcap-vllm"))
-    logs = gate_logs
-    loads = ["auto", "layerwise"]
-
-    def spawn(i: int) -> tuple[subprocess.Popen[bytes], str]:
-        port = _port()
-        command = [cli, "serve", str(tiny_model), "--host", "127.0.0.1", "--port", str(port)]
-        with (logs / f"gate{i}.log").open("wb") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(
-                [*command, *SERVE_ARGS],
-                env={**env, "TOKCAP_SHM_LOAD": loads[i]},
-                stdout=log,
-                stderr=log,
-            )
-        return proc, f"http://127.0.0.1:{port}"
-
-    started = [spawn(i) for i in range(2)]
-    procs, urls = [p for p, _ in started], [u for _, u in started]
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_LOGGING_LEVEL": "INFO",
+    }
+    started = [
+        ServedGate(
+            tiny_model,
+            SERVE_ARGS,
+            token=TOKEN,
+            log=gate_logs / f"gate{i}.log",
+            env={**env, "TOKCAP_SHM_LOAD": load},
+        )
+        for i, load in enumerate(("auto", "layerwise"))
+    ]
     try:
-        for i in range(2):
-            deadline, spawns = time.monotonic() + 900, 1
-            while True:
-                if procs[i].poll() is not None:
-                    log = (logs / f"gate{i}.log").read_text()
-                    # the free port chosen here was taken before vLLM bound it (another
-                    # lane's process): a fresh port, at most twice more
-                    assert "Address already in use" in log, log[-3000:]
-                    assert spawns < 3, log[-3000:]
-                    procs[i], urls[i] = spawn(i)
-                    spawns += 1
-                try:
-                    if httpx.get(urls[i] + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "gate did not start"
-                time.sleep(1)
-        yield urls
+        for gate in started:
+            gate.wait_healthy(TOKEN, 900)
+        yield [gate.url for gate in started]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(60)
+        for gate in started:
+            gate.stop()
 
 
 @pytest.fixture(scope="module")
