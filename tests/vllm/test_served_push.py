@@ -59,12 +59,6 @@ SERVE_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def gate_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where each gate's output goes (``gate0.log``, ``gate1.log``)."""
-    return tmp_path_factory.mktemp("gates")
-
-
-@pytest.fixture(scope="module")
 def gates(tiny_model: Path, gate_logs: Path) -> Iterator[list[str]]:
     """Two ``tokcap-vllm serve`` processes on loopback (`tokcap.compose.ServedGate`: a port
     another process took before the gate bound it is swapped for another), started
@@ -95,6 +89,12 @@ def gates(tiny_model: Path, gate_logs: Path) -> Iterator[list[str]]:
     finally:
         for gate in started:
             gate.stop()
+
+
+@pytest.fixture(scope="module")
+def gate_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where each gate's output goes (``gate0.log``, ``gate1.log``)."""
+    return tmp_path_factory.mktemp("gates")
 
 
 @pytest.fixture(scope="module")
