@@ -111,6 +111,7 @@ class ServedGate:
         self._environ = {**os.environ, **(env or {}), "TOKCAP_CONTROL_TOKEN": token}
         self._chosen = not port
         self._log_start = 0
+        """Where this start's output begins in ``log`` (set by `_launch`)."""
         self.port = port or free_port()
         self.process = self._launch()
 

@@ -35,9 +35,7 @@ from tokcap_core.ledger import Admitted, genesis_hash
 from tokcap_core.reasons import make_reason
 
 from ..api import MANIFEST_FAILURE_BUCKET, CloseManyItem, CloseOutcome, TerminalBody, WitnessBody
-from ..errors import (
-    ControlPlaneError,
-)
+from ..errors import ControlPlaneError
 
 __all__ = [
     "CloseResult",
